@@ -1,0 +1,94 @@
+"""The ONNX package's own node test cases, for every op transmuter_jax implements.
+
+A case runs when every op of its graph has an implementation. The cases that cannot pass are
+listed in ``tests/backend_excludes/*.txt``, one per line with the reason after ``#``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+import transmuter_jax as tj
+from transmuter_jax.onnx.registry import canonical_domain, lookup
+from transmuter_jax.onnx.trace import subgraphs
+
+EXCLUDES = pathlib.Path(__file__).parent / "backend_excludes"
+
+
+def _excludes() -> dict[str, str]:
+    found = {}
+    for file in sorted(EXCLUDES.glob("*.txt")):
+        for line in file.read_text().splitlines():
+            name, _, reason = line.partition("#")
+            if name.strip():
+                assert reason.strip(), f"{file.name}: exclusion {name.strip()!r} gives no reason"
+                found[name.strip()] = reason.strip()
+    return found
+
+
+def _implemented(graph: onnx.GraphProto, opsets: dict[str, int]) -> bool:
+    for node in graph.node:
+        domain = canonical_domain(node.domain)
+        if lookup(domain, node.op_type, opsets.get(domain, 1)) is None:
+            return False
+        if not all(_implemented(g, opsets) for g in subgraphs(node)):
+            return False
+    return True
+
+
+def _cases():
+    from onnx.backend.test.case.node import collect_testcases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = collect_testcases(None)
+    excluded = _excludes()
+    params = []
+    for case in cases:
+        opsets = {canonical_domain(o.domain): o.version for o in case.model.opset_import}
+        if case.model.functions or not _implemented(case.model.graph, opsets):
+            continue
+        marks = []
+        if case.name in excluded:
+            marks.append(pytest.mark.skip(reason=excluded[case.name]))
+        params.append(pytest.param(case, id=case.name, marks=marks))
+    return params
+
+
+CASES = _cases()
+
+
+def _array(value) -> np.ndarray:
+    if isinstance(value, onnx.TensorProto):
+        return onnx.numpy_helper.to_array(value)
+    return np.asarray(value)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_backend_node(case, tmp_path):
+    path = tmp_path / "model.onnx"
+    onnx.save(case.model, path)
+    model = tj.load(path)
+    graph_inputs = [i.name for i in case.model.graph.input]
+    for inputs, outputs in case.data_sets:
+        feeds = dict(zip(graph_inputs, map(_array, inputs), strict=False))
+        got = model(feeds)
+        for info, expected in zip(case.model.graph.output, outputs, strict=True):
+            actual = np.asarray(got[info.name])
+            expected = _array(expected)
+            assert actual.shape == expected.shape, (info.name, actual.shape, expected.shape)
+            if expected.dtype.kind in "fc":
+                np.testing.assert_allclose(
+                    actual.astype(expected.dtype),
+                    expected,
+                    rtol=max(case.rtol, 1e-5),
+                    atol=max(case.atol, 1e-6),
+                    err_msg=info.name,
+                )
+            else:
+                np.testing.assert_array_equal(actual, expected.astype(actual.dtype))

@@ -1,0 +1,297 @@
+"""load(): an ONNX file as a Model that runs the whole graph as one jitted JAX function."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import ChainMap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import TensorProto, numpy_helper
+
+from . import ops  # noqa: F401  (registers the op implementations)
+from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
+from .errors import InputError, ModelFileError
+from .trace import Graph, check_supported, is_static, prune, run_nodes, static_dependencies
+
+# Initializers at most this large (elements) stay numpy constants when integer or bool, so shape
+# arithmetic on them folds at trace time; larger ones, and floats above STATIC_FLOAT, are weights.
+STATIC_INT = 4096
+STATIC_FLOAT = 16
+# A graph input can be part of the compile key (like use_cache_branch) when it is this small.
+STATIC_INPUT = 8
+
+
+class ValueInfo(NamedTuple):
+    """A graph input or output: name, dtype (numpy name) and shape (ints, names or None)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str | None, ...] | None
+
+
+@dataclass
+class CompileStat:
+    """The time spent on one compiled shape."""
+
+    key: tuple
+    trace_s: float
+    compile_s: float
+
+
+def _value_info(info: onnx.ValueInfoProto) -> ValueInfo:
+    tensor = info.type.tensor_type
+    dtype = np_dtype(tensor.elem_type).name if tensor.elem_type else "unknown"
+    shape = None
+    if tensor.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in tensor.shape.dim
+        )
+    return ValueInfo(info.name, dtype, shape)
+
+
+def _read_onnx(path: str) -> onnx.ModelProto:
+    if not os.path.isfile(path):
+        raise ModelFileError(f"no ONNX file at {path!r}")
+    try:
+        return onnx.load(path, load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, OSError) as error:
+        raise ModelFileError(f"{path!r} is not a readable ONNX model: {error}") from error
+
+
+def _external_array(tensor: TensorProto, folder: str, path: str) -> np.ndarray:
+    info = {e.key: e.value for e in tensor.external_data}
+    location = info.get("location", "")
+    root = os.path.realpath(folder)
+    file = os.path.realpath(os.path.join(root, location))
+    if not location or os.path.isabs(location) or os.path.commonpath([root, file]) != root:
+        raise ModelFileError(
+            f"tensor {tensor.name!r} of {path!r} points to external data {location!r} "
+            "outside the model's folder; refusing to read it"
+        )
+    if not os.path.isfile(file):
+        raise ModelFileError(f"external data {location!r} of tensor {tensor.name!r} is missing")
+    dtype = np_dtype(tensor.data_type)
+    shape = tuple(tensor.dims)
+    count = int(np.prod(shape, dtype=np.int64))
+    offset = int(info.get("offset", 0))
+    length = int(info.get("length", count * dtype.itemsize))
+    if length != count * dtype.itemsize or offset + length > os.path.getsize(file):
+        raise ModelFileError(
+            f"external data {location!r} of tensor {tensor.name!r} is truncated or corrupt "
+            f"(needs bytes {offset}..{offset + length}, file has {os.path.getsize(file)})"
+        )
+    if count == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+
+def _tensor_array(tensor: TensorProto, folder: str, path: str) -> np.ndarray:
+    if tensor.data_location == TensorProto.EXTERNAL:
+        return _external_array(tensor, folder, path)
+    try:
+        return numpy_helper.to_array(tensor)
+    except Exception as error:  # noqa: BLE001 - any decoding failure is a corrupt file
+        raise ModelFileError(f"tensor {tensor.name!r} of {path!r} is corrupt: {error}") from error
+
+
+def _is_weight(array: np.ndarray) -> bool:
+    limit = STATIC_INT if array.dtype.kind in "biu" else STATIC_FLOAT
+    return array.size > limit and fits_device(array)
+
+
+def load(onnx_file: str | os.PathLike, *, outputs: Sequence[str] | None = None) -> Model:
+    """Loads an ONNX model as a :class:`Model`.
+
+    Args:
+        onnx_file: path of the ``.onnx`` file; external data must lie in its folder.
+        outputs: names of the graph outputs to compute; the graph is pruned to what they need.
+
+    Returns:
+        The model, whose weights are on the default JAX device.
+    """
+    return Model(os.fspath(onnx_file), outputs=outputs)
+
+
+class Model:
+    """An ONNX graph run as one jitted JAX function, compiled once per input signature.
+
+    Attributes:
+        inputs: the graph inputs the caller gives.
+        outputs: the graph outputs computed.
+        static_inputs: inputs whose values select the program (such as ``use_cache_branch``):
+            each distinct value compiles once.
+        params: the weights, a dict of JAX arrays passed to the compiled function.
+        compile_stats: trace and compile time of each compiled signature.
+    """
+
+    def __init__(self, path: str, *, outputs: Sequence[str] | None = None):
+        self.path = path
+        proto = _read_onnx(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        opsets = {}
+        for entry in proto.opset_import:
+            domain = "" if entry.domain in ("", "ai.onnx") else entry.domain
+            opsets[domain] = entry.version
+        graph = proto.graph
+        available = [o.name for o in graph.output]
+        if outputs is not None:
+            unknown = [o for o in outputs if o not in available]
+            if unknown:
+                raise ValueError(f"{path!r} has no outputs {unknown}; it has {available}")
+            kept = [o for o in graph.output if o.name in set(outputs)]
+            del graph.output[:]
+            graph.output.extend(kept)
+            nodes = prune(graph, [o.name for o in kept])
+            del graph.node[:]
+            graph.node.extend(nodes)
+
+        constants: dict[str, np.ndarray] = {}
+        params: dict[str, jax.Array] = {}
+        for tensor in graph.initializer:
+            array = _tensor_array(tensor, folder, path)
+            if _is_weight(array):
+                params[tensor.name] = jnp.asarray(to_device_dtype(np.asarray(array)))
+            else:
+                constants[tensor.name] = np.array(array)
+        # Weights now live on the device: drop them from the graph.
+        del graph.initializer[:]
+
+        initialized = set(constants) | set(params)
+        self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]
+        self.outputs = [_value_info(o) for o in graph.output]
+        self.params = params
+        self._graph = Graph(graph, opsets, path, constants)
+        check_supported(self._graph)
+        small = {
+            i.name
+            for i in self.inputs
+            if i.shape is not None
+            and all(isinstance(d, int) for d in i.shape)
+            and int(np.prod(i.shape)) <= STATIC_INPUT
+        }
+        self.static_inputs = tuple(
+            i.name for i in self.inputs if i.name in static_dependencies(self._graph) & small
+        )
+        self._by_name = {i.name: i for i in self.inputs}
+        self._compiled: dict[tuple, Any] = {}
+        self.compile_stats: list[CompileStat] = []
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, inputs={len(self.inputs)}, outputs={len(self.outputs)})"
+
+    @property
+    def opsets(self) -> Mapping[str, int]:
+        return dict(self._graph.opsets)
+
+    @property
+    def op_types(self) -> set[tuple[str, str]]:
+        """The (domain, op type) pairs of the nodes of the graph, outside subgraphs."""
+        return {(n.domain or "", n.op_type) for n in self._graph.proto.node}
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Runs the graph.
+
+        Args:
+            inputs: one array per graph input, by name.
+
+        Returns:
+            The outputs by name, as JAX arrays.
+        """
+        dynamic, static = self._prepare(inputs)
+        return self.compiled(dynamic, static)(self.params, dynamic)
+
+    def compiled(self, dynamic: Mapping[str, Any], static: Mapping[str, np.ndarray]):
+        """The compiled function ``(params, dynamic) -> outputs`` for this input signature."""
+        key = tuple((n, tuple(v.shape), str(v.dtype)) for n, v in sorted(dynamic.items()))
+        key += tuple((n, v.tobytes()) for n, v in sorted(static.items()))
+        fn = self._compiled.get(key)
+        if fn is None:
+            start = time.perf_counter()
+            lowered = jax.jit(partial(self._function, dict(static))).lower(self.params, dynamic)
+            traced = time.perf_counter()
+            fn = lowered.compile()
+            self.compile_stats.append(
+                CompileStat(key, traced - start, time.perf_counter() - traced)
+            )
+            self._compiled[key] = fn
+        return fn
+
+    @property
+    def compiled_count(self) -> int:
+        """How many input signatures have been compiled."""
+        return len(self._compiled)
+
+    def _function(
+        self, static: Mapping[str, np.ndarray], params: Mapping[str, jax.Array], inputs
+    ) -> dict[str, jax.Array]:
+        scope = ChainMap({**self._graph.constants, **params, **static, **inputs})
+        run_nodes(self._graph, scope)
+        return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
+
+    def _prepare(self, inputs: Mapping[str, Any]) -> tuple[dict, dict]:
+        if not isinstance(inputs, Mapping):
+            raise InputError(f"inputs must be a mapping of name to array, not {type(inputs)}")
+        unknown = sorted(set(inputs) - set(self._by_name))
+        if unknown:
+            names = [i.name for i in self.inputs]
+            raise InputError(f"{self.path!r} has no inputs {unknown}; its inputs are {names}")
+        dynamic, static = {}, {}
+        for info in self.inputs:
+            if info.name not in inputs:
+                raise InputError(
+                    f"missing input {info.name!r} of {self.path!r}: "
+                    f"expected {info.dtype} of shape {_shape_text(info.shape)}"
+                )
+            value = _check_input(info, inputs[info.name], self.path)
+            if info.name in self.static_inputs:
+                static[info.name] = np.asarray(value)
+            else:
+                dynamic[info.name] = value
+        return dynamic, static
+
+
+def _shape_text(shape) -> str:
+    if shape is None:
+        return "(any)"
+    return "(" + ", ".join(str(d) if d is not None else "?" for d in shape) + ")"
+
+
+_KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "float", "c": "complex"}
+
+
+def _check_input(info: ValueInfo, value: Any, path: str):
+    """``value`` as an array of the device dtype of ``info``, or an InputError naming it."""
+    array = value if isinstance(value, jax.Array) else np.asarray(value)
+    expected = np.dtype(info.dtype) if info.dtype != "unknown" else array.dtype
+    want, got = _KINDS.get(expected.kind, expected.kind), _KINDS.get(array.dtype.kind)
+    compatible = want == got or (want == "integer" and got == "bool")
+    if not compatible and not (want == "bool" and got == "integer"):
+        raise InputError(
+            f"input {info.name!r} of {path!r} must be {info.dtype} of shape "
+            f"{_shape_text(info.shape)}, got {array.dtype}"
+        )
+    if info.shape is not None:
+        dims_ok = len(info.shape) == array.ndim and all(
+            not isinstance(d, int) or d == n for d, n in zip(info.shape, array.shape, strict=True)
+        )
+        if not dims_ok:
+            raise InputError(
+                f"input {info.name!r} of {path!r} must have shape {_shape_text(info.shape)}, "
+                f"got {tuple(array.shape)}"
+            )
+    target = device_dtype(expected)
+    if array.dtype != target:
+        if isinstance(array, np.ndarray) and not fits_device(array.astype(expected)):
+            raise InputError(f"input {info.name!r} of {path!r} has values that overflow {target}")
+        array = array.astype(target)
+    return array

@@ -1,0 +1,12 @@
+"""Operator implementations, one module per family. Importing this package registers them."""
+
+from . import (  # noqa: F401
+    attention,
+    control,
+    elementwise,
+    indexing,
+    nn,
+    quant,
+    reduce,
+    shape,
+)

@@ -1,0 +1,3 @@
+"""quant ops."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""reduce ops."""
+
+from __future__ import annotations
