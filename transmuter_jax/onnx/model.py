@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
+import onnx.inliner
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
 from . import ops  # noqa: F401  (registers the op implementations)
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
 from .errors import InputError, ModelFileError
-from .trace import Graph, check_supported, is_static, prune, run_nodes, static_dependencies
+from .trace import Graph, check_supported, prune, run_nodes, static_dependencies
 
 # Initializers at most this large (elements) stay numpy constants when integer or bool, so shape
 # arithmetic on them folds at trace time; larger ones, and floats above STATIC_FLOAT, are weights.
@@ -137,6 +138,8 @@ class Model:
     def __init__(self, path: str, *, outputs: Sequence[str] | None = None):
         self.path = path
         proto = _read_onnx(path)
+        if proto.functions:
+            proto = onnx.inliner.inline_local_functions(proto)
         folder = os.path.dirname(os.path.abspath(path))
         opsets = {}
         for entry in proto.opset_import:

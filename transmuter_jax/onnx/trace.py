@@ -147,7 +147,11 @@ def run_nodes(graph: Graph, scope: Scope) -> None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for name, value in zip(node.output, outs, strict=False):
             if name:
-                scope[name] = np.asarray(value) if isinstance(value, (np.generic, int, float, bool)) else value
+                scope[name] = (
+                    np.asarray(value)
+                    if isinstance(value, (np.generic, int, float, bool))
+                    else value
+                )
 
 
 def _to_numpy(out: Any) -> Any:

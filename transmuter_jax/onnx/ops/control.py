@@ -102,7 +102,7 @@ def Loop(trip_count, cond, *initial, body, ctx):
                 )
             active = jnp.logical_and(True if active is None else active, jnp.reshape(out[0], ()))
     stacked = []
-    for s, info in zip(scans, body.output[1 + n_carried :], strict=True):
+    for s, _info in zip(scans, body.output[1 + n_carried :], strict=True):
         if s:
             m = np if all(is_static(v) for v in s) else jnp
             stacked.append(m.stack(s))
@@ -123,7 +123,10 @@ def _while_loop(trip_count, cond, carried, n_scan, body, ctx):
     def step(state):
         i, _, values = state
         out = ctx.run(body, [i.astype(jnp.int32), jnp.asarray(True), *values])
-        new = [jnp.asarray(v).astype(jnp.asarray(c).dtype) for v, c in zip(out[1:], values, strict=True)]
+        new = [
+            jnp.asarray(v).astype(jnp.asarray(c).dtype)
+            for v, c in zip(out[1:], values, strict=True)
+        ]
         return i + 1, jnp.reshape(out[0], ()).astype(bool), new
 
     state = (jnp.asarray(0, jnp.int32), start, [jnp.asarray(c) for c in carried])

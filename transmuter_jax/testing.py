@@ -1,0 +1,146 @@
+"""Example inputs for ONNX decoders and encoders, and comparison with onnxruntime.
+
+These helpers make it a few lines to check a model against onnxruntime::
+
+    import transmuter_jax as tj
+    from transmuter_jax.testing import example_inputs, compare_with_onnxruntime
+
+    model = tj.load("model.onnx")
+    inputs = example_inputs(model, batch=2, length=5, past=0)
+    print(compare_with_onnxruntime(model, inputs))  # max abs difference per output
+
+onnxruntime is only needed for :func:`compare_with_onnxruntime`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .onnx.model import Model, ValueInfo
+
+
+def _fixed(info: ValueInfo, axis: int, default: int) -> int:
+    dim = info.shape[axis] if info.shape is not None and axis < len(info.shape) else None
+    return dim if isinstance(dim, int) else default
+
+
+def _rows(value: int | Sequence[int], batch: int) -> np.ndarray:
+    rows = np.broadcast_to(np.asarray(value, np.int64), (batch,))
+    return rows.copy()
+
+
+def example_inputs(
+    model: Model,
+    *,
+    batch: int = 1,
+    length: int = 1,
+    past: int | Sequence[int] = 0,
+    buffer: int | None = None,
+    encoder_length: int = 16,
+    vocab: int = 64,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Inputs for one step of a decoder (or one run of an encoder), made from its signature.
+
+    Args:
+        model: the loaded model.
+        batch: rows.
+        length: new tokens per row.
+        past: valid cached tokens, one for all rows or one per row.
+        buffer: length of the past key/value buffers when they are longer than the valid rows
+            (a GroupQueryAttention cache); the attention mask then spans the buffer, with ones for
+            the valid rows and the new tokens of each row.
+        encoder_length: length of encoder outputs (cross attention) or of encoder inputs.
+        vocab: token ids are drawn below this.
+        seed: seed of the random values.
+
+    Returns:
+        One numpy array per input of ``model``.
+    """
+    rng = np.random.default_rng(seed)
+    past_rows = _rows(past, batch)
+    cache = int(past_rows.max()) if buffer is None else buffer
+    if buffer is not None and int(past_rows.max()) + length > buffer:
+        raise ValueError(f"past {past} + length {length} does not fit in buffer {buffer}")
+    total = cache + length if buffer is None else buffer
+    valid = past_rows + length
+    inputs: dict[str, np.ndarray] = {}
+    for info in model.inputs:
+        name, dtype = info.name, np.dtype(info.dtype)
+        if name in ("input_ids", "decoder_input_ids"):
+            inputs[name] = rng.integers(0, vocab, (batch, length)).astype(dtype)
+        elif name == "inputs_embeds":
+            hidden = _fixed(info, 2, 64)
+            inputs[name] = rng.standard_normal((batch, length, hidden)).astype(dtype)
+        elif name in ("attention_mask", "decoder_attention_mask"):
+            columns = np.arange(total)
+            if buffer is None:
+                # Right-aligned: each row's valid past ends where the new tokens start.
+                mask = columns[None, :] >= (cache - past_rows)[:, None]
+            else:
+                mask = columns[None, :] < valid[:, None]
+            inputs[name] = mask.astype(dtype)
+        elif name == "position_ids":
+            start = past_rows if buffer is not None else np.full(batch, cache)
+            positions = start[:, None] + np.arange(length)[None, :]
+            if info.shape is not None and len(info.shape) == 3:
+                positions = np.broadcast_to(positions, (3, batch, length))
+            inputs[name] = positions.astype(dtype)
+        elif name == "cache_position":
+            inputs[name] = (cache + np.arange(length)).astype(dtype)
+        elif name == "use_cache_branch":
+            inputs[name] = np.array([cache > 0], dtype)
+        elif name.startswith("past_key_values") or name.startswith("past_key"):
+            heads, head_dim = _fixed(info, 1, 4), _fixed(info, 3, 16)
+            rows = encoder_length if ".encoder." in name else cache
+            if ".encoder." in name and cache == 0:
+                rows = 0
+            inputs[name] = rng.standard_normal((batch, heads, rows, head_dim)).astype(dtype)
+        elif name == "encoder_hidden_states":
+            hidden = _fixed(info, 2, 64)
+            inputs[name] = rng.standard_normal((batch, encoder_length, hidden)).astype(dtype)
+        elif name == "encoder_attention_mask":
+            inputs[name] = np.ones((batch, encoder_length), dtype)
+        elif name == "input_features":
+            mels = _fixed(info, 1, 80)
+            frames = _fixed(info, 2, encoder_length)
+            inputs[name] = rng.standard_normal((batch, mels, frames)).astype(dtype)
+        elif name == "pixel_values":
+            shape = [batch] + [_fixed(info, a, 32) for a in range(1, len(info.shape or [0] * 4))]
+            inputs[name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            raise ValueError(f"no example value for input {name!r} {info.dtype} {info.shape}")
+    return inputs
+
+
+def compare_with_onnxruntime(
+    model: Model,
+    inputs: Mapping[str, np.ndarray],
+    *,
+    session_path: str | None = None,
+) -> dict[str, float]:
+    """Runs ``model`` and onnxruntime on ``inputs``; returns the max abs difference per output.
+
+    Args:
+        model: the loaded model.
+        inputs: one array per input.
+        session_path: the ONNX file onnxruntime runs; ``model.path`` by default.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    session = ort.InferenceSession(
+        session_path or model.path, options, providers=["CPUExecutionProvider"]
+    )
+    names = [o.name for o in model.outputs]
+    want = dict(zip(names, session.run(names, dict(inputs)), strict=True))
+    got = model(inputs)
+    diffs = {}
+    for name in names:
+        a, b = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
+        if a.shape != b.shape:
+            raise AssertionError(f"output {name!r}: shape {a.shape} vs onnxruntime {b.shape}")
+        diffs[name] = float(np.abs(a - b).max()) if a.size else 0.0
+    return diffs
