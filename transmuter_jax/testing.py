@@ -97,7 +97,11 @@ def example_inputs(
             rows = encoder_length if ".encoder." in name else cache
             if ".encoder." in name and cache == 0:
                 rows = 0
-            inputs[name] = rng.standard_normal((batch, heads, rows, head_dim)).astype(dtype)
+            values = rng.standard_normal((batch, heads, rows, head_dim))
+            if buffer is not None:  # rows after each row's valid past are free: zeros
+                free = np.arange(rows)[None, :] >= past_rows[:, None]
+                values[free[:, None, :, None].repeat(heads, 1).repeat(head_dim, 3)] = 0
+            inputs[name] = values.astype(dtype)
         elif name == "encoder_hidden_states":
             hidden = _fixed(info, 2, 64)
             inputs[name] = rng.standard_normal((batch, encoder_length, hidden)).astype(dtype)
