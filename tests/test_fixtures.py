@@ -112,7 +112,9 @@ def _steps(path: pathlib.Path) -> list[tuple[str, dict]]:
     if _has_gqa(path):
         # onnxruntime takes a prompt into a longer buffer for one row only.
         steps.append(("gqa buffer prefill", dict(batch=1, length=5, past=0, buffer=16, **options)))
-        steps.append(("gqa buffer decode", dict(batch=2, length=1, past=[7, 3], buffer=16, **options)))
+        steps.append(
+            ("gqa buffer decode", dict(batch=2, length=1, past=[7, 3], buffer=16, **options))
+        )
     return steps
 
 

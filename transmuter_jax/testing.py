@@ -14,6 +14,8 @@ onnxruntime is only needed for :func:`compare_with_onnxruntime`.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -24,6 +26,35 @@ from .onnx.model import Model, ValueInfo
 def _fixed(info: ValueInfo, axis: int, default: int) -> int:
     dim = info.shape[axis] if info.shape is not None and axis < len(info.shape) else None
     return dim if isinstance(dim, int) else default
+
+
+def _head_size(model: Model) -> int | None:
+    """The attention head size from the configs beside the model, if any."""
+    folder = os.path.dirname(os.path.abspath(model.path))
+    for _ in range(2):
+        genai = os.path.join(folder, "genai_config.json")
+        if os.path.exists(genai):
+            with open(genai) as file:
+                size = json.load(file).get("model", {}).get("decoder", {}).get("head_size")
+            if size:
+                return int(size)
+        config = os.path.join(folder, "config.json")
+        if os.path.exists(config):
+            with open(config) as file:
+                data = json.load(file)
+            data = data.get("text_config", data)
+            if data.get("head_dim"):
+                return int(data["head_dim"])
+            hidden = data.get("hidden_size") or data.get("d_model")
+            heads = (
+                data.get("num_attention_heads")
+                or data.get("decoder_attention_heads")
+                or data.get("num_heads")
+            )
+            if hidden and heads:
+                return int(hidden) // int(heads)
+        folder = os.path.dirname(folder)
+    return None
 
 
 def _rows(value: int | Sequence[int], batch: int) -> np.ndarray:
@@ -93,7 +124,7 @@ def example_inputs(
         elif name == "use_cache_branch":
             inputs[name] = np.array([cache > 0], dtype)
         elif name.startswith("past_key_values") or name.startswith("past_key"):
-            heads, head_dim = _fixed(info, 1, 4), _fixed(info, 3, 16)
+            heads, head_dim = _fixed(info, 1, 4), _fixed(info, 3, _head_size(model) or 16)
             rows = encoder_length if ".encoder." in name else cache
             if ".encoder." in name and cache == 0:
                 rows = 0

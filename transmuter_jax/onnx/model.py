@@ -277,7 +277,7 @@ def _check_input(info: ValueInfo, value: Any, path: str):
     array = value if isinstance(value, jax.Array) else np.asarray(value)
     expected = np.dtype(info.dtype) if info.dtype != "unknown" else array.dtype
     want, got = _KINDS.get(expected.kind, expected.kind), _KINDS.get(array.dtype.kind)
-    compatible = want == got or (want == "integer" and got == "bool")
+    compatible = array.dtype == expected or want == got or (want == "integer" and got == "bool")
     if not compatible and not (want == "bool" and got == "integer"):
         raise InputError(
             f"input {info.name!r} of {path!r} must be {info.dtype} of shape "

@@ -1,3 +1,494 @@
-"""attention ops."""
+"""com.microsoft attention and fused ops: GroupQueryAttention, MultiHeadAttention,
+RotaryEmbedding, the skip layer norms, the GELU variants, BiasAdd and FusedMatMul."""
 
 from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..registry import op
+from ._util import xp
+
+MS = "com.microsoft"
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def _heads(x, num_heads):
+    """[B, S, N*H] -> [B, S, N, H]."""
+    b, s, d = x.shape
+    return jnp.reshape(x, (b, s, num_heads, d // num_heads))
+
+
+def _rotate(x, cos, sin, interleaved):
+    """Rotates the first 2*cos.shape[-1] features of x.
+
+    x: [B, S, N, H]; cos, sin: [B, S, R/2] (the angles of each token).
+    """
+    half = cos.shape[-1]
+    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
+    c = cos[:, :, None, :].astype(jnp.float32)  # [B, S, 1, R/2]
+    s = sin[:, :, None, :].astype(jnp.float32)
+    r = rot.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = r[..., 0::2], r[..., 1::2]
+        out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(r.shape)
+    else:
+        x1, x2 = r[..., :half], r[..., half:]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
+
+
+def _rotary(x, positions, cos_cache, sin_cache, interleaved):
+    """x: [B, S, N, H] rotated at positions: [B, S] (int) by the cos/sin caches [P, R/2]."""
+    positions = jnp.asarray(positions).astype(jnp.int32)
+    cos = jnp.take(jnp.asarray(cos_cache), positions, axis=0)  # [B, S, R/2]
+    sin = jnp.take(jnp.asarray(sin_cache), positions, axis=0)
+    return _rotate(x, cos, sin, interleaved)
+
+
+def _write_rows(cache, new, start):
+    """Writes new: [B, N, S, H] into cache: [B, N, L, H] at row start[b] of each batch row b."""
+
+    def one(buf, rows, at):  # buf: [N, L, H], rows: [N, S, H]
+        return jax.lax.dynamic_update_slice(buf, rows.astype(buf.dtype), (0, at, 0))
+
+    return jax.vmap(one)(cache, new, jnp.asarray(start, jnp.int32))
+
+
+def _window_mask(q_pos, k_len, valid, window):
+    """Which keys each query sees: causal, below valid, and inside the sliding window.
+
+    q_pos: [B, S] absolute query positions; valid: [B] number of valid keys; window: keys a
+    query sees counting itself (<= 0: unlimited). Returns [B, 1, S, L] bool.
+    """
+    j = jnp.arange(k_len, dtype=jnp.int32)[None, None, :]  # [1, 1, L]
+    i = q_pos[:, :, None]  # [B, S, 1]
+    mask = (j <= i) & (j < valid[:, None, None])
+    if window > 0:
+        mask &= j > i - window
+    return mask[:, None]
+
+
+def _softmax(scores, mask, sink=None):
+    """Softmax over the last axis of the keys in mask (others weigh 0; a row without keys is 0).
+
+    sink: optional logit of an extra key without value (smooth softmax), broadcast to [..., 1].
+    """
+    masked = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(masked, axis=-1, keepdims=True)
+    if sink is not None:
+        top = jnp.maximum(top, sink)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(mask, jnp.exp(masked - top), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - top)
+    return e / jnp.where(total == 0, 1.0, total)
+
+
+def _grouped_scores(q, k, scale):
+    """q: [B, S, N, H], k: [B, Nk, L, H] -> scale * q.k: [B, N, S, L] in float32."""
+    b, s, n, h = q.shape
+    nk = k.shape[1]
+    qg = q.reshape(b, s, nk, n // nk, h).astype(jnp.float32)
+    scores = jnp.einsum("bskgh,bklh->bkgsl", qg, k.astype(jnp.float32))
+    return scores.reshape(b, n, s, k.shape[2]) * scale
+
+
+def _grouped_values(probs, v):
+    """probs: [B, N, S, L], v: [B, Nk, L, H] -> [B, S, N*H] in float32."""
+    b, n, s, l = probs.shape
+    nk, h = v.shape[1], v.shape[3]
+    pg = probs.reshape(b, nk, n // nk, s, l)
+    out = jnp.einsum("bkgsl,bklh->bskgh", pg, v.astype(jnp.float32))
+    return out.reshape(b, s, n * h)
+
+
+def _fit_keys(bias, length):
+    """bias [..., T] cut or zero-padded to [..., length] along the key axis."""
+    have = bias.shape[-1]
+    if have >= length:
+        return bias[..., :length]
+    pad = [(0, 0)] * (bias.ndim - 1) + [(0, length - have)]
+    return jnp.pad(bias, pad)
+
+
+# ---------------------------------------------------------------- GroupQueryAttention
+
+
+@op("GroupQueryAttention", domain=MS, static=(6,))
+def GroupQueryAttention(
+    query,
+    key=None,
+    value=None,
+    past_key=None,
+    past_value=None,
+    seqlens_k=None,
+    total_sequence_length=None,
+    cos_cache=None,
+    sin_cache=None,
+    position_ids=None,
+    attention_bias=None,
+    head_sink=None,
+    k_scale=None,
+    v_scale=None,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    query_seqlens=None,
+    *,
+    num_heads,
+    kv_num_heads,
+    scale=0.0,
+    softcap=0.0,
+    local_window_size=-1,
+    do_rotary=0,
+    rotary_interleaved=0,
+    smooth_softmax=-1,
+    qk_output=0,
+    causal=1,
+    sliding_window_cache=0,
+    k_quant_type="NONE",
+    v_quant_type="NONE",
+    kv_cache_bit_width=0,
+    qk_norm_epsilon=1e-6,
+    q_norm_epsilon=None,
+    k_norm_epsilon=None,
+    ctx,
+):
+    """Grouped-query attention over a right-padded KV cache (BNSH), as onnxruntime's CPU kernel.
+
+    Batch row b holds T = seqlens_k[b] + 1 tokens after the step; its Q = min(S, T) new tokens
+    (or query_seqlens[b]) go to cache rows [P, P + S) with P = T - Q, at positions P + s.
+    """
+    if (
+        k_scale is not None
+        or v_scale is not None
+        or k_quant_type != "NONE"
+        or v_quant_type != "NONE"
+    ):
+        raise NotImplementedError("GroupQueryAttention with a quantized KV cache")
+    if q_norm_weight is not None or k_norm_weight is not None:
+        raise NotImplementedError("GroupQueryAttention with q_norm_weight/k_norm_weight")
+    if sliding_window_cache:
+        raise NotImplementedError("GroupQueryAttention with sliding_window_cache=1")
+    n, nk = num_heads, kv_num_heads
+    query = jnp.asarray(query)
+    b, s, _ = query.shape
+    q, k, v = _split_qkv(query, key, value, n, nk)  # [B, S, N|Nk, H]
+    h = q.shape[-1]
+
+    total = jnp.asarray(seqlens_k).astype(jnp.int32).reshape(b) + 1  # [B]
+    if query_seqlens is None:
+        new = jnp.minimum(total, s)
+    else:
+        new = jnp.asarray(query_seqlens).astype(jnp.int32).reshape(b)
+    past = total - new  # [B] valid cache rows before this step
+    pos = past[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
+
+    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    if do_rotary:
+        rot_pos = _gqa_positions(pos, position_ids, first=query_seqlens is None and s == total_len)
+        q = _rotary(q, rot_pos, cos_cache, sin_cache, rotary_interleaved)
+        k = _rotary(k, rot_pos, cos_cache, sin_cache, rotary_interleaved)
+
+    buffer = 0 if past_key is None else past_key.shape[2]
+    length = max(buffer, total_len, s)
+    present_k = _cache(past_key, b, nk, length, h, query.dtype)
+    present_v = _cache(past_value, b, nk, length, h, query.dtype)
+    present_k = _write_rows(present_k, k.transpose(0, 2, 1, 3), past)  # [B, Nk, L, H]
+    present_v = _write_rows(present_v, v.transpose(0, 2, 1, 3), past)
+
+    scores = _grouped_scores(q, present_k, scale or 1.0 / math.sqrt(h))  # [B, N, S, L]
+    if softcap > 0:
+        scores = softcap * jnp.tanh(scores / softcap)
+    if attention_bias is not None:
+        scores = scores + _fit_keys(jnp.asarray(attention_bias).astype(jnp.float32), length)
+    if causal:
+        mask = _window_mask(pos, length, total, local_window_size)
+    else:
+        mask = (jnp.arange(length)[None, :] < total[:, None])[:, None, None, :]
+    sink = None
+    if head_sink is not None:
+        sink = jnp.asarray(head_sink).astype(jnp.float32).reshape(1, n, 1, 1)
+    elif smooth_softmax == 1:
+        sink = jnp.zeros((1, 1, 1, 1), jnp.float32)
+    probs = _softmax(scores, mask, sink)
+    out = _grouped_values(probs, present_v)  # [B, S, N*H]
+    outs = (out.astype(query.dtype), present_k, present_v)
+    if ctx.num_outputs > 3:
+        outs += ((scores if qk_output == 1 else probs).astype(query.dtype),)
+    return outs[: max(ctx.num_outputs, 1)]
+
+
+def _split_qkv(query, key, value, n, nk):
+    """q: [B, S, N, H], k, v: [B, S, Nk, H] from separate or packed ([B, S, (N + 2 Nk) H]) QKV."""
+    if key is None:
+        h = query.shape[-1] // (n + 2 * nk)
+        q = query[..., : n * h]
+        key = query[..., n * h : (n + nk) * h]
+        value = query[..., (n + nk) * h :]
+    else:
+        q = query
+    return _heads(q, n), _heads(jnp.asarray(key), nk), _heads(jnp.asarray(value), nk)
+
+
+def _gqa_positions(pos, position_ids, first):
+    """Rotary positions [B, S]: pos, or position_ids; a first prompt reads only
+    position_ids[0, 0] and counts on from it in every row (as onnxruntime does)."""
+    if position_ids is None:
+        return pos
+    ids = jnp.asarray(position_ids).astype(jnp.int32).reshape(pos.shape)
+    if first:
+        return ids[0, 0] + jnp.broadcast_to(jnp.arange(pos.shape[1], dtype=jnp.int32), pos.shape)
+    return ids
+
+
+def _cache(past, b, heads, length, h, dtype):
+    """The past buffer [B, Nk, P, H] zero-padded to [B, Nk, length, H] (zeros if absent)."""
+    if past is None:
+        return jnp.zeros((b, heads, length, h), dtype)
+    past = jnp.asarray(past)
+    if past.shape[2] == length:
+        return past
+    return jnp.pad(past, ((0, 0), (0, 0), (0, length - past.shape[2]), (0, 0)))
+
+
+# ---------------------------------------------------------------- MultiHeadAttention
+
+
+@op("MultiHeadAttention", domain=MS)
+def MultiHeadAttention(
+    query,
+    key=None,
+    value=None,
+    bias=None,
+    key_padding_mask=None,
+    attention_bias=None,
+    past_key=None,
+    past_value=None,
+    past_sequence_length=None,
+    cache_indirection=None,
+    *,
+    num_heads,
+    scale=0.0,
+    mask_filter_value=-10000.0,
+    unidirectional=0,
+    ctx,
+):
+    """Multi-head self/cross attention with optional input bias, padding mask and KV cache."""
+    if past_sequence_length is not None or cache_indirection is not None:
+        raise NotImplementedError(
+            "MultiHeadAttention with a shared KV buffer (past_sequence_length)"
+        )
+    n = num_heads
+    q, k, v, kv_ready = _mha_inputs(jnp.asarray(query), key, value, bias, n)
+    b, s, _, h = q.shape
+    new_len = k.shape[2]
+    if not kv_ready and past_key is not None:  # append the new keys to the cache
+        k = jnp.concatenate([jnp.asarray(past_key), k], axis=2)
+        v = jnp.concatenate([jnp.asarray(past_value), v], axis=2)
+    length = k.shape[2]  # k, v: [B, N, L, H]
+    past = length - new_len
+    scores = _grouped_scores(q, k, scale or 1.0 / math.sqrt(h))  # [B, N, S, L]
+    keep = _padding_mask(key_padding_mask, b, s, length)  # [B, 1|S, L] or None
+    if unidirectional:
+        causal = jnp.arange(length)[None, :] <= (past + jnp.arange(s))[:, None]  # [S, L]
+        keep = causal[None] if keep is None else keep & causal[None]
+    if keep is not None:
+        scores = scores + jnp.where(keep, 0.0, mask_filter_value)[:, None]
+    if attention_bias is not None:
+        scores = scores + jnp.asarray(attention_bias).astype(jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = _grouped_values(probs, v).astype(q.dtype)
+    return (out, k, v, probs.astype(q.dtype))[: max(ctx.num_outputs, 1)]
+
+
+def _mha_inputs(query, key, value, bias, n):
+    """q: [B, S, N, H] and k, v: [B, N, L, H]; kv_ready when key/value were given as BNSH."""
+    if query.ndim == 5:  # packed QKV: [B, S, N, 3, H]
+        q, k, v = query[:, :, :, 0], query[:, :, :, 1], query[:, :, :, 2]
+        q, k, v = _add_bias(q, k, v, bias)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), False
+    q = _heads(query, n)
+    key = jnp.asarray(key)
+    if key.ndim == 5:  # packed KV: [B, L, N, 2, H]
+        k, v = key[:, :, :, 0], key[:, :, :, 1]
+        q, k, v = _add_bias(q, k, v, bias)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), False
+    if key.ndim == 4:  # key/value already [B, N, L, H] (cross attention with cached keys)
+        if bias is not None:
+            hidden = q.shape[2] * q.shape[3]
+            q = q + jnp.reshape(jnp.asarray(bias)[:hidden], q.shape[2:])
+        return q, key, jnp.asarray(value), True
+    value = jnp.asarray(value)
+    k, v = _heads(key, n), _heads(value, n)
+    q, k, v = _add_bias(q, k, v, bias)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), False
+
+
+def _add_bias(q, k, v, bias):
+    """Adds the packed bias [N*H + N*H + N*Hv] to q, k, v: [B, S, N, H]."""
+    if bias is None:
+        return q, k, v
+    bias = jnp.asarray(bias)
+    nq, nk = q.shape[2] * q.shape[3], k.shape[2] * k.shape[3]
+    q = q + bias[:nq].reshape(q.shape[2:])
+    k = k + bias[nq : nq + nk].reshape(k.shape[2:])
+    v = v + bias[nq + nk :].reshape(v.shape[2:])
+    return q, k, v
+
+
+def _padding_mask(mask, b, s, length):
+    """key_padding_mask as keep flags [B, 1|S, L]: lengths (B), 0/1 of (B, L) or (B, S, L)."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.ndim == 1:  # valid key counts (right padding)
+        return (jnp.arange(length)[None, :] < mask[:, None])[:, None, :]
+    if mask.ndim == 2:
+        return (mask != 0)[:, None, -length:]
+    return (mask != 0)[:, :, -length:]
+
+
+# ---------------------------------------------------------------- RotaryEmbedding
+
+
+@op("RotaryEmbedding", domain=MS)
+def RotaryEmbedding(
+    input,
+    position_ids,
+    cos_cache,
+    sin_cache,
+    *,
+    interleaved=0,
+    num_heads=0,
+    rotary_embedding_dim=0,
+    is_packed_batching=0,
+    scale=1.0,
+):
+    """Rotary embedding of input [B, S, N*H] or [B, N, S, H] at position_ids [B, S] (or an
+    offset of shape [1])."""
+    x = jnp.asarray(input)
+    half = rotary_embedding_dim // 2 if rotary_embedding_dim else cos_cache.shape[-1]
+    if x.ndim == 4:  # [B, N, S, H]
+        b, _, s, h = x.shape
+        bsnh = x.transpose(0, 2, 1, 3)
+    else:  # [B, S, N*H]
+        b, s, d = x.shape
+        h = d // num_heads if num_heads else 2 * cos_cache.shape[-1]
+        bsnh = x.reshape(b, s, d // h, h)
+    pos = _positions(position_ids, b, s)
+    cos = jnp.asarray(cos_cache)[:, :half]
+    sin = jnp.asarray(sin_cache)[:, :half]
+    out = _rotary(bsnh, pos, cos, sin, interleaved)
+    if x.ndim == 4:
+        return out.transpose(0, 2, 1, 3)
+    return out.reshape(x.shape)
+
+
+def _positions(position_ids, b, s):
+    """Positions [B, S] from position_ids [B, S], or an offset [1] plus 0..S-1."""
+    pos = jnp.asarray(position_ids).astype(jnp.int32)
+    if pos.size == 1:
+        return jnp.broadcast_to(pos.reshape(1, 1) + jnp.arange(s, dtype=jnp.int32), (b, s))
+    return pos.reshape(b, s)
+
+
+# ---------------------------------------------------------------- layer norms
+
+
+def _skip_sum(input, skip, bias):
+    total = input + skip
+    return total if bias is None else total + bias
+
+
+@op("SkipLayerNormalization", domain=MS)
+def SkipLayerNormalization(input, skip, gamma, beta=None, bias=None, *, epsilon=1e-12, ctx):
+    """LayerNorm(input + skip + bias) * gamma + beta; outputs (y, mean, inv_std, sum)."""
+    total = _skip_sum(input, skip, bias)
+    x = total.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True) + epsilon)
+    y = (x - mean) * inv * gamma
+    if beta is not None:
+        y = y + beta
+    return _norm_outputs(y.astype(total.dtype), mean, inv, total, ctx.num_outputs)
+
+
+@op("SkipSimplifiedLayerNormalization", domain=MS)
+def SkipSimplifiedLayerNormalization(input, skip, gamma, bias=None, *, epsilon=1e-12, ctx):
+    """RMSNorm(input + skip + bias) * gamma; outputs (y, mean, inv_std, sum)."""
+    total = _skip_sum(input, skip, bias)
+    x = total.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
+    y = x * inv * gamma
+    return _norm_outputs(y.astype(total.dtype), jnp.zeros_like(inv), inv, total, ctx.num_outputs)
+
+
+def _norm_outputs(y, mean, inv, total, count):
+    return (y, mean, inv, total)[: max(count, 1)]
+
+
+# ---------------------------------------------------------------- activations and products
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + jax.scipy.special.erf(x / math.sqrt(2.0)))
+
+
+@op("Gelu", domain=MS)
+def Gelu(x):
+    """x * Phi(x) with the exact erf."""
+    return _gelu(jnp.asarray(x))
+
+
+@op("BiasGelu", domain=MS)
+def BiasGelu(a, b):
+    """Gelu(a + b)."""
+    return _gelu(jnp.asarray(a) + b)
+
+
+@op("FastGelu", domain=MS)
+def FastGelu(x, bias=None):
+    """The tanh approximation of Gelu(x + bias)."""
+    x = jnp.asarray(x) if bias is None else jnp.asarray(x) + bias
+    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (1.0 + jnp.tanh(inner))
+
+
+@op("QuickGelu", domain=MS)
+def QuickGelu(x, *, alpha=1.702):
+    """x * sigmoid(alpha * x)."""
+    x = jnp.asarray(x)
+    return x * jax.nn.sigmoid(alpha * x)
+
+
+@op("BiasAdd", domain=MS)
+def BiasAdd(x, bias, skip):
+    """x + bias + skip."""
+    return x + bias + skip
+
+
+@op("FusedMatMul", domain=MS)
+def FusedMatMul(a, b, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
+    """alpha * op(a) @ op(b), op transposing the last two axes (and the batch axes)."""
+    m = xp(a, b)
+    a = _fused_operand(m, a, transA, transBatchA)
+    b = _fused_operand(m, b, transB, transBatchB)
+    return m.matmul(a, b) * m.asarray(alpha, dtype=m.result_type(a, b))
+
+
+def _fused_operand(m, x, trans, trans_batch):
+    if x.ndim < 2:
+        return x
+    if trans_batch:  # [d0, d1, ..., dk-2, dk-1] -> [d1, ..., dk-2, d0, dk-1]
+        axes = list(range(1, x.ndim - 1)) + [0, x.ndim - 1]
+        x = m.transpose(x, axes)
+    if trans:
+        x = m.swapaxes(x, -1, -2)
+    return x

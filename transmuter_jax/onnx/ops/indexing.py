@@ -1,13 +1,140 @@
-"""indexing ops."""
+"""Indexing ops: Gather*, Scatter*, OneHot, NonZero, Compress and Unique.
+
+Negative indices count from the end of their axis; they are wrapped explicitly, since jnp.take
+and friends clamp or fill them. NonZero, Compress and Unique give shapes that depend on values:
+the values they read are static inputs, so a traced one raises DynamicShapeError naming the node.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
 from ..registry import op
-from ._util import xp
+from ._util import ints, xp
+
+
+def _wrap(m, indices, size):
+    return m.where(indices < 0, indices + size, indices)
+
+
+def _index_dtype(m):
+    return np.int64 if m is np else jnp.int32
+
+
+def _along(m, indices, axis):
+    """The full index tuple addressing element ``indices[i]`` along ``axis`` of position i."""
+    grid = list(m.indices(indices.shape, sparse=True))
+    grid[axis] = indices
+    return tuple(grid)
+
+
+def _scatter(m, data, index, updates, reduction):
+    """``data`` with ``updates`` written (or combined by ``reduction``) at ``index``."""
+    if m is np:
+        out = np.array(data, copy=True)
+        if reduction == "none":
+            out[index] = updates
+        else:
+            ufunc = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+            ufunc[reduction].at(out, index, updates)
+        return out
+    at = jnp.asarray(data).at[index]
+    method = {"none": at.set, "add": at.add, "mul": at.multiply, "max": at.max, "min": at.min}
+    return method[reduction](jnp.asarray(updates, data.dtype))
 
 
 @op("Gather")
 def Gather(data, indices, *, axis=0):
     m = xp(data, indices)
-    indices = m.where(indices < 0, indices + data.shape[axis], indices)
-    return m.take(data, indices, axis=axis)
+    return m.take(data, _wrap(m, indices, data.shape[axis]), axis=axis)
+
+
+@op("GatherElements", since=11)
+def GatherElements(data, indices, *, axis=0):
+    m = xp(data, indices)
+    axis %= data.ndim
+    return data[_along(m, _wrap(m, indices, data.shape[axis]), axis)]
+
+
+@op("GatherND", since=11)
+def GatherND(data, indices, *, batch_dims=0):
+    """Index tuples in the last axis of ``indices``, per batch of the first ``batch_dims`` axes."""
+    m = xp(data, indices)
+    b, k = batch_dims, indices.shape[-1]
+    count = math.prod(data.shape[:b])
+    flat = m.reshape(data, (count,) + data.shape[b:])
+    index = m.reshape(indices, (count, math.prod(indices.shape[b:-1]), k))
+    index = _wrap(m, index, np.asarray(data.shape[b : b + k], np.int64))
+    batch = m.arange(count)[:, None]
+    out = flat[(batch,) + tuple(index[..., j] for j in range(k))]
+    return m.reshape(out, indices.shape[:-1] + data.shape[b + k :])
+
+
+@op("ScatterND", since=11)
+def ScatterND(data, indices, updates, *, reduction="none"):
+    m = xp(data, indices, updates)
+    k = indices.shape[-1]
+    index = _wrap(m, indices, np.asarray(data.shape[:k], np.int64))
+    return _scatter(m, data, tuple(index[..., j] for j in range(k)), updates, reduction)
+
+
+@op("ScatterElements", since=11)
+def ScatterElements(data, indices, updates, *, axis=0, reduction="none"):
+    m = xp(data, indices, updates)
+    axis %= data.ndim
+    index = _along(m, _wrap(m, indices, data.shape[axis]), axis)
+    return _scatter(m, data, index, updates, reduction)
+
+
+@op("Scatter", since=9)
+def Scatter(data, indices, updates, *, axis=0):
+    """The deprecated name of ScatterElements (opsets 9 and 10)."""
+    return ScatterElements(data, indices, updates, axis=axis)
+
+
+@op("OneHot", since=9, static=(1,))
+def OneHot(indices, depth, values, *, axis=-1):
+    """``values[1]`` where the (wrapped, truncated to integer) index equals the position along
+    the new axis, else ``values[0]``; out-of-range indices give a row of ``values[0]``."""
+    m = xp(indices, values)
+    depth = ints(depth)[0]
+    axis %= indices.ndim + 1
+    index = _wrap(m, m.asarray(indices).astype(_index_dtype(m)), depth)
+    positions = np.arange(depth).reshape((-1,) + (1,) * (indices.ndim - axis))
+    hot = m.expand_dims(index, axis) == positions
+    return m.where(hot, values[1], values[0])
+
+
+@op("NonZero", since=9, static=(0,))
+def NonZero(x):
+    return np.argwhere(np.asarray(x)).T.astype(np.int64)
+
+
+@op("Compress", since=9, static=(1,))
+def Compress(data, condition, *, axis=None):
+    m = xp(data)
+    kept = np.flatnonzero(np.asarray(condition))
+    if axis is None:
+        return m.take(m.reshape(data, (-1,)), kept)
+    return m.take(data, kept, axis=axis)
+
+
+@op("Unique", since=11, static=(0,))
+def Unique(x, *, axis=None, sorted=1):  # noqa: A002 - the ONNX attribute's name
+    """Y, indices (first occurrences), inverse_indices and counts; unsorted keeps the order of
+    first occurrence."""
+    x = np.asarray(x)
+    y, first, inverse, counts = np.unique(
+        x, return_index=True, return_inverse=True, return_counts=True, axis=axis
+    )
+    inverse = inverse.reshape(-1)
+    if not sorted:
+        order = np.argsort(first, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        y = np.take(y, order, axis=0 if axis is None else axis)
+        first, counts, inverse = first[order], counts[order], rank[inverse]
+    return y, *(a.astype(np.int64) for a in (first, inverse, counts))

@@ -1,11 +1,773 @@
-"""Neural-network ops: matrix products, convolution, pooling, normalization, softmax."""
+"""Neural-network ops: matrix products, convolution, pooling, normalization, softmax, attention."""
 
 from __future__ import annotations
 
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
 from ..registry import op
-from ._util import xp
+from ..trace import is_static
+from ._util import onnx_dtype, xp
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _matmul(a, b):
+    """a @ b; with JAX at full float32 precision (no TF32 / bf16 passes on accelerators)."""
+    m = xp(a, b)
+    if m is np:
+        return np.matmul(a, b)
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+# --- matrix products ------------------------------------------------------------------------
 
 
 @op("MatMul")
 def MatMul(a, b):
-    return xp(a, b).matmul(a, b)
+    return _matmul(a, b)
+
+
+@op("Gemm")
+def Gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, broadcast=0):
+    """alpha * A' @ B' + beta * C; ``broadcast`` (opset < 7) is implied by numpy broadcasting."""
+    a = a.T if transA else a
+    b = b.T if transB else b
+    y = _matmul(a, b)  # [M, N]
+    dtype = y.dtype
+    if alpha != 1.0:
+        y = (y * alpha).astype(dtype)
+    if c is not None:
+        y = y + (c * beta if beta != 1.0 else c).astype(dtype)
+    return y
+
+
+@op("MatMulInteger", since=10)
+def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
+    """(A - a_zero_point) @ (B - b_zero_point) in int32; a 1-D a_zero_point is per row of A."""
+    m = xp(a, b, a_zero_point, b_zero_point)
+    a = m.asarray(a).astype(np.int32)
+    b = m.asarray(b).astype(np.int32)
+    if a_zero_point is not None:
+        za = m.asarray(a_zero_point).astype(np.int32)
+        a = a - (za.reshape(-1, 1) if za.ndim == 1 else za)  # per row: [M, 1]
+    if b_zero_point is not None:
+        b = b - m.asarray(b_zero_point).astype(np.int32)  # per column: [N]
+    if m is np:
+        return np.matmul(a, b).astype(np.int32)
+    return jnp.matmul(a, b, preferred_element_type=jnp.int32)
+
+
+@op("Einsum", since=12)
+def Einsum(*inputs, equation):
+    equation = equation.replace(" ", "")
+    if xp(*inputs) is np:
+        return np.einsum(equation, *inputs)
+    return jnp.einsum(equation, *inputs, precision=HIGHEST)
+
+
+# --- convolution ----------------------------------------------------------------------------
+
+
+def _spatial(value, n: int, default: int) -> list[int]:
+    return [int(v) for v in value] if value else [default] * n
+
+
+def _same_pads(auto_pad: str, total: int) -> tuple[int, int]:
+    """(begin, end) splitting ``total`` padding; SAME_UPPER puts the odd one at the end."""
+    small = total // 2
+    return (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
+
+
+def _window_pads(auto_pad, sizes, kernel, strides, dilations, pads) -> list[tuple[int, int]]:
+    """The (begin, end) padding of each spatial axis for a convolution or a pooling window."""
+    n = len(sizes)
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        result = []
+        for size, k, s, d in zip(sizes, kernel, strides, dilations, strict=True):
+            out = -(-size // s)
+            total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
+            result.append(_same_pads(auto_pad, total))
+        return result
+    if auto_pad == "VALID" or not pads:
+        return [(0, 0)] * n
+    return [(int(pads[i]), int(pads[i + n])) for i in range(n)]
+
+
+def _channel(v, ndim: int):
+    """A per-channel vector [C] (or [C, D1, ...]) shaped to broadcast over [N, C, D1, ...]."""
+    return v.reshape(v.shape + (1,) * (ndim - 1 - v.ndim))
+
+
+@op("Conv")
+def Conv(
+    x,
+    w,
+    b=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
+    """N-D convolution; x: [N, C, D1, ...], w: [M, C / group, k1, ...], b: [M]."""
+    n = x.ndim - 2
+    strides = _spatial(strides, n, 1)
+    dilations = _spatial(dilations, n, 1)
+    padding = _window_pads(auto_pad, x.shape[2:], w.shape[2:], strides, dilations, pads)
+    x = jnp.asarray(x)
+    w = jnp.asarray(w).astype(x.dtype)
+    y = lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=strides,
+        padding=padding,
+        rhs_dilation=dilations,
+        feature_group_count=group,
+        precision=HIGHEST,
+    )  # y: [N, M, O1, ...]
+    if b is not None:
+        y = y + _channel(jnp.asarray(b).astype(y.dtype), y.ndim)
+    return y
+
+
+@op("ConvTranspose")
+def ConvTranspose(
+    x,
+    w,
+    b=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    output_padding=None,
+    output_shape=None,
+    pads=None,
+    strides=None,
+):
+    """N-D transposed convolution; x: [N, C, D1, ...], w: [C, M / group, k1, ...], b: [M]."""
+    n = x.ndim - 2
+    sizes, kernel = x.shape[2:], w.shape[2:]
+    strides = _spatial(strides, n, 1)
+    dilations = _spatial(dilations, n, 1)
+    extra = _spatial(output_padding, n, 0)
+    full = [
+        s * (i - 1) + e + (k - 1) * d + 1
+        for i, k, s, d, e in zip(sizes, kernel, strides, dilations, extra, strict=True)
+    ]
+    if output_shape or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        target = (
+            [int(v) for v in output_shape][-n:]
+            if output_shape
+            else [i * s for i, s in zip(sizes, strides, strict=True)]
+        )
+        padding = [_same_pads(auto_pad, f - t) for f, t in zip(full, target, strict=True)]
+    else:
+        padding = _window_pads("NOTSET", sizes, kernel, strides, dilations, pads)
+    # A transposed convolution is a convolution of the stride-dilated input with the flipped
+    # kernel, in and out channels swapped within each group.
+    x = jnp.asarray(x)
+    c, m_per_group = w.shape[0], w.shape[1]
+    w = jnp.asarray(w).astype(x.dtype).reshape((group, c // group, m_per_group) + kernel)
+    w = jnp.swapaxes(w, 1, 2).reshape((group * m_per_group, c // group) + kernel)
+    w = jnp.flip(w, axis=tuple(range(2, n + 2)))  # w: [M, C / group, k1, ...]
+    conv_pads = [
+        ((k - 1) * d - begin, (k - 1) * d - end + e)
+        for k, d, (begin, end), e in zip(kernel, dilations, padding, extra, strict=True)
+    ]
+    y = lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=[1] * n,
+        padding=conv_pads,
+        lhs_dilation=strides,
+        rhs_dilation=dilations,
+        feature_group_count=group,
+        precision=HIGHEST,
+    )  # y: [N, M, O1, ...]
+    if b is not None:
+        y = y + _channel(jnp.asarray(b).astype(y.dtype), y.ndim)
+    return y
+
+
+# --- pooling --------------------------------------------------------------------------------
+
+
+def _pool_geometry(x, kernel_shape, auto_pad, pads, strides, dilations, ceil_mode):
+    """Strides, dilations, explicit (begin, end) pads, the output sizes and the (begin, end)
+    padding the windows need (explicit pads plus what ceil_mode adds at the end)."""
+    n = x.ndim - 2
+    sizes = x.shape[2:]
+    kernel = [int(k) for k in kernel_shape]
+    strides = _spatial(strides, n, 1)
+    dilations = _spatial(dilations, n, 1)
+    explicit = _window_pads(auto_pad, sizes, kernel, strides, dilations, pads)
+    outs, window = [], []
+    for size, k, s, d, (lo, hi) in zip(sizes, kernel, strides, dilations, explicit, strict=True):
+        span = size + lo + hi - (k - 1) * d - 1
+        out = (-(-span // s) if ceil_mode else span // s) + 1
+        if ceil_mode and (out - 1) * s >= size + lo:
+            out -= 1  # the last window would start in the end padding
+        outs.append(out)
+        window.append((lo, max(hi, (out - 1) * s + (k - 1) * d + 1 - size - lo)))
+    return kernel, strides, dilations, explicit, outs, window
+
+
+def _reduce_window(x, init, reducer, kernel, strides, dilations, window, outs):
+    """``reducer`` over each window of the spatial axes of x: [N, C, D1, ...] -> [N, C, O1, ...]."""
+    y = lax.reduce_window(
+        jnp.asarray(x),
+        init,
+        reducer,
+        (1, 1, *kernel),
+        (1, 1, *strides),
+        [(0, 0), (0, 0), *window],
+        window_dilation=(1, 1, *dilations),
+    )
+    return y[(slice(None), slice(None), *(slice(0, o) for o in outs))]
+
+
+def _lowest(dtype):
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.floating):
+        return -np.inf
+    return np.iinfo(dtype).min
+
+
+@op("MaxPool")
+def MaxPool(
+    x,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    dilations=None,
+    kernel_shape,
+    pads=None,
+    storage_order=0,
+    strides=None,
+    ctx,
+):
+    """Max over windows; the optional Indices output indexes the flattened x (column-major
+    spatial axes when storage_order is 1)."""
+    kernel, strides, dilations, _, outs, window = _pool_geometry(
+        x, kernel_shape, auto_pad, pads, strides, dilations, ceil_mode
+    )
+    x = jnp.asarray(x)
+    lowest = jnp.array(_lowest(x.dtype), x.dtype)
+    if ctx.num_outputs < 2:
+        return _reduce_window(x, lowest, lax.max, kernel, strides, dilations, window, outs)
+    # Carry each value's row-major index; ties keep the first (smallest) index.
+    index = jnp.arange(x.size, dtype=jnp.int32).reshape(x.shape)
+
+    def pick(a, b):
+        (va, ia), (vb, ib) = a, b
+        take_b = (vb > va) | ((vb == va) & (ib < ia))
+        return jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia)
+
+    y, i = lax.reduce_window(
+        (x, index),
+        (lowest, jnp.array(np.iinfo(np.int32).max, jnp.int32)),
+        pick,
+        (1, 1, *kernel),
+        (1, 1, *strides),
+        [(0, 0), (0, 0), *window],
+        window_dilation=(1, 1, *dilations),
+    )
+    crop = (slice(None), slice(None), *(slice(0, o) for o in outs))
+    y, i = y[crop], i[crop]
+    if storage_order:
+        spatial = x.shape[2:]
+        step = math.prod(spatial)
+        coords = jnp.unravel_index(i % step, spatial)
+        column = sum(c * math.prod(spatial[:k]) for k, c in enumerate(coords))
+        i = i // step * step + column
+    return y, i
+
+
+@op("AveragePool")
+def AveragePool(
+    x,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    count_include_pad=0,
+    dilations=None,
+    kernel_shape,
+    pads=None,
+    strides=None,
+):
+    """Mean over windows; padding counts when count_include_pad is 1, ceil_mode's extra end
+    positions never do."""
+    kernel, strides, dilations, explicit, outs, window = _pool_geometry(
+        x, kernel_shape, auto_pad, pads, strides, dilations, ceil_mode
+    )
+    x = jnp.asarray(x)
+    total = _reduce_window(
+        x, jnp.array(0, x.dtype), lax.add, kernel, strides, dilations, window, outs
+    )
+    valid = explicit if count_include_pad else [(0, 0)] * len(kernel)
+    counts = _counts(x.shape[2:], kernel, strides, dilations, window, valid, outs)
+    return total / jnp.asarray(counts, x.dtype)
+
+
+def _counts(sizes, kernel, strides, dilations, window, valid, outs) -> np.ndarray:
+    """How many positions of each window lie in the input extended by ``valid`` padding: [O1, ...]."""
+    counts = np.ones((), np.int64)
+    for size, k, s, d, (lo, _), (vlo, vhi), out in zip(
+        sizes, kernel, strides, dilations, window, valid, outs, strict=True
+    ):
+        pos = np.arange(out)[:, None] * s - lo + np.arange(k)[None, :] * d  # pos: [O, k]
+        inside = (pos >= -vlo) & (pos < size + vhi)
+        counts = np.multiply.outer(counts, inside.sum(axis=1))
+    return np.maximum(counts, 1)
+
+
+@op("LpPool")
+def LpPool(
+    x,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    dilations=None,
+    kernel_shape,
+    p=2,
+    pads=None,
+    strides=None,
+):
+    """(sum |x|^p)^(1/p) over windows."""
+    kernel, strides, dilations, _, outs, window = _pool_geometry(
+        x, kernel_shape, auto_pad, pads, strides, dilations, ceil_mode
+    )
+    x = jnp.asarray(x)
+    p = float(p)
+    total = _reduce_window(
+        jnp.abs(x) ** p, jnp.array(0, x.dtype), lax.add, kernel, strides, dilations, window, outs
+    )
+    return total ** (1.0 / p)
+
+
+@op("GlobalAveragePool")
+def GlobalAveragePool(x):
+    return xp(x).mean(x, axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+@op("GlobalMaxPool")
+def GlobalMaxPool(x):
+    return xp(x).max(x, axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+@op("GlobalLpPool", since=2)
+def GlobalLpPool(x, *, p=2):
+    m = xp(x)
+    p = float(p)
+    return (m.sum(m.abs(x) ** p, axis=tuple(range(2, x.ndim)), keepdims=True) ** (1.0 / p)).astype(
+        x.dtype
+    )
+
+
+# --- normalization --------------------------------------------------------------------------
+
+
+def _stash(x, stash_type: int):
+    """x in the precision of the statistics: float32 when stash_type is 1."""
+    return x.astype(np.float32) if stash_type == 1 else x
+
+
+@op("BatchNormalization")
+def BatchNormalization(
+    x,
+    scale,
+    bias,
+    mean,
+    var,
+    *,
+    epsilon=1e-5,
+    momentum=0.9,
+    training_mode=0,
+    spatial=1,
+    is_test=0,
+    consumed_inputs=None,
+    ctx,
+):
+    """Normalizes x: [N, C, D1, ...] per channel with the running statistics; in training mode
+    (or when the old opsets' statistics outputs are asked for) with the batch's, returning the
+    updated running mean and variance as well."""
+    m = xp(x, scale, bias, mean, var)
+    nd = x.ndim
+    if not training_mode and ctx.num_outputs == 1:
+        inv = 1 / m.sqrt(_channel(var, nd) + epsilon)
+        return (x - _channel(mean, nd)) * inv * _channel(scale, nd) + _channel(bias, nd)
+    axes = (0, *range(2, nd)) if spatial else (0,)
+    batch_mean = m.mean(x, axis=axes)  # [C] (or [C, D1, ...] when not spatial)
+    batch_var = m.var(x, axis=axes)
+    inv = 1 / m.sqrt(_channel(batch_var, nd) + epsilon)
+    y = (x - _channel(batch_mean, nd)) * inv * _channel(scale, nd) + _channel(bias, nd)
+    running_mean = mean * momentum + batch_mean * (1 - momentum)
+    running_var = var * momentum + batch_var * (1 - momentum)
+    return (y, running_mean, running_var, batch_mean, batch_var)[: ctx.num_outputs]
+
+
+@op("InstanceNormalization")
+def InstanceNormalization(x, scale, bias, *, epsilon=1e-5):
+    """Normalizes each [N, C] slice of x: [N, C, D1, ...] over its spatial axes."""
+    m = xp(x, scale, bias)
+    axes = tuple(range(2, x.ndim))
+    mean = m.mean(x, axis=axes, keepdims=True)
+    var = m.mean(m.square(x - mean), axis=axes, keepdims=True)
+    return (x - mean) / m.sqrt(var + epsilon) * _channel(scale, x.ndim) + _channel(bias, x.ndim)
+
+
+@op("LayerNormalization", since=17)
+def LayerNormalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type=1, ctx):
+    """Normalizes x over the axes from ``axis`` on; optional outputs Mean and InvStdDev have
+    x's shape with those axes of size 1."""
+    m = xp(x, scale, bias)
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    xs = _stash(x, stash_type)
+    mean = m.mean(xs, axis=axes, keepdims=True)
+    inv = 1 / m.sqrt(m.mean(m.square(xs - mean), axis=axes, keepdims=True) + epsilon)
+    y = ((xs - mean) * inv).astype(x.dtype) * scale
+    if bias is not None:
+        y = y + bias
+    return (y, mean, inv)[: ctx.num_outputs]
+
+
+def _group_norm(x, num_groups: int, epsilon: float, stash_type: int):
+    """x: [N, C, D1, ...] normalized over each group of C / num_groups channels."""
+    m = xp(x)
+    shape = x.shape
+    xs = _stash(x, stash_type).reshape(shape[0], num_groups, -1)  # xs: [N, G, C / G * D]
+    mean = m.mean(xs, axis=-1, keepdims=True)
+    var = m.mean(m.square(xs - mean), axis=-1, keepdims=True)
+    return ((xs - mean) / m.sqrt(var + epsilon)).reshape(shape).astype(x.dtype)
+
+
+@op("GroupNormalization", since=18)
+def GroupNormalization_18(x, scale, bias, *, epsilon=1e-5, num_groups):
+    """Group norm with scale and bias per group: [num_groups]."""
+    m = xp(x, scale, bias)
+    per_channel = x.shape[1] // num_groups
+    scale = m.repeat(scale, per_channel)  # [C]
+    bias = m.repeat(bias, per_channel)
+    y = _group_norm(x, num_groups, epsilon, 0)
+    return y * _channel(scale, x.ndim) + _channel(bias, x.ndim)
+
+
+@op("GroupNormalization", since=21)
+def GroupNormalization(x, scale, bias, *, epsilon=1e-5, num_groups, stash_type=1):
+    """Group norm with scale and bias per channel: [C]."""
+    y = _group_norm(x, num_groups, epsilon, stash_type)
+    return y * _channel(scale, x.ndim) + _channel(bias, x.ndim)
+
+
+def _rms_inv(m, xs, axis: int, epsilon: float):
+    """1 / sqrt(mean(x^2) + epsilon) over the axes from ``axis`` on, kept as size-1 axes."""
+    axes = tuple(range(axis % xs.ndim, xs.ndim))
+    return 1 / m.sqrt(m.mean(m.square(xs), axis=axes, keepdims=True) + epsilon)
+
+
+@op("RMSNormalization", since=23)
+def RMSNormalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    m = xp(x, scale)
+    xs = _stash(x, stash_type)
+    return (xs * _rms_inv(m, xs, axis, epsilon)).astype(x.dtype) * scale
+
+
+@op("SimplifiedLayerNormalization")
+def SimplifiedLayerNormalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1, ctx):
+    """onnxruntime's RMS norm (default domain); optional output inv_std_var has x's shape with
+    the normalized axes of size 1."""
+    m = xp(x, scale)
+    xs = _stash(x, stash_type)
+    inv = _rms_inv(m, xs, axis, epsilon)
+    y = (xs * inv).astype(x.dtype) * scale
+    return (y, inv)[: ctx.num_outputs]
+
+
+@op("LRN")
+def LRN(x, *, alpha=1e-4, beta=0.75, bias=1.0, size):
+    """x / (bias + alpha / size * sum of x^2 over ``size`` neighbouring channels)^beta."""
+    m = xp(x)
+    before, after = (size - 1) // 2, -(-(size - 1) // 2)
+    sq = m.pad(m.square(x), [(0, 0), (before, after)] + [(0, 0)] * (x.ndim - 2))
+    channels = x.shape[1]
+    square_sum = sum(sq[:, i : i + channels] for i in range(size))  # [N, C, D1, ...]
+    return x / (bias + alpha / size * square_sum) ** beta
+
+
+@op("MeanVarianceNormalization", since=9)
+def MeanVarianceNormalization(x, *, axes=(0, 2, 3)):
+    """(x - mean) / sqrt(variance) over ``axes`` (1e-9 added to the deviation, as in the spec's
+    function body)."""
+    m = xp(x)
+    axes = tuple(int(a) for a in axes)
+    mean = m.mean(x, axis=axes, keepdims=True)
+    var = m.maximum(m.mean(m.square(x), axis=axes, keepdims=True) - m.square(mean), 0)
+    return (x - mean) / (m.sqrt(var) + 1e-9)
+
+
+@op("LpNormalization")
+def LpNormalization(x, *, axis=-1, p=2):
+    """x divided by its L1 or L2 norm along ``axis`` (0 where the norm is 0)."""
+    m = xp(x)
+    if p == 1:
+        norm = m.sum(m.abs(x), axis=axis, keepdims=True)
+    else:
+        norm = m.sqrt(m.sum(m.square(x), axis=axis, keepdims=True))
+    return m.where(norm == 0, 0, x / m.where(norm == 0, 1, norm)).astype(x.dtype)
+
+
+# --- softmax --------------------------------------------------------------------------------
+
+
+def _softmax(x, axis):
+    m = xp(x)
+    e = m.exp(x - m.max(x, axis=axis, keepdims=True))
+    return e / m.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax(x, axis):
+    m = xp(x)
+    shifted = x - m.max(x, axis=axis, keepdims=True)
+    return shifted - m.log(m.sum(m.exp(shifted), axis=axis, keepdims=True))
+
+
+def _hardmax(x, axis):
+    m = xp(x)
+    first = m.expand_dims(m.argmax(x, axis=axis), axis)
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    return (m.arange(x.shape[axis]).reshape(shape) == first).astype(x.dtype)
+
+
+def _on_2d(fn, x, axis):
+    """fn over the last axis of x flattened to 2-D at ``axis`` (the opset < 13 semantics)."""
+    m = xp(x)
+    axis = axis % x.ndim if x.ndim else 0
+    rows = math.prod(x.shape[:axis])
+    return m.reshape(fn(m.reshape(x, (rows, -1)), 1), x.shape)
+
+
+@op("Softmax")
+def Softmax_1(x, *, axis=1):
+    """Softmax of x flattened to 2-D at ``axis`` (opsets 1-12)."""
+    return _on_2d(_softmax, x, axis)
+
+
+@op("Softmax", since=13)
+def Softmax(x, *, axis=-1):
+    """Softmax along ``axis``."""
+    return _softmax(x, axis)
+
+
+@op("LogSoftmax")
+def LogSoftmax_1(x, *, axis=1):
+    """LogSoftmax of x flattened to 2-D at ``axis`` (opsets 1-12)."""
+    return _on_2d(_log_softmax, x, axis)
+
+
+@op("LogSoftmax", since=13)
+def LogSoftmax(x, *, axis=-1):
+    """LogSoftmax along ``axis``."""
+    return _log_softmax(x, axis)
+
+
+@op("Hardmax")
+def Hardmax_1(x, *, axis=1):
+    """Hardmax of x flattened to 2-D at ``axis`` (opsets 1-12)."""
+    return _on_2d(_hardmax, x, axis)
+
+
+@op("Hardmax", since=13)
+def Hardmax(x, *, axis=-1):
+    """Hardmax along ``axis``."""
+    return _hardmax(x, axis % x.ndim)
+
+
+# --- dropout --------------------------------------------------------------------------------
+
+
+@op("Dropout")
+def Dropout_1(x, *, ratio=0.5, is_test=0, consumed_inputs=None, ctx):
+    """Inference: identity; the optional mask (of x's type before opset 10) is all ones."""
+    return (x, xp(x).ones_like(x))[: ctx.num_outputs]
+
+
+@op("Dropout", since=10)
+def Dropout_10(x, *, ratio=0.5, ctx):
+    """Inference: identity; the optional boolean mask is all True."""
+    return (x, xp(x).ones(x.shape, bool))[: ctx.num_outputs]
+
+
+@op("Dropout", since=12, prefer_static=(1, 2))
+def Dropout(x, ratio=None, training_mode=None, *, seed=None, ctx):
+    """Inference: identity with an all-True mask. Training mode is random and not supported,
+    unless ratio is 0."""
+    if training_mode is not None and not is_static(training_mode):
+        raise NotImplementedError(
+            f"{ctx.label}: Dropout's training_mode must be known at trace time"
+        )
+    training = training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0])
+    no_drop = ratio is not None and is_static(ratio) and float(ratio.reshape(-1)[0]) == 0.0
+    if training and not no_drop:
+        raise NotImplementedError(f"{ctx.label}: Dropout in training mode is random; not supported")
+    return (x, xp(x).ones(x.shape, bool))[: ctx.num_outputs]
+
+
+# --- attention ------------------------------------------------------------------------------
+
+
+def _heads(x, num_heads: int):
+    """[B, S, H * D] -> [B, H, S, D]."""
+    b, s, _ = x.shape
+    return jnp.transpose(x.reshape(b, s, num_heads, -1), (0, 2, 1, 3))
+
+
+@op("Attention", since=23)
+def Attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    past_key=None,
+    past_value=None,
+    nonpad_kv_seqlen=None,
+    *,
+    is_causal=0,
+    kv_num_heads=None,
+    q_num_heads=None,
+    qk_matmul_output_mode=0,
+    scale=None,
+    softcap=0.0,
+    softmax_precision=None,
+    left_window_size=-1,
+    right_window_size=-1,
+    ctx,
+):
+    """Scaled dot-product attention (opsets 23-25) on 4-D [B, H, S, D] or 3-D [B, S, H * D]
+    inputs, with a KV cache, grouped KV heads, causal and sliding-window masks and softcap.
+
+    Outputs: Y (q's layout), present_key and present_value ([B, KV, P + S, D]) and
+    qk_matmul_output ([B, H, S, P + S]; which stage it shows is ``qk_matmul_output_mode``).
+    """
+    dtype = jnp.asarray(q).dtype
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    three_d = q.ndim == 3
+    if three_d:
+        q, k, v = _heads(q, q_num_heads), _heads(k, kv_num_heads), _heads(v, kv_num_heads)
+    # q: [B, H, S, D], k: [B, KV, L, D], v: [B, KV, L, Dv]
+    if past_key is not None:
+        k = jnp.concatenate([jnp.asarray(past_key).astype(dtype), k], axis=2)
+        v = jnp.concatenate([jnp.asarray(past_value).astype(dtype), v], axis=2)
+    present_key, present_value = k, v  # [B, KV, P + L, D]
+    batch, heads, q_len, head_size = q.shape
+    kv_len = k.shape[2]
+    past_len = past_key.shape[2] if past_key is not None else 0
+
+    # Additive bias: [..., S, P + L], -inf where a query may not attend a key.
+    bias = jnp.zeros((q_len, kv_len), dtype)
+    if attn_mask is not None:
+        mask = jnp.asarray(attn_mask)
+        pad = kv_len - mask.shape[-1]
+        if mask.dtype == jnp.bool_:
+            mask = jnp.where(mask, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
+        if pad > 0:
+            mask = jnp.pad(
+                mask.astype(dtype),
+                [(0, 0)] * (mask.ndim - 1) + [(0, pad)],
+                constant_values=-jnp.inf,
+            )
+        bias = bias + mask.astype(dtype)
+    if nonpad_kv_seqlen is not None and past_key is None:
+        offset = jnp.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1) - q_len  # [B, 1, 1, 1]
+    else:
+        offset = past_len
+    i = jnp.arange(q_len)[:, None] + offset  # absolute query positions: [(B, 1, 1,) S, 1]
+    j = jnp.arange(kv_len)[None, :]
+    allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(i), jnp.shape(j)), bool)
+    if is_causal:
+        allowed = allowed & (j <= i)
+    if left_window_size >= 0:
+        allowed = allowed & (i - j <= left_window_size)
+    if right_window_size >= 0:
+        allowed = allowed & (j - i <= right_window_size)
+    bias = bias + jnp.where(allowed, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
+    if nonpad_kv_seqlen is not None:
+        valid = jnp.arange(kv_len) < jnp.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1)
+        bias = bias + jnp.where(valid, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
+
+    # Grouped KV heads: each KV head serves heads // KV consecutive query heads.
+    groups = heads // k.shape[1]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
+    # q and k are each scaled by sqrt(scale), as the spec does against overflow.
+    root = jnp.array(math.sqrt(scale if scale is not None else 1 / math.sqrt(head_size)), dtype)
+    qk = jnp.einsum("bhsd,bhld->bhsl", q * root, k * root, precision=HIGHEST)  # [B, H, S, P + L]
+    raw = qk
+    if softcap > 0:
+        qk = softcap * jnp.tanh(qk / softcap)
+    capped = qk
+    qk = qk + bias
+    logits = qk.astype(onnx_dtype(softmax_precision, jnp)) if softmax_precision else qk
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isneginf(top), 0, top))
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    probs = e / jnp.where(total == 0, 1, total)
+    # A query row that may attend no key gives zeros.
+    masked_row = jnp.isneginf(jnp.max(bias, axis=-1, keepdims=True))
+    probs = jnp.where(masked_row, 0, probs).astype(dtype)
+    y = jnp.einsum("bhsl,bhld->bhsd", probs, v, precision=HIGHEST)  # [B, H, S, Dv]
+    if three_d:
+        y = jnp.transpose(y, (0, 2, 1, 3)).reshape(batch, q_len, -1)  # [B, S, H * Dv]
+    qk_out = {0: raw, 1: capped, 2: qk, 3: probs}[qk_matmul_output_mode]
+    qk_out = jnp.broadcast_to(qk_out, (batch, heads, q_len, kv_len)).astype(dtype)
+    return (y, present_key, present_value, qk_out)[: ctx.num_outputs]
+
+
+@op("RotaryEmbedding", since=23)
+def RotaryEmbedding(
+    x,
+    cos_cache,
+    sin_cache,
+    position_ids=None,
+    *,
+    interleaved=0,
+    num_heads=0,
+    rotary_embedding_dim=0,
+):
+    """Rotates the first ``rotary_embedding_dim`` features of each head of x: [B, H, S, D] or
+    [B, S, H * D]. With position_ids [B, S] the caches are [max_position, R / 2] tables,
+    without they are [B, S, R / 2]."""
+    shape = x.shape
+    x = jnp.asarray(x)
+    if x.ndim == 4:
+        x = jnp.transpose(x, (0, 2, 1, 3))  # [B, S, H, D]
+    else:
+        x = x.reshape(shape[0], shape[1], num_heads, -1)
+    rot = rotary_embedding_dim or x.shape[-1]
+    if position_ids is not None:
+        cos_cache = jnp.take(jnp.asarray(cos_cache), jnp.asarray(position_ids), axis=0)
+        sin_cache = jnp.take(jnp.asarray(sin_cache), jnp.asarray(position_ids), axis=0)
+    cos = jnp.asarray(cos_cache)[:, :, None, :].astype(x.dtype)  # [B, S, 1, R / 2]
+    sin = jnp.asarray(sin_cache)[:, :, None, :].astype(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    if interleaved:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+    else:
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
+    real = cos * x1 - sin * x2
+    imag = sin * x1 + cos * x2
+    if interleaved:
+        x_rot = jnp.stack([real, imag], axis=-1).reshape(x_rot.shape)
+    else:
+        x_rot = jnp.concatenate([real, imag], axis=-1)
+    y = jnp.concatenate([x_rot, x_pass], axis=-1)  # [B, S, H, D]
+    if len(shape) == 4:
+        return jnp.transpose(y, (0, 2, 1, 3))
+    return y.reshape(shape)

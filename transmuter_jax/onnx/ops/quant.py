@@ -1,3 +1,250 @@
-"""quant ops."""
+"""Quantization ops: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, QLinearMatMul and
+the com.microsoft block-quantized MatMulNBits and GatherBlockQuantized."""
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..registry import op
+from ._util import onnx_dtype, xp
+
+MS = "com.microsoft"
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def _unpack(packed, bits):
+    """uint8 [..., D] holding 8/bits values per byte, low bits first -> int32 [..., D*8/bits]."""
+    packed = jnp.asarray(packed).astype(jnp.int32)
+    if bits == 8:
+        return packed
+    per_byte = 8 // bits
+    shifts = jnp.arange(per_byte, dtype=jnp.int32) * bits  # [8/bits]
+    values = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [..., D, 8/bits]
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+
+
+def _expand_blocks(params, axis, block_size, size):
+    """Per-block params (one per block_size entries along axis) repeated to size entries."""
+    return jax.lax.slice_in_dim(jnp.repeat(params, block_size, axis=axis), 0, size, axis=axis)
+
+
+def _broadcast_params(param, x_ndim, axis, x_shape, block_size):
+    """A scale or zero point (scalar, per-axis 1-D, or blocked) broadcast against x."""
+    m = xp(param)
+    param = m.asarray(param)
+    if param.ndim == 0 or (param.size == 1 and not block_size):
+        return param.reshape(())
+    axis = axis % x_ndim
+    if block_size:
+        return _expand_blocks(jnp.asarray(param), axis, block_size, x_shape[axis])
+    shape = [1] * x_ndim
+    shape[axis] = param.shape[0]
+    return param.reshape(shape)
+
+
+def _round_half_even(x):
+    return jnp.round(x)  # jnp.round rounds half to even
+
+
+def _saturate(x, dtype):
+    info = jnp.iinfo(dtype)
+    return jnp.clip(x, info.min, info.max).astype(dtype)
+
+
+# ---------------------------------------------------------------- DequantizeLinear, QuantizeLinear
+
+
+@op("DequantizeLinear", since=10)
+@op("DequantizeLinear", domain=MS)
+def DequantizeLinear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, output_dtype=0):
+    """(x - x_zero_point) * x_scale: per tensor, per axis or per block along axis."""
+    x = jnp.asarray(x)
+    scale = _broadcast_params(x_scale, x.ndim, axis, x.shape, block_size)
+    values = x.astype(jnp.float32)
+    if x_zero_point is not None:
+        zp = _broadcast_params(x_zero_point, x.ndim, axis, x.shape, block_size)
+        values = values - jnp.asarray(zp).astype(jnp.float32)
+    y = values * jnp.asarray(scale).astype(jnp.float32)
+    dtype = onnx_dtype(output_dtype, jnp) if output_dtype else jnp.asarray(x_scale).dtype
+    return y.astype(dtype)
+
+
+@op("QuantizeLinear", since=10)
+@op("QuantizeLinear", domain=MS)
+def QuantizeLinear(
+    x, y_scale, y_zero_point=None, *, axis=1, block_size=0, output_dtype=0, saturate=1, precision=0
+):
+    """saturate(round_half_even(x / y_scale) + y_zero_point) in the zero point's type (integer,
+    or float8/float4 rounded to nearest even)."""
+    x = jnp.asarray(x)
+    if y_zero_point is not None:
+        dtype = jnp.asarray(y_zero_point).dtype
+    elif output_dtype:
+        dtype = onnx_dtype(output_dtype, jnp)
+    else:
+        dtype = jnp.dtype(jnp.uint8)
+    scale = _broadcast_params(y_scale, x.ndim, axis, x.shape, block_size)
+    y = x.astype(jnp.float32) / jnp.asarray(scale).astype(jnp.float32)
+    zp = 0.0
+    if y_zero_point is not None:
+        zp = _broadcast_params(y_zero_point, x.ndim, axis, x.shape, block_size)
+        zp = jnp.asarray(zp).astype(jnp.float32)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return _saturate(_round_half_even(y) + zp, dtype)
+    y = y + zp  # a float8/float4 type: round to nearest even, saturating unless told not to
+    if saturate:
+        top = float(jnp.finfo(dtype).max)
+        y = jnp.clip(y, -top, top)
+    return y.astype(dtype)
+
+
+@op("DynamicQuantizeLinear", since=11)
+def DynamicQuantizeLinear(x):
+    """x to uint8 with the scale and zero point that map [min(x, 0), max(x, 0)] onto [0, 255]."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    low = jnp.minimum(jnp.min(x), 0.0)
+    high = jnp.maximum(jnp.max(x), 0.0)
+    scale = (high - low) / 255.0
+    safe = jnp.where(scale == 0, 1.0, scale)
+    zp = _saturate(_round_half_even(-low / safe), jnp.uint8)
+    y = _saturate(_round_half_even(x / safe) + zp.astype(jnp.float32), jnp.uint8)
+    return y, scale, zp
+
+
+@op("QLinearMatMul", since=10)
+def QLinearMatMul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+    """quantize((a - a_zp) a_scale @ (b - b_zp) b_scale, y_scale, y_zp) with an exact integer
+    product; b's scale and zero point may be per column."""
+    a_int = jnp.asarray(a).astype(jnp.int32) - _row_param(a_zero_point, jnp.int32)
+    b_int = jnp.asarray(b).astype(jnp.int32) - _col_param(b_zero_point, jnp.int32)
+    acc = jnp.matmul(a_int, b_int).astype(jnp.float32)  # [..., M, N]
+    factor = _row_param(a_scale, jnp.float32) * _col_param(b_scale, jnp.float32)
+    y = _round_half_even(acc * factor / jnp.asarray(y_scale).astype(jnp.float32))
+    y = y + jnp.asarray(y_zero_point).astype(jnp.float32)
+    return _saturate(y, jnp.asarray(y_zero_point).dtype)
+
+
+def _row_param(p, dtype):
+    """A scalar or per-row ([M] / [..., M, 1]) parameter of a as a column [.., M, 1]."""
+    p = jnp.asarray(p).astype(dtype)
+    return p if p.ndim == 0 or p.size == 1 else p.reshape(*p.shape[:-1], -1, 1)
+
+
+def _col_param(p, dtype):
+    """A scalar or per-column ([N] / [..., 1, N]) parameter of b as a row [.., 1, N]."""
+    p = jnp.asarray(p).astype(dtype)
+    return p if p.ndim == 0 or p.size == 1 else p.reshape(*p.shape[:-1], 1, p.shape[-1])
+
+
+# ---------------------------------------------------------------- MatMulNBits
+
+
+@op("MatMulNBits", domain=MS)
+def MatMulNBits(
+    a,
+    b,
+    scales,
+    zero_points=None,
+    g_idx=None,
+    bias=None,
+    *,
+    K,
+    N,
+    block_size,
+    bits=4,
+    accuracy_level=0,
+    weight_prepacked=0,
+):
+    """a [..., K] @ the block-quantized weight [N, K] transposed (+ bias) -> [..., N].
+
+    b: uint8 [N, n_blocks, block_size*bits/8], values low bits first; the weight is
+    (value - zero point) * scale per block of K, the zero point 2^(bits-1) when absent.
+    """
+    if weight_prepacked:
+        raise NotImplementedError("MatMulNBits with weight_prepacked")
+    weight = _nbits_weight(b, scales, zero_points, g_idx, K, N, block_size, bits)  # [N, K]
+    a = jnp.asarray(a)
+    y = jnp.matmul(a.astype(jnp.float32), weight.T)  # [..., N]
+    if bias is not None:
+        y = y + jnp.asarray(bias).astype(jnp.float32)
+    return y.astype(a.dtype)
+
+
+def _nbits_weight(b, scales, zero_points, g_idx, k, n, block_size, bits):
+    """The dequantized MatMulNBits weight [N, K] in float32."""
+    blocks = -(-k // block_size)
+    if np.size(b) == 0:  # an omitted projection
+        return jnp.zeros((n, k), jnp.float32)
+    q = _unpack(jnp.reshape(b, (n, -1)), bits)[:, :k]  # [N, K]
+    scale = jnp.asarray(scales).astype(jnp.float32).reshape(n, blocks)
+    if zero_points is None:
+        zp = jnp.full((n, blocks), 1 << (bits - 1), jnp.float32)
+    elif jnp.asarray(zero_points).dtype == jnp.uint8:
+        zp = _unpack(jnp.reshape(zero_points, (n, -1)), bits)[:, :blocks].astype(jnp.float32)
+    else:
+        zp = jnp.asarray(zero_points).astype(jnp.float32).reshape(n, blocks)
+    group = jnp.arange(k) // block_size if g_idx is None else jnp.asarray(g_idx).astype(jnp.int32)
+    return (q.astype(jnp.float32) - zp[:, group]) * scale[:, group]
+
+
+# ---------------------------------------------------------------- GatherBlockQuantized
+
+
+@op("GatherBlockQuantized", domain=MS)
+def GatherBlockQuantized(
+    data,
+    indices,
+    scales,
+    zero_points=None,
+    *,
+    bits=4,
+    block_size=128,
+    gather_axis=0,
+    quantize_axis=1,
+):
+    """Gather of a block-quantized table: (value - zero point) * scale per block along
+    quantize_axis; out-of-range indices give zeros.
+
+    uint8 data packs 8/bits values per byte along its last axis (low bits first) with a default
+    zero point of 2^(bits-1); int4/uint4 data is unpacked with a default zero point of 0.
+    """
+    rank = np.ndim(data)
+    gather_axis, quantize_axis = gather_axis % rank, quantize_axis % rank
+    packed = jnp.asarray(data).dtype == jnp.uint8
+    values = _unpack(data, bits) if packed else jnp.asarray(data).astype(jnp.int32)
+    if zero_points is None:
+        zp = jnp.full((), (1 << (bits - 1)) if packed else 0, jnp.int32)
+    elif packed:
+        zp = _unpack(zero_points, bits)[..., : np.shape(scales)[-1]]
+    else:
+        zp = jnp.asarray(zero_points).astype(jnp.int32)
+    scales = jnp.asarray(scales)
+    size = values.shape[gather_axis]
+    idx = jnp.asarray(indices).astype(jnp.int32)
+    inside = (idx >= -size) & (idx < size)
+    idx = jnp.where(idx < 0, idx + size, idx)
+    idx = jnp.where(inside, idx, 0)
+    if gather_axis != quantize_axis:  # gather the rows first, then dequantize only them
+        values = jnp.take(values, idx, axis=gather_axis)
+        scales = jnp.take(scales, idx, axis=gather_axis)
+        zp = zp if zp.ndim == 0 else jnp.take(zp, idx, axis=gather_axis)
+        axis = quantize_axis + (idx.ndim - 1 if quantize_axis > gather_axis else 0)
+        out = _dequant_blocks(values, scales, zp, axis, block_size)
+    else:
+        table = _dequant_blocks(values, scales, zp, quantize_axis, block_size)
+        out = jnp.take(table, idx, axis=gather_axis)
+    keep = inside.reshape((1,) * gather_axis + idx.shape + (1,) * (rank - gather_axis - 1))
+    return jnp.where(keep, out, 0).astype(scales.dtype)
+
+
+def _dequant_blocks(values, scales, zp, axis, block_size):
+    """(values - zp) * scales with one scale (and zero point) per block_size values along axis."""
+    size = values.shape[axis]
+    scale = _expand_blocks(scales.astype(jnp.float32), axis, block_size, size)
+    if zp.ndim:
+        zp = _expand_blocks(zp, axis, block_size, size)
+    return (values - zp).astype(jnp.float32) * scale

@@ -1,0 +1,382 @@
+"""com.microsoft attention and fused ops against onnxruntime CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx_cases import check_op, node_model, run_jax, run_ort
+
+MS = "com.microsoft"
+rng = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    global rng
+    rng = np.random.default_rng(0)
+
+
+def _randn(*shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# ---------------------------------------------------------------- GroupQueryAttention
+
+
+_GQA_OPTIONAL = (
+    "cos_cache",
+    "sin_cache",
+    "position_ids",
+    "attention_bias",
+    "head_sink",
+    "k_scale",
+    "v_scale",
+    "q_norm_weight",
+    "k_norm_weight",
+    "query_seqlens",
+)
+
+
+def _gqa(
+    *,
+    batch=2,
+    seq=4,
+    heads=4,
+    kv_heads=2,
+    head=16,
+    buffer=0,
+    seqlens=(3, 2),
+    total=4,
+    packed=False,
+    rotary_dim=None,
+    extra=None,
+    outputs=("out", "present_key", "present_value"),
+    tol=1e-4,
+    dtype=np.float32,
+    **attrs,
+):
+    """Runs one GroupQueryAttention node with onnxruntime and transmuter_jax; compares the output
+    and the valid rows [0, seqlens_k[b] + 1) of the present buffers."""
+    q = _randn(batch, seq, heads * head, dtype=dtype)
+    k = _randn(batch, seq, kv_heads * head, dtype=dtype)
+    v = _randn(batch, seq, kv_heads * head, dtype=dtype)
+    inputs = {
+        "query": np.concatenate([q, k, v], -1) if packed else q,
+        "key": None if packed else k,
+        "value": None if packed else v,
+        "past_key": _randn(batch, kv_heads, buffer, head, dtype=dtype),
+        "past_value": _randn(batch, kv_heads, buffer, head, dtype=dtype),
+        "seqlens_k": np.asarray(seqlens, np.int32),
+        "total_sequence_length": np.asarray(total, np.int32),
+    }
+    if attrs.get("do_rotary"):
+        half = (rotary_dim or head) // 2
+        angles = np.arange(64)[:, None] * (0.5 ** np.arange(half))[None, :]
+        inputs["cos_cache"] = np.cos(angles).astype(dtype)
+        inputs["sin_cache"] = np.sin(angles).astype(dtype)
+    for name in _GQA_OPTIONAL:
+        inputs.setdefault(name, None)
+    inputs.update(extra or {})
+    last = max(i for i, value in enumerate(inputs.values()) if value is not None)
+    inputs = dict(list(inputs.items())[: last + 1])
+    model = node_model(
+        "GroupQueryAttention",
+        inputs,
+        outputs,
+        domain=MS,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        **attrs,
+    )
+    feeds = {name: value for name, value in inputs.items() if value is not None}
+    want, got = run_ort(model, feeds), run_jax(model, feeds)
+    for name in outputs:
+        assert got[name].shape == want[name].shape, name
+    rows = extra.get("query_seqlens") if extra else None  # rows past these are unspecified
+    for b in range(batch):
+        end = seq if rows is None else rows[b]
+        np.testing.assert_allclose(got["out"][b, :end], want["out"][b, :end], rtol=tol, atol=tol)
+    for b, valid in enumerate(np.asarray(seqlens) + 1):
+        for name in ("present_key", "present_value"):
+            np.testing.assert_allclose(
+                got[name][b, :, :valid], want[name][b, :, :valid], rtol=tol, atol=tol
+            )
+    return want, got
+
+
+def test_gqa_prompt_empty_past():
+    _gqa()
+
+
+def test_gqa_prompt_long_zero_buffer():
+    _gqa(buffer=8)
+
+
+def test_gqa_prompt_packed():
+    _gqa(packed=True)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_gqa_prompt_rotary(interleaved):
+    _gqa(do_rotary=1, rotary_interleaved=interleaved)
+
+
+def test_gqa_decode_longer_buffer_ragged():
+    _gqa(seq=1, buffer=8, seqlens=(3, 6), total=7)
+
+
+def test_gqa_decode_growing_cache():
+    _gqa(seq=1, buffer=5, seqlens=(5, 2), total=6)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_gqa_decode_rotary_packed(interleaved):
+    _gqa(
+        seq=1,
+        buffer=8,
+        seqlens=(4, 7),
+        total=8,
+        packed=True,
+        do_rotary=1,
+        rotary_interleaved=interleaved,
+    )
+
+
+def test_gqa_partial_rotary():
+    _gqa(head=32, rotary_dim=16, seq=1, buffer=6, seqlens=(2, 5), total=6, do_rotary=1)
+
+
+def test_gqa_subsequent_prompt():
+    _gqa(batch=1, seq=3, buffer=4, seqlens=(6,), total=7, do_rotary=1)
+
+
+def test_gqa_subsequent_prompt_static_buffer():
+    _gqa(batch=1, seq=3, buffer=10, seqlens=(6,), total=7, do_rotary=1)
+
+
+@pytest.mark.parametrize("seq,buffer,seqlens,total", [(6, 0, (5, 3), 6), (1, 8, (3, 6), 7)])
+def test_gqa_local_window(seq, buffer, seqlens, total):
+    _gqa(seq=seq, buffer=buffer, seqlens=seqlens, total=total, local_window_size=2)
+
+
+@pytest.mark.parametrize("seq,buffer,seqlens,total", [(6, 0, (5, 3), 6), (1, 8, (3, 6), 7)])
+def test_gqa_softcap(seq, buffer, seqlens, total):
+    _gqa(seq=seq, buffer=buffer, seqlens=seqlens, total=total, softcap=1.5, scale=0.4)
+
+
+def test_gqa_smooth_softmax():
+    _gqa(seq=6, seqlens=(5, 3), total=6, smooth_softmax=1)
+
+
+def test_gqa_head_sink():
+    _gqa(seq=1, buffer=8, seqlens=(3, 6), total=7, extra={"head_sink": _randn(4)})
+
+
+def test_gqa_attention_bias():
+    bias = _randn(2, 1, 1, 7)
+    _gqa(seq=1, buffer=8, seqlens=(3, 6), total=7, extra={"attention_bias": bias})
+
+
+def test_gqa_position_ids():
+    pos = np.asarray([[9], [4]], np.int64)
+    _gqa(seq=1, buffer=8, seqlens=(3, 6), total=7, do_rotary=1, extra={"position_ids": pos})
+
+
+def test_gqa_prompt_position_ids():  # a first prompt reads position_ids[0, 0] only
+    pos = np.asarray([[5, 9, 7, 8], [2, 3, 0, 5]], np.int64)
+    _gqa(do_rotary=1, buffer=8, extra={"position_ids": pos})
+
+
+def test_gqa_subsequent_prompt_position_ids():
+    pos = np.asarray([[4, 9, 6]], np.int64)
+    _gqa(batch=1, seq=3, buffer=4, seqlens=(6,), total=7, do_rotary=1, extra={"position_ids": pos})
+
+
+def test_gqa_query_seqlens():
+    lens = np.asarray([2, 3], np.int32)
+    pos = np.asarray([[4, 9, 6], [1, 2, 3]], np.int64)
+    extra = {"position_ids": pos, "query_seqlens": lens}
+    _gqa(seq=3, buffer=10, seqlens=(6, 4), total=10, do_rotary=1, extra=extra)
+
+
+def test_gqa_float16():
+    _gqa(seq=1, buffer=6, seqlens=(3, 5), total=6, do_rotary=1, dtype=np.float16, tol=2e-3)
+
+
+def test_gqa_not_causal():
+    _gqa(seq=4, seqlens=(3, 3), total=4, causal=0)
+
+
+@pytest.mark.parametrize("qk_output", [1, 2])
+def test_gqa_qk_output(qk_output):
+    outputs = ("out", "present_key", "present_value", "qk")
+    want, got = _gqa(seq=1, buffer=6, seqlens=(3, 5), total=6, qk_output=qk_output, outputs=outputs)
+    for b, valid in enumerate((4, 6)):
+        np.testing.assert_allclose(
+            got["qk"][b, ..., :valid], want["qk"][b, ..., :valid], rtol=1e-4, atol=1e-4
+        )
+
+
+# ---------------------------------------------------------------- MultiHeadAttention
+
+
+def _mha(inputs, outputs=("out",), atol=1e-4, **attrs):
+    check_op("MultiHeadAttention", inputs, outputs, domain=MS, rtol=1e-4, atol=atol, **attrs)
+
+
+def test_mha_self():
+    _mha(
+        {"query": _randn(2, 5, 32), "key": _randn(2, 5, 32), "value": _randn(2, 5, 32)}, num_heads=4
+    )
+
+
+def test_mha_cross_lengths_and_bias():
+    inputs = {
+        "query": _randn(2, 3, 32),
+        "key": _randn(2, 7, 32),
+        "value": _randn(2, 7, 32),
+        "bias": _randn(96),
+    }
+    _mha(inputs, num_heads=2, scale=0.2)
+
+
+def test_mha_key_padding_mask():
+    mask = np.ones((2, 6), np.int32)
+    mask[1, 4:] = 0
+    inputs = {
+        "query": _randn(2, 3, 32),
+        "key": _randn(2, 6, 32),
+        "value": _randn(2, 6, 32),
+        "bias": None,
+        "key_padding_mask": mask,
+    }
+    _mha(inputs, num_heads=4)
+
+
+@pytest.mark.parametrize("kind", ["lengths", "3d"])
+def test_mha_key_padding_mask_other_shapes(kind):
+    if kind == "lengths":
+        mask = np.asarray([6, 3], np.int32)
+    else:
+        mask = (rng.random((2, 3, 6)) > 0.3).astype(np.int32)
+        mask[..., 0] = 1
+    inputs = {
+        "query": _randn(2, 3, 32),
+        "key": _randn(2, 6, 32),
+        "value": _randn(2, 6, 32),
+        "bias": None,
+        "key_padding_mask": mask,
+    }
+    _mha(inputs, num_heads=4, mask_filter_value=-1e9)
+
+
+def test_mha_past_unidirectional():
+    inputs = {
+        "query": _randn(2, 2, 32),
+        "key": _randn(2, 2, 32),
+        "value": _randn(2, 2, 32),
+        "bias": _randn(96),
+        "key_padding_mask": None,
+        "attention_bias": _randn(1, 4, 2, 7),
+        "past_key": _randn(2, 4, 5, 8),
+        "past_value": _randn(2, 4, 5, 8),
+    }
+    _mha(inputs, ("out", "present_key", "present_value"), num_heads=4, unidirectional=1)
+
+
+def test_mha_cross_cached_keys():
+    inputs = {"query": _randn(2, 1, 32), "key": _randn(2, 4, 6, 8), "value": _randn(2, 4, 6, 8)}
+    _mha(inputs, num_heads=4)
+
+
+# ---------------------------------------------------------------- RotaryEmbedding
+
+
+def _caches(half, count=32):
+    angles = np.arange(count)[:, None] * (0.3 ** np.arange(half))[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_3d(interleaved):
+    cos, sin = _caches(8)
+    pos = rng.integers(0, 32, (2, 5)).astype(np.int64)
+    inputs = {"input": _randn(2, 5, 64), "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
+    check_op("RotaryEmbedding", inputs, domain=MS, interleaved=interleaved, num_heads=4)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_4d(interleaved):
+    cos, sin = _caches(8)
+    pos = rng.integers(0, 32, (2, 5)).astype(np.int64)
+    inputs = {"input": _randn(2, 3, 5, 16), "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
+    check_op("RotaryEmbedding", inputs, domain=MS, interleaved=interleaved)
+
+
+def test_rotary_offset_partial():
+    cos, sin = _caches(4)
+    pos = np.asarray([3], np.int64)
+    inputs = {"input": _randn(2, 5, 64), "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
+    check_op("RotaryEmbedding", inputs, domain=MS, num_heads=4, rotary_embedding_dim=8)
+
+
+# ---------------------------------------------------------------- norms and activations
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skip_layer_norm(with_bias):
+    inputs = {
+        "input": _randn(2, 3, 16),
+        "skip": _randn(2, 3, 16),
+        "gamma": _randn(16),
+        "beta": _randn(16),
+        "bias": _randn(16) if with_bias else None,
+    }
+    outputs = ("y", "", "", "sum")
+    check_op("SkipLayerNormalization", inputs, outputs, domain=MS, epsilon=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skip_simplified_layer_norm(with_bias):
+    inputs = {
+        "input": _randn(2, 3, 16),
+        "skip": _randn(2, 3, 16),
+        "gamma": _randn(16),
+        "bias": _randn(16) if with_bias else None,
+    }
+    outputs = ("y", "", "", "sum")
+    check_op("SkipSimplifiedLayerNormalization", inputs, outputs, domain=MS, epsilon=1e-6)
+
+
+def test_skip_simplified_layer_norm_one_output():
+    inputs = {"input": _randn(4, 16), "skip": _randn(4, 16), "gamma": _randn(16)}
+    check_op("SkipSimplifiedLayerNormalization", inputs, domain=MS)
+
+
+def test_gelus():
+    x = _randn(3, 8) * 3
+    check_op("Gelu", {"x": x}, domain=MS)
+    check_op("BiasGelu", {"a": x, "b": _randn(8)}, domain=MS)
+    check_op("FastGelu", {"x": x}, domain=MS)
+    check_op("FastGelu", {"x": x, "bias": _randn(8)}, domain=MS)
+    check_op("QuickGelu", {"x": x}, domain=MS)
+    check_op("QuickGelu", {"x": x}, domain=MS, alpha=1.3)
+
+
+def test_bias_add():  # onnxruntime has no CPU kernel for BiasAdd
+    inputs = {"x": _randn(2, 4, 8), "bias": _randn(8), "skip": _randn(2, 4, 8)}
+    got = run_jax(node_model("BiasAdd", inputs, domain=MS), inputs)["y"]
+    np.testing.assert_allclose(got, inputs["x"] + inputs["bias"] + inputs["skip"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_fused_matmul(trans_a, trans_b):
+    a = _randn(2, 5, 3) if trans_a else _randn(2, 3, 5)
+    b = _randn(2, 4, 5) if trans_b else _randn(2, 5, 4)
+    check_op("FusedMatMul", {"a": a, "b": b}, domain=MS, transA=trans_a, transB=trans_b, alpha=0.5)
+
+
+def test_fused_matmul_trans_batch():
+    a = _randn(3, 2, 5)  # transBatchA: [3, 2, 5] -> [2, 3, 5]
+    b = _randn(2, 5, 4)
+    check_op("FusedMatMul", {"a": a, "b": b}, domain=MS, transBatchA=1)
