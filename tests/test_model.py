@@ -276,3 +276,31 @@ def test_small_shape_input_becomes_a_compile_time_input(tmp_path):
     x = np.arange(12, dtype=np.float32)
     assert model({"x": x, "shape": np.array([3, 4])})["y"].shape == (3, 4)
     assert model({"x": x, "shape": np.array([2, 6])})["y"].shape == (2, 6)
+
+
+def test_large_folded_values_are_computed_in_the_program(tmp_path):
+    # ConstantOfShape(Shape(x)) is known at trace time, but 512 x 512 values are too many to
+    # embed in the compiled program: the traced function has no constant that large.
+    import jax
+
+    from transmuter_jax.onnx.trace import FOLD_LIMIT
+
+    proto = _graph_model(
+        [
+            helper.make_node("Shape", ["x"], ["s"]),
+            helper.make_node(
+                "ConstantOfShape",
+                ["s"],
+                ["c"],
+                value=helper.make_tensor("v", TensorProto.FLOAT, [1], [2.0]),
+            ),
+            helper.make_node("Mul", ["x", "c"], ["y"]),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [512, 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [512, 512])],
+    )
+    model = tj.load(_save(proto, tmp_path / "m.onnx"))
+    x = np.ones((512, 512), np.float32)
+    np.testing.assert_array_equal(model({"x": x})["y"], 2 * x)
+    jaxpr = jax.make_jaxpr(lambda p, i: model._function({}, p, i))(model.params, {"x": x})
+    assert max((np.size(c) for c in jaxpr.consts), default=0) <= FOLD_LIMIT

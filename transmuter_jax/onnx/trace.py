@@ -17,9 +17,14 @@ import numpy as np
 from onnx import AttributeProto, GraphProto, NodeProto, helper, numpy_helper
 
 from .errors import DynamicShapeError, UnsupportedOpError
+from .fold import in_program
 from .registry import OpSpec, canonical_domain, lookup
 
 Scope = ChainMap
+
+# A value folded at trace time that is larger than this (elements) is computed in the program
+# instead, so the compiled program embeds no large constants (a causal mask, say).
+FOLD_LIMIT = 1 << 16
 
 
 def is_static(value: Any) -> bool:
@@ -139,6 +144,10 @@ def run_nodes(graph: Graph, scope: Scope) -> None:
                 with jax.ensure_compile_time_eval():
                     out = spec.fn(*args, **attrs)
                 out = _to_numpy(out)
+                if _largest(out) > FOLD_LIMIT:
+                    # Too large to embed in the program: compute it in the program instead.
+                    with in_program():
+                        out = spec.fn(*args, **attrs)
             else:
                 out = spec.fn(*args, **attrs)
         except Exception as error:
@@ -152,6 +161,11 @@ def run_nodes(graph: Graph, scope: Scope) -> None:
                     if isinstance(value, (np.generic, int, float, bool))
                     else value
                 )
+
+
+def _largest(out: Any) -> int:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return max((o.size for o in outs if isinstance(o, np.ndarray)), default=0)
 
 
 def _to_numpy(out: Any) -> Any:

@@ -5,21 +5,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from ..dtypes import device_dtype, np_dtype
-
-
-def xp(*values: Any) -> ModuleType:
-    """numpy when every value is known at trace time (numpy or None), else jax.numpy.
-
-    Ops written against ``xp(...)`` fold shape arithmetic exactly (int64 included) with numpy and
-    trace everything else with JAX.
-    """
-    if all(v is None or isinstance(v, (np.ndarray, np.generic, int, float, bool)) for v in values):
-        return np
-    return jnp
+from ..fold import xp  # noqa: F401  (re-exported for the op modules)
 
 
 def ints(value: Any) -> list[int]:

@@ -11,6 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from ..dtypes import device_dtype
 from ..registry import op
 from ._util import ints, onnx_dtype, xp
 
@@ -130,7 +131,9 @@ def Pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
 @op("ConstantOfShape", since=9, static=(0,))
 def ConstantOfShape(shape, *, value=None):
     value = np.zeros(1, np.float32) if value is None else np.asarray(value)
-    return np.full(ints(shape), value.reshape(-1)[0], dtype=value.dtype)
+    m = xp()
+    dtype = value.dtype if m is np else device_dtype(value.dtype)
+    return m.full(ints(shape), value.reshape(-1)[0].astype(dtype), dtype=dtype)
 
 
 @op("Range", since=11, static=(0, 1, 2))
@@ -138,7 +141,9 @@ def Range(start, limit, delta):
     """max(ceil((limit - start) / delta), 0) values start + i * delta, of start's dtype."""
     start, limit, delta = (np.asarray(v).reshape(()) for v in (start, limit, delta))
     count = max(int(np.ceil((limit.astype(np.float64) - start) / delta)), 0)
-    return (start + np.arange(count, dtype=start.dtype) * delta).astype(start.dtype)
+    m = xp()
+    dtype = start.dtype if m is np else device_dtype(start.dtype)
+    return (m.arange(count, dtype=dtype) * delta.astype(dtype) + start.astype(dtype)).astype(dtype)
 
 
 @op("EyeLike", since=9)
