@@ -100,6 +100,7 @@ def Mod(a, b, *, fmod=0):
 def Pow(x, y, *, broadcast=0, axis=None):
     """The result has the base's dtype."""
     m = xp(x, y)
+    x = m.asarray(x)
     return m.power(x, _legacy(x, y, axis)).astype(x.dtype)
 
 
@@ -188,7 +189,7 @@ def Mean(*inputs, consumed_inputs=None):
 def Clip(x, min=None, max=None, *, consumed_inputs=None):
     """``min(max(x, min), max)``: ``max`` wins where ``min > max``. Attributes up to opset 6."""
     m = xp(x, min, max)
-    min, max = _clamped(m, min, max)
+    x, min, max = m.asarray(x), *_clamped(m, min, max)
     if min is not None:
         x = m.maximum(x, m.asarray(min).astype(x.dtype))
     if max is not None:

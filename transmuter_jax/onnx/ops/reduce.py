@@ -24,6 +24,12 @@ def _reduce(fn, data, axes, keepdims, noop_with_empty_axes, **kwargs):
     return fn(data, axis=axis, keepdims=bool(keepdims), **kwargs)
 
 
+def _input(data):
+    """The module for ``data`` and ``data`` in it: with jax.numpy, in its device dtype."""
+    m = xp(data)
+    return m, m.asarray(data)
+
+
 def _initial(dtype, largest):
     """The largest (or lowest) value of ``dtype``: what min (or max) gives for an empty set."""
     dtype = np.dtype(dtype)
@@ -37,59 +43,61 @@ def _initial(dtype, largest):
 
 @op("ReduceSum", static=(1,))
 def ReduceSum(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-    m = xp(data)
+    m, data = _input(data)
     return _reduce(m.sum, data, axes, keepdims, noop_with_empty_axes, dtype=data.dtype)
 
 
 @op("ReduceMean", static=(1,))
 def ReduceMean(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-    m = xp(data)
+    m, data = _input(data)
     return _reduce(m.mean, data, axes, keepdims, noop_with_empty_axes).astype(data.dtype)
 
 
 @op("ReduceMax", static=(1,))
 def ReduceMax(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
     """An empty set gives the lowest value of the dtype (-inf for floats)."""
-    m, initial = xp(data), _initial(data.dtype, largest=False)
+    m, data = _input(data)
+    initial = _initial(data.dtype, largest=False)
     return _reduce(m.max, data, axes, keepdims, noop_with_empty_axes, initial=initial)
 
 
 @op("ReduceMin", static=(1,))
 def ReduceMin(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
     """An empty set gives the highest value of the dtype (inf for floats)."""
-    m, initial = xp(data), _initial(data.dtype, largest=True)
+    m, data = _input(data)
+    initial = _initial(data.dtype, largest=True)
     return _reduce(m.min, data, axes, keepdims, noop_with_empty_axes, initial=initial)
 
 
 @op("ReduceProd", static=(1,))
 def ReduceProd(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-    m = xp(data)
+    m, data = _input(data)
     return _reduce(m.prod, data, axes, keepdims, noop_with_empty_axes, dtype=data.dtype)
 
 
 @op("ReduceL1", static=(1,))
 def ReduceL1(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-    m = xp(data)
+    m, data = _input(data)
     x = m.abs(data)
     return _reduce(m.sum, x, axes, keepdims, noop_with_empty_axes, dtype=data.dtype)
 
 
 @op("ReduceL2", static=(1,))
 def ReduceL2(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-    m = xp(data)
+    m, data = _input(data)
     x = _reduce(m.sum, data * data, axes, keepdims, noop_with_empty_axes, dtype=data.dtype)
     return m.sqrt(x).astype(data.dtype)
 
 
 @op("ReduceSumSquare", static=(1,))
 def ReduceSumSquare(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-    m = xp(data)
+    m, data = _input(data)
     return _reduce(m.sum, data * data, axes, keepdims, noop_with_empty_axes, dtype=data.dtype)
 
 
 @op("ReduceLogSum", static=(1,))
 def ReduceLogSum(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-    m = xp(data)
+    m, data = _input(data)
     x = _reduce(m.sum, data, axes, keepdims, noop_with_empty_axes, dtype=data.dtype)
     return m.log(x).astype(data.dtype)
 
@@ -131,7 +139,7 @@ def ArgMin(data, *, axis=0, keepdims=1, select_last_index=0):
 @op("CumSum", since=11, static=(1,))
 def CumSum(x, axis, *, exclusive=0, reverse=0):
     """``exclusive`` leaves out each element itself; ``reverse`` sums from the end."""
-    m, axis = xp(x), ints(axis)[0] % max(np.ndim(x), 1)
+    (m, x), axis = _input(x), ints(axis)[0] % max(np.ndim(x), 1)
     if reverse:
         x = m.flip(x, axis)
     y = m.cumsum(x, axis=axis, dtype=x.dtype)
