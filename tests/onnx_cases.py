@@ -92,8 +92,15 @@ def assert_same(
             np.testing.assert_array_equal(actual, expected.astype(actual.dtype), err_msg=name)
 
 
-def check_op(op_type: str, inputs: Mapping[str, np.ndarray | None], outputs=("y",), *,
-             rtol: float = 1e-5, atol: float = 1e-5, **kwargs) -> None:
+def check_op(
+    op_type: str,
+    inputs: Mapping[str, np.ndarray | None],
+    outputs=("y",),
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    **kwargs,
+) -> None:
     """Builds the one-node model and asserts transmuter_jax matches onnxruntime on it."""
     model = node_model(op_type, inputs, outputs, **kwargs)
     constants = kwargs.get("constants", ())
