@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..registry import op
-from ._util import xp
+from ._util import precision, xp
 
 MS = "com.microsoft"
 
@@ -96,7 +96,7 @@ def _grouped_scores(q, k, scale):
     b, s, n, h = q.shape
     nk = k.shape[1]
     qg = q.reshape(b, s, nk, n // nk, h).astype(jnp.float32)
-    scores = jnp.einsum("bskgh,bklh->bkgsl", qg, k.astype(jnp.float32))
+    scores = jnp.einsum("bskgh,bklh->bkgsl", qg, k.astype(jnp.float32), precision=precision())
     return scores.reshape(b, n, s, k.shape[2]) * scale
 
 
@@ -105,7 +105,7 @@ def _grouped_values(probs, v):
     b, n, s, l = probs.shape
     nk, h = v.shape[1], v.shape[3]
     pg = probs.reshape(b, nk, n // nk, s, l)
-    out = jnp.einsum("bkgsl,bklh->bskgh", pg, v.astype(jnp.float32))
+    out = jnp.einsum("bkgsl,bklh->bskgh", pg, v.astype(jnp.float32), precision=precision())
     return out.reshape(b, s, n * h)
 
 

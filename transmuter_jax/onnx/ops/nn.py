@@ -10,9 +10,7 @@ from jax import lax
 
 from ..registry import op
 from ..trace import is_static
-from ._util import onnx_dtype, xp
-
-HIGHEST = lax.Precision.HIGHEST
+from ._util import onnx_dtype, precision, xp
 
 
 def _matmul(a, b):
@@ -20,7 +18,7 @@ def _matmul(a, b):
     m = xp(a, b)
     if m is np:
         return np.matmul(a, b)
-    return jnp.matmul(a, b, precision=HIGHEST)
+    return jnp.matmul(a, b, precision=precision())
 
 
 # --- matrix products ------------------------------------------------------------------------
@@ -66,7 +64,7 @@ def Einsum(*inputs, equation):
     equation = equation.replace(" ", "")
     if xp(*inputs) is np:
         return np.einsum(equation, *inputs)
-    return jnp.einsum(equation, *inputs, precision=HIGHEST)
+    return jnp.einsum(equation, *inputs, precision=precision())
 
 
 # --- convolution ----------------------------------------------------------------------------
@@ -129,7 +127,7 @@ def Conv(
         padding=padding,
         rhs_dilation=dilations,
         feature_group_count=group,
-        precision=HIGHEST,
+        precision=precision(),
     )  # y: [N, M, O1, ...]
     if b is not None:
         y = y + _channel(jnp.asarray(b).astype(y.dtype), y.ndim)
@@ -189,7 +187,7 @@ def ConvTranspose(
         lhs_dilation=strides,
         rhs_dilation=dilations,
         feature_group_count=group,
-        precision=HIGHEST,
+        precision=precision(),
     )  # y: [N, M, O1, ...]
     if b is not None:
         y = y + _channel(jnp.asarray(b).astype(y.dtype), y.ndim)
@@ -708,7 +706,9 @@ def Attention(
         k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
     # q and k are each scaled by sqrt(scale), as the spec does against overflow.
     root = jnp.array(math.sqrt(scale if scale is not None else 1 / math.sqrt(head_size)), dtype)
-    qk = jnp.einsum("bhsd,bhld->bhsl", q * root, k * root, precision=HIGHEST)  # [B, H, S, P + L]
+    qk = jnp.einsum(
+        "bhsd,bhld->bhsl", q * root, k * root, precision=precision()
+    )  # [B, H, S, P + L]
     raw = qk
     if softcap > 0:
         qk = softcap * jnp.tanh(qk / softcap)
@@ -722,7 +722,7 @@ def Attention(
     # A query row that may attend no key gives zeros.
     masked_row = jnp.isneginf(jnp.max(bias, axis=-1, keepdims=True))
     probs = jnp.where(masked_row, 0, probs).astype(dtype)
-    y = jnp.einsum("bhsl,bhld->bhsd", probs, v, precision=HIGHEST)  # [B, H, S, Dv]
+    y = jnp.einsum("bhsl,bhld->bhsd", probs, v, precision=precision())  # [B, H, S, Dv]
     if three_d:
         y = jnp.transpose(y, (0, 2, 1, 3)).reshape(batch, q_len, -1)  # [B, S, H * Dv]
     qk_out = {0: raw, 1: capped, 2: qk, 3: probs}[qk_matmul_output_mode]

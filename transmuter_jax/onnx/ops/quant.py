@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..registry import op
-from ._util import onnx_dtype, xp
+from ._util import onnx_dtype, precision, xp
 
 MS = "com.microsoft"
 
@@ -168,7 +168,7 @@ def MatMulNBits(
         raise NotImplementedError("MatMulNBits with weight_prepacked")
     weight = _nbits_weight(b, scales, zero_points, g_idx, K, N, block_size, bits)  # [N, K]
     a = jnp.asarray(a)
-    y = jnp.matmul(a.astype(jnp.float32), weight.T)  # [..., N]
+    y = jnp.matmul(a.astype(jnp.float32), weight.T, precision=precision())  # [..., N]
     if bias is not None:
         y = y + jnp.asarray(bias).astype(jnp.float32)
     return y.astype(a.dtype)
