@@ -179,3 +179,56 @@ def compare_with_onnxruntime(
             raise AssertionError(f"output {name!r}: shape {a.shape} vs onnxruntime {b.shape}")
         diffs[name] = float(np.abs(a - b).max()) if a.size else 0.0
     return diffs
+
+
+def first_divergence(
+    model: Model, inputs: Mapping[str, np.ndarray], *, atol: float = 1e-4
+) -> tuple[str, str, float] | None:
+    """The first node of the graph whose output differs from onnxruntime's by more than ``atol``.
+
+    Runs the graph node by node without compiling it, and onnxruntime with every node output of
+    the main graph exposed. Values that onnxruntime leaves unspecified (the free rows of a
+    GroupQueryAttention buffer) can differ without a bug: read the result with that in mind.
+
+    Returns:
+        (node label, output name, max abs difference), or None when every output agrees.
+    """
+    import jax.numpy as jnp
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    from .onnx.trace import node_label, run_nodes
+
+    proto = onnx.load(model.path)
+    exposed = {o.name for o in proto.graph.output}
+    for node in proto.graph.node:
+        for name in node.output:
+            if name and name not in exposed:
+                proto.graph.output.append(helper.make_empty_tensor_value_info(name))
+                exposed.add(name)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    want = dict(zip(names, session.run(names, dict(inputs)), strict=True))
+
+    dynamic, static = model._prepare(inputs)
+    scope = model._scope(static, model.params, {k: jnp.asarray(v) for k, v in dynamic.items()})
+    run_nodes(model._graph, scope)
+    for node in model._graph.proto.node:
+        for name in node.output:
+            if not name or name not in want:
+                continue
+            expected = np.asarray(want[name])
+            actual = np.asarray(scope[name])
+            if expected.dtype.kind not in "fcbiu" or actual.shape != expected.shape:
+                if actual.shape != expected.shape:
+                    return node_label(node), name, float("inf")
+                continue
+            if expected.size == 0:
+                continue
+            a, b = actual.astype(np.float64), expected.astype(np.float64)
+            bad = ~np.isclose(a, b, rtol=0, atol=atol, equal_nan=True)
+            if bad.any():
+                with np.errstate(invalid="ignore"):
+                    return node_label(node), name, float(np.abs(a - b)[bad].max())
+    return None

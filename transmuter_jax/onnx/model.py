@@ -237,9 +237,13 @@ class Model:
     def _function(
         self, static: Mapping[str, np.ndarray], params: Mapping[str, jax.Array], inputs
     ) -> dict[str, jax.Array]:
-        scope = ChainMap({**self._graph.constants, **params, **static, **inputs})
+        scope = self._scope(static, params, inputs)
         run_nodes(self._graph, scope)
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
+
+    def _scope(self, static, params, inputs) -> ChainMap:
+        """The values the graph's nodes start from: constants, weights and inputs."""
+        return ChainMap({**self._graph.constants, **params, **static, **inputs})
 
     def _prepare(self, inputs: Mapping[str, Any]) -> tuple[dict, dict]:
         if not isinstance(inputs, Mapping):

@@ -1,0 +1,59 @@
+"""transmuter_jax.testing: example inputs, comparison with onnxruntime, first divergence."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import pytest
+
+import transmuter_jax as tj
+from transmuter_jax.onnx import registry
+from transmuter_jax.testing import compare_with_onnxruntime, example_inputs, first_divergence
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+LLAMA = FIXTURES / "llama-optimum" / "model.onnx"
+GQA = FIXTURES / "llama-genai-fp32" / "model.onnx"
+
+
+def test_example_inputs_follow_the_signature():
+    model = tj.load(LLAMA)
+    inputs = example_inputs(model, batch=2, length=3, past=[4, 2])
+    assert inputs["input_ids"].shape == (2, 3)
+    assert inputs["past_key_values.0.key"].shape == (2, 2, 4, 16)
+    # Right-aligned past: row 1 has 2 valid cached tokens out of 4.
+    np.testing.assert_array_equal(inputs["attention_mask"], [[1] * 7, [0, 0] + [1] * 5])
+    np.testing.assert_array_equal(inputs["position_ids"], [[4, 5, 6], [4, 5, 6]])
+
+
+def test_example_inputs_in_a_longer_buffer():
+    model = tj.load(GQA)
+    inputs = example_inputs(model, batch=2, length=1, past=[3, 1], buffer=6)
+    np.testing.assert_array_equal(inputs["attention_mask"], [[1] * 4 + [0] * 2, [1] * 2 + [0] * 4])
+    free = inputs["past_key_values.0.key"][1, :, 1:]
+    assert not free.any()
+    with pytest.raises(ValueError, match="does not fit"):
+        example_inputs(model, batch=1, length=4, past=3, buffer=6)
+
+
+def test_compare_with_onnxruntime_reports_small_differences():
+    model = tj.load(LLAMA)
+    diffs = compare_with_onnxruntime(model, example_inputs(model, batch=2, length=4, past=3))
+    assert set(diffs) == {o.name for o in model.outputs}
+    assert max(diffs.values()) < 1e-4
+
+
+def test_first_divergence_is_none_when_all_nodes_agree():
+    model = tj.load(LLAMA)
+    assert first_divergence(model, example_inputs(model, batch=1, length=3)) is None
+
+
+def test_first_divergence_names_the_wrong_node(monkeypatch):
+    # Break Sigmoid (used by the SiLU of the MLP): the first divergence is a Sigmoid node.
+    key = ("", "Sigmoid")
+    broken = [dataclasses.replace(s, fn=lambda x: x * 0.5) for s in registry._REGISTRY[key]]
+    monkeypatch.setitem(registry._REGISTRY, key, broken)
+    model = tj.load(LLAMA)
+    label, name, diff = first_divergence(model, example_inputs(model, batch=1, length=3))
+    assert "(Sigmoid)" in label and diff > 1e-4
