@@ -125,3 +125,10 @@ def test_graph_matches_onnxruntime(path):
             _compare(path, example_inputs(_load(path), **options))
         except AssertionError as error:
             raise AssertionError(f"{label}: {error}") from error
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in GRAPHS if p.values[0].name == "decoder_model_merged.onnx"]
+)
+def test_merged_decoders_pick_their_branch_at_trace_time(path):
+    assert _load(path).static_inputs == ("use_cache_branch",)
