@@ -210,6 +210,13 @@ def prune(proto: GraphProto, outputs: Iterable[str]) -> list[NodeProto]:
 SHAPE_ONLY = {("", "Shape"), ("", "Size")}
 
 
+def value_sources(graph: Graph) -> dict[str, frozenset[str]]:
+    """For each value of the main graph, the graph inputs whose values flow into it."""
+    deps: dict[str, frozenset[str]] = {i.name: frozenset([i.name]) for i in graph.proto.input}
+    _walk_dependencies(graph, deps, set())
+    return deps
+
+
 def static_dependencies(graph: Graph) -> set[str]:
     """Names of values of the graph's inputs that some node needs at trace time.
 

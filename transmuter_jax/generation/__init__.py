@@ -1,0 +1,23 @@
+"""Generation with a KV cache: context, compile, generate.
+
+A step takes new tokens and the cache and gives the logits of each row's last token and the next
+cache; prompts run in power-of-two steps, new tokens one at a time. See docs/generation.md.
+"""
+
+from .cache import CacheEntry, CacheLayout
+from .context import Context, cache_mode, context, max_new_tokens, outputs
+from .loop import compile, generate
+from .prompt import prompt_inputs
+
+__all__ = [
+    "CacheEntry",
+    "CacheLayout",
+    "Context",
+    "cache_mode",
+    "compile",
+    "context",
+    "generate",
+    "max_new_tokens",
+    "outputs",
+    "prompt_inputs",
+]

@@ -1,0 +1,163 @@
+"""The KV cache in its three modes. Every branch on the cache mode lives in this module.
+
+- in_place: one buffer as long as the attention mask; GroupQueryAttention writes the new rows of
+  each row after its valid rows (it reads their count from the sum of the mask).
+- append: a buffer whose free rows the mask hides; the graph's present is the buffer plus the new
+  rows, which this module writes into the buffer at each row's length.
+- grow: the cache has its exact length (shared by all rows); the present is the next cache.
+
+Cache arrays are [batch, heads, length, head_size]: the sequence is axis 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..onnx.dtypes import device_dtype
+from ..onnx.model import Model
+
+SEQ = 2  # the sequence axis of a cache array
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One cache array: the graph input that reads it and the output that gives it back."""
+
+    input: str
+    output: str
+    heads: int
+    head_size: int
+    dtype: np.dtype
+    cross: bool  # cross attention: written once, from the encoder outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The cache arrays of a decoder."""
+
+    entries: tuple[CacheEntry, ...]
+
+    def empty(self, batch: int, length: int, cross_length: int = 0) -> dict[str, jax.Array]:
+        """Zero buffers: ``length`` rows (``cross_length`` for cross attention)."""
+        return {
+            e.input: jnp.zeros(
+                (batch, e.heads, cross_length if e.cross else length, e.head_size), e.dtype
+            )
+            for e in self.entries
+        }
+
+
+def _config_dims(config: dict) -> tuple[int | None, int | None]:
+    text = config.get("text_config", config)
+    heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
+    heads = heads or text.get("decoder_attention_heads") or text.get("n_head")
+    hidden = text.get("hidden_size") or text.get("d_model") or text.get("n_embd")
+    attention = (
+        text.get("num_attention_heads") or text.get("decoder_attention_heads") or text.get("n_head")
+    )
+    size = text.get("head_dim") or (hidden // attention if hidden and attention else None)
+    return heads, size
+
+
+def layout(model: Model, config: dict) -> CacheLayout:
+    """The cache layout of ``model``: its past_key_values.* inputs and their present outputs."""
+    outputs = {o.name for o in model.outputs}
+    heads_default, size_default = _config_dims(config)
+    entries = []
+    for info in model.inputs:
+        if not info.name.startswith(("past_key_values.", "past.")):
+            continue
+        suffix = info.name.split(".", 1)[1]
+        output = f"present.{suffix}"
+        if output not in outputs:
+            raise ValueError(f"{model.path!r}: cache input {info.name!r} has no output {output!r}")
+        shape = info.shape or (None,) * 4
+        heads = shape[1] if isinstance(shape[1], int) else heads_default
+        size = shape[3] if isinstance(shape[3], int) else size_default
+        cross = ".encoder." in info.name
+        if cross:  # cross attention has all the attention heads
+            text = config.get("text_config", config)
+            heads = shape[1] if isinstance(shape[1], int) else text.get("decoder_attention_heads")
+        if not heads or not size:
+            raise ValueError(f"cannot tell the heads and head size of {info.name!r} {shape}")
+        dtype = device_dtype(np.dtype(info.dtype))
+        entries.append(CacheEntry(info.name, output, int(heads), int(size), dtype, cross))
+    return CacheLayout(tuple(entries))
+
+
+def capacity(mode: str, longest: int, chunk: int) -> int:
+    """Rows of the buffer for rows of at most ``longest`` tokens fed in chunks of up to ``chunk``.
+
+    A row may take a chunk of padding after its last token, so the buffer has room for it; the
+    length is rounded up to a multiple of 64 so that close workloads share compiled shapes.
+    grow has no buffer: 0.
+    """
+    if mode == "grow":
+        return 0
+    need = longest + chunk
+    return -(-need // 64) * 64
+
+
+def mask(mode: str, lengths: np.ndarray, step: int, cache_length: int) -> np.ndarray:
+    """The attention mask of a step of ``step`` tokens after ``lengths`` valid cached tokens.
+
+    Args:
+        mode: the cache mode.
+        lengths: [B] valid cached tokens of each row.
+        step: tokens of this step (padding included).
+        cache_length: rows of the cache array (the buffer, or the exact length in grow).
+    """
+    batch = len(lengths)
+    if mode == "in_place":  # [B, M]: the valid rows, then this step's tokens
+        return (np.arange(cache_length)[None, :] < (lengths + step)[:, None]).astype(np.int32)
+    if mode == "append":  # [B, C + S]: valid rows, free rows hidden, then this step's tokens
+        past = np.arange(cache_length)[None, :] < lengths[:, None]
+        return np.concatenate([past, np.ones((batch, step), bool)], axis=1).astype(np.int32)
+    return np.ones((batch, cache_length + step), np.int32)  # grow
+
+
+def advance(
+    mode: str,
+    layout: CacheLayout,
+    cache: dict[str, jax.Array],
+    outputs: dict[str, jax.Array],
+    lengths: jax.Array,
+) -> dict[str, jax.Array]:
+    """The cache after a step (traced in the step): from the graph's presents.
+
+    Args:
+        lengths: [B] int32 valid cached tokens of each row before the step (append writes the new
+            rows there).
+    """
+    new = {}
+    for entry in layout.entries:
+        present = outputs[entry.output]
+        if entry.cross or mode != "append":
+            # A cross-attention present is empty on the steps that reuse the cache.
+            keep = entry.cross and present.shape[SEQ] == 0
+            new[entry.input] = cache[entry.input] if keep else present.astype(entry.dtype)
+            continue
+        past = cache[entry.input]
+        rows = jax.lax.slice_in_dim(present, past.shape[SEQ], present.shape[SEQ], axis=SEQ)
+
+        def write(buffer, block, at):  # buffer [H, C, D], block [H, S, D]
+            return jax.lax.dynamic_update_slice(buffer, block.astype(buffer.dtype), (0, at, 0))
+
+        new[entry.input] = jax.vmap(write)(past, rows, lengths)
+    return new
+
+
+def branch(mode: str, cache_length: int) -> bool:
+    """The value of use_cache_branch: whether the cache holds tokens (grow) or is a buffer."""
+    return mode != "grow" or cache_length > 0
+
+
+def cache_length(cache: dict[str, Any], layout: CacheLayout) -> int:
+    """Rows of the self-attention cache arrays."""
+    entry = next(e for e in layout.entries if not e.cross)
+    return int(cache[entry.input].shape[SEQ])

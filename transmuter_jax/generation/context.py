@@ -1,0 +1,206 @@
+"""The context of generation: the decoder, its cache mode, and the generation options."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .. import hub
+from ..onnx.model import Model
+from ..onnx.trace import value_sources
+from .cache import CacheLayout, layout
+
+# transformers 4.57 GenerationConfig defaults of the options generation reads.
+DEFAULTS: dict[str, Any] = {
+    "max_length": 20,
+    "max_new_tokens": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "do_sample": False,
+    "num_beams": 1,
+    "early_stopping": False,
+    "length_penalty": 1.0,
+    "num_return_sequences": 1,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "min_tokens_to_keep": 1,
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "renormalize_logits": False,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "decoder_start_token_id": None,
+    "token_logprobs": False,
+}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+MODES = ("in_place", "append", "grow")
+
+
+@dataclasses.dataclass
+class Context:
+    """Everything generation needs to know about a decoder.
+
+    Attributes:
+        model: the decoder.
+        mode: the cache mode, "in_place", "append" or "grow".
+        options: the generation options (transformers' names), file settings merged with the
+            caller's.
+        config: config.json of the repository.
+        given: inputs the caller passes to each step (such as encoder_hidden_states).
+        embed: the model that turns token ids into embeddings, for a decoder of inputs_embeds.
+        image_token: the id of the token whose embeddings image features replace.
+        cache: the layout of the KV cache.
+        processors: the logits processors, in order.
+        batch_size: the number of prompts per batch, set by compile().
+        jit_options: options of jax.jit, set by compile().
+    """
+
+    model: Model
+    mode: str
+    options: dict[str, Any]
+    config: dict[str, Any]
+    given: tuple[str, ...]
+    embed: Model | None
+    image_token: int | None
+    cache: CacheLayout
+    processors: list[Any] = dataclasses.field(default_factory=list)
+    batch_size: int | None = None
+    jit_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compiled: Any = None
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        """The eos token ids (empty: none)."""
+        return self.options["eos_token_id"]
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary size: the logits' last dimension, else config.json's."""
+        logits = next((o for o in self.model.outputs if o.name == "logits"), None)
+        if logits is not None and logits.shape and isinstance(logits.shape[-1], int):
+            return logits.shape[-1]
+        text = self.config.get("text_config", self.config)
+        return text.get("vocab_size") or self.config.get("vocab_size")
+
+
+def _eos_list(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def merged_options(repo_config: dict, file: dict, options: dict) -> dict[str, Any]:
+    """transformers' defaults, then generation_config.json, then ``options``.
+
+    As GenerationConfig.update: an option given as None replaces the file's value. Without a
+    generation_config.json, the token ids come from config.json (from_model_config).
+    """
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown generation options {unknown}; known: {sorted(DEFAULTS)}")
+    merged = dict(DEFAULTS)
+    if not file:
+        text = repo_config.get("text_config", {})
+        file = {k: repo_config.get(k, text.get(k)) for k in TOKEN_IDS}
+    merged.update({k: v for k, v in file.items() if k in DEFAULTS})
+    merged.update(options)
+    merged["eos_token_id"] = _eos_list(merged["eos_token_id"])
+    if not isinstance(merged["num_beams"], int) or merged["num_beams"] < 1:
+        raise ValueError(f"num_beams must be a positive integer, got {merged['num_beams']!r}")
+    return merged
+
+
+def cache_mode(model: Model) -> str:
+    """The cache mode of a decoder, from its graph.
+
+    in_place: a GroupQueryAttention counts the valid rows from the values of attention_mask.
+    append: the graph takes position_ids. grow: the positions come from the cache length.
+    """
+    nodes = [n for n in model._graph.proto.node if n.op_type == "GroupQueryAttention"]
+    if nodes:
+        sources = value_sources(model._graph)
+        seqlens = nodes[0].input[5] if len(nodes[0].input) > 5 else ""
+        if "attention_mask" in sources.get(seqlens, ()):
+            return "in_place"
+        return "grow"
+    if any(i.name == "position_ids" for i in model.inputs):
+        return "append"
+    return "grow"
+
+
+def context(
+    repo: str | os.PathLike,
+    model: Model,
+    *,
+    given: Sequence[str] = (),
+    embed: Model | None = None,
+    image_token: int | None = None,
+    **options: Any,
+) -> Context:
+    """The context of generation for ``model``.
+
+    Args:
+        repo: the model's folder or hub id, with config.json and generation_config.json.
+        model: the decoder, from :func:`transmuter_jax.load`.
+        given: the names of other inputs the caller gives to each step (encoder outputs).
+        embed: for a decoder of inputs_embeds, the model of the token embeddings.
+        image_token: the id of the image token whose embeddings image features replace.
+        **options: generation options with transformers' names (max_new_tokens, do_sample,
+            eos_token_id, ...); they override generation_config.json.
+    """
+    config = hub.read_json(repo, "config.json")
+    merged = merged_options(config, hub.read_json(repo, "generation_config.json"), options)
+    names = {i.name for i in model.inputs}
+    missing = [g for g in given if g not in names]
+    if missing:
+        raise ValueError(f"given inputs {missing} are not inputs of the decoder {model.path!r}")
+    if "inputs_embeds" in names and "input_ids" not in names and embed is None:
+        raise ValueError(
+            f"{model.path!r} takes inputs_embeds: pass embed=, the model of the embeddings"
+        )
+    cache = layout(model, config)
+    if not cache.entries:
+        raise ValueError(f"{model.path!r} has no KV cache inputs (past_key_values.*)")
+    return Context(
+        model=model,
+        mode=cache_mode(model),
+        options=merged,
+        config=config,
+        given=tuple(given),
+        embed=embed,
+        image_token=image_token,
+        cache=cache,
+    )
+
+
+def max_new_tokens(repo: str | os.PathLike, prompt_length: int, **options: Any) -> int:
+    """The new tokens of a decoder whose max_length counts its prompt (transformers' pipelines).
+
+    The option max_new_tokens, else generation_config.json's; else 256 when max_length is
+    absent or 20 (GenerationConfig's default); else max_length minus the prompt length.
+    """
+    file = hub.read_json(repo, "generation_config.json")
+    if options.get("max_new_tokens") is not None:
+        return int(options["max_new_tokens"])
+    if file.get("max_new_tokens") is not None:
+        return int(file["max_new_tokens"])
+    max_length = options.get("max_length", file.get("max_length"))
+    if max_length is None or max_length == 20:
+        return 256
+    return max(int(max_length) - prompt_length, 0)
+
+
+def outputs(names: Sequence[str]) -> list[str]:
+    """The outputs generation reads, logits and the present cache, in the order of ``names``."""
+    return [n for n in names if n == "logits" or n.startswith("present")]

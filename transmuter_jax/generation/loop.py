@@ -1,0 +1,283 @@
+"""generate(): the host loop over steps, rows, groups, padding rows and on_token."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..onnx.dtypes import device_dtype
+from . import cache as cache_modes
+from .context import Context
+from .select import selection
+from .steps import Steps, chunk
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What compile() prepares: the steps (owning the compiled shapes) and the selection."""
+
+    steps: Steps
+    select: Any
+
+    @property
+    def shapes(self) -> int:
+        """How many step shapes have been compiled."""
+        return len(self.steps.shapes)
+
+
+def compile(ctx: Context, batch_size: int, **jit_options: Any) -> Context:  # noqa: A001
+    """Prepares ``ctx`` for batches of ``batch_size`` prompts.
+
+    Args:
+        ctx: from :func:`context`.
+        batch_size: the most prompts a call of :func:`generate` takes.
+        **jit_options: options of ``jax.jit`` for the step and the selection.
+
+    Returns:
+        A context that owns the cache of compiled shapes: call this in the serving process.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    ready = dataclasses.replace(ctx, batch_size=batch_size, jit_options=dict(jit_options))
+    ready.compiled = Compiled(Steps(ready), selection(ready.options, **jit_options))
+    return ready
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt: list[int]
+    max_new: int
+    positions: np.ndarray | None = None  # [axes, len(prompt)] given prompt positions
+    delta: int = 0  # position of a token after the prompt: its index + delta
+    features: int = 0  # index of the row's first image feature
+    fed: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+
+def _max_new(ctx: Context, prompt_length: int) -> int:
+    options = ctx.options
+    if options["max_new_tokens"] is not None:
+        return int(options["max_new_tokens"])
+    if options["max_length"] is None or options["max_length"] == 20:
+        return 256
+    return max(int(options["max_length"]) - prompt_length, 0)
+
+
+def _limit(ctx: Context) -> int | None:
+    text = ctx.config.get("text_config", ctx.config)
+    for key in ("max_position_embeddings", "max_target_positions", "n_positions"):
+        if text.get(key):
+            return int(text[key])
+    return None
+
+
+def _validate(ctx: Context, prompts, seeds, inputs) -> None:
+    if ctx.batch_size is None or ctx.compiled is None:
+        raise ValueError("call generation.compile(ctx, batch_size) before generate")
+    if len(prompts) > ctx.batch_size:
+        raise ValueError(
+            f"{len(prompts)} prompts but the context is compiled for batches of {ctx.batch_size}"
+        )
+    if len(seeds) != len(prompts):
+        raise ValueError(f"seeds has {len(seeds)} values for {len(prompts)} prompts")
+    vocab, limit = ctx.vocab_size, _limit(ctx)
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= int(t) < (vocab or 2**31)]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary of {vocab}: {bad}")
+        if limit is not None and len(prompt) > limit:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens, more than the cache holds ({limit})"
+            )
+    for name in ctx.given:
+        if name not in inputs:
+            raise ValueError(f"missing input {name!r}, which the context says is given")
+        if np.shape(inputs[name])[0] != len(prompts):
+            raise ValueError(
+                f"input {name!r} has {np.shape(inputs[name])[0]} rows for {len(prompts)} prompts"
+            )
+
+
+def _rows(ctx: Context, prompts, inputs) -> list[_Row]:
+    rows, features = [], 0
+    positions = inputs.get("position_ids") or [None] * len(prompts)
+    for prompt, given in zip(prompts, positions, strict=True):
+        prompt = [int(t) for t in prompt]
+        row = _Row(prompt, _max_new(ctx, len(prompt)) if prompt else 0, features=features)
+        if given is not None and len(given):
+            row.positions = np.asarray(given, np.int64).reshape(-1, len(prompt))
+            row.delta = int(row.positions.max()) + 1 - len(prompt)
+        if ctx.image_token is not None:
+            features += sum(1 for t in prompt if t == ctx.image_token)
+        row.done = not prompt or row.max_new == 0
+        rows.append(row)
+    while len(rows) < ctx.batch_size:
+        rows.append(_Row([], 0, done=True))
+    return rows
+
+
+def _given(ctx: Context, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The given inputs padded to the batch with copies of their first row (ours, not theirs)."""
+    padded = {}
+    dtypes = {i.name: device_dtype(np.dtype(i.dtype)) for i in ctx.model.inputs}
+    for name in ctx.given:
+        value = jnp.asarray(inputs[name]).astype(dtypes[name])
+        missing = ctx.batch_size - value.shape[0]
+        if missing:
+            value = jnp.concatenate([value, jnp.repeat(value[:1], missing, axis=0)])
+        padded[name] = value
+    return padded
+
+
+def generate(
+    ctx: Context,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    inputs: Mapping[str, Any] | None = None,
+    on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
+) -> list[list[int]]:
+    """Generates tokens after each prompt.
+
+    Args:
+        ctx: from :func:`compile`.
+        prompts: token ids of each prompt; an empty prompt is a padding row that gives no tokens.
+        seeds: the sampling seed of each row.
+        inputs: the inputs the context names in ``given`` (one row per prompt); also
+            "image_features" [count, hidden] (the features of the image tokens of all rows, in
+            order) and "position_ids" (per prompt: positions per axis per token, or empty).
+        on_token: called after each step with "token" [rows] int32 (-1: no new token) and
+            "finished" [rows] bool.
+
+    Returns:
+        The new tokens of each row, without the eos token.
+    """
+    inputs = dict(inputs or {})
+    prompts = [list(p) for p in prompts]
+    _validate(ctx, prompts, seeds, inputs)
+    rows = _rows(ctx, prompts, inputs)
+    given = _given(ctx, inputs)
+    features = inputs.get("image_features")
+    features = None if features is None else np.asarray(features)
+    seeds_array = np.zeros(ctx.batch_size, np.int32)
+    seeds_array[: len(seeds)] = np.asarray(seeds, np.int64).astype(np.uint32).view(np.int32)
+    for group in _groups(ctx, rows):
+        _run_group(ctx, rows, group, given, features, seeds_array, len(prompts), on_token)
+    return [row.generated for row in rows[: len(prompts)]]
+
+
+def _groups(ctx: Context, rows: list[_Row]) -> list[list[int]]:
+    """The rows that share a cache: all of them, or in grow those with prompts of one length."""
+    active = [i for i, row in enumerate(rows) if not row.done]
+    if ctx.mode != "grow":
+        return [active] if active else []
+    lengths = sorted({len(rows[i].prompt) for i in active})
+    return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
+
+
+def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) -> None:
+    batch = ctx.batch_size
+    members = np.zeros(batch, bool)
+    members[group] = True
+    pad = ctx.options["pad_token_id"]
+    pad = pad if pad is not None else (ctx.eos[0] if ctx.eos else 0)
+    longest = max(len(rows[i].prompt) + rows[i].max_new for i in group)
+    first = chunk(max(len(rows[i].prompt) for i in group))
+    length = cache_modes.capacity(ctx.mode, longest, first)
+    encoder = next((int(v.shape[1]) for k, v in given.items() if k == "encoder_hidden_states"), 0)
+    cache = ctx.cache.empty(batch, length, 0 if ctx.mode == "grow" else encoder)
+    lengths = np.zeros(batch, np.int32)  # valid cached tokens of each row
+    grown = 0  # grow: the shared cache length
+    position_axes = _position_axes(ctx)
+    while any(not rows[i].done for i in group):
+        remaining = np.array(
+            [len(r.prompt) - r.fed if members[i] and not r.done else 0 for i, r in enumerate(rows)]
+        )
+        size = chunk(int(remaining.max())) if remaining.max() > 0 else 1
+        tokens = np.full((batch, size), pad, np.int32)
+        real = np.zeros(batch, np.int32)
+        positions = np.zeros((position_axes or 1, batch, size), np.int64)
+        image_mask = np.zeros((batch, size), bool)
+        image_rows = np.zeros((batch, size), np.int64)
+        start = lengths if ctx.mode != "grow" else np.full(batch, grown, np.int32)
+        for i, row in enumerate(rows):
+            index = np.arange(size) + int(start[i])  # index of each fed token in its row
+            positions[:, i] = index
+            if not members[i] or row.done:
+                continue
+            if remaining[i] > 0:
+                n = min(size, int(remaining[i]))
+                part = row.prompt[row.fed : row.fed + n]
+                tokens[i, :n] = part
+                if row.positions is not None:
+                    positions[:, i, :n] = row.positions[:, row.fed : row.fed + n]
+                if ctx.image_token is not None and features is not None:
+                    hits = np.flatnonzero(np.asarray(part) == ctx.image_token)
+                    used = sum(1 for t in row.prompt[: row.fed] if t == ctx.image_token)
+                    image_mask[i, hits] = True
+                    image_rows[i, hits] = row.features + used + np.arange(len(hits))
+            else:
+                n = 1
+                tokens[i, 0] = row.generated[-1]
+                positions[:, i] = index + row.delta
+            real[i] = n
+        cache_length = grown if ctx.mode == "grow" else length
+        feed = _feed(ctx, tokens, positions, start, cache_length, given, position_axes)
+        if image_mask.any():
+            feed["image_mask"] = jnp.asarray(image_mask)
+            feed["image_features"] = jnp.asarray(
+                features[np.clip(image_rows, 0, len(features) - 1)]
+            )
+        last = np.maximum(real - 1, 0)
+        logits, cache = ctx.compiled.steps(cache, feed, jnp.asarray(start), jnp.asarray(last))
+        steps = np.array([len(r.generated) for r in rows], np.int32)
+        chosen = np.asarray(ctx.compiled.select(logits, seeds, steps))
+        logits.delete()
+        token = np.full(n_prompts, -1, np.int32)
+        for i, row in enumerate(rows):
+            if not members[i] or row.done:
+                continue
+            if remaining[i] > 0:
+                row.fed += int(real[i])
+                if row.fed < len(row.prompt):
+                    continue
+            t = int(chosen[i])
+            token[i] = t
+            if t in ctx.eos:
+                row.done = True
+            else:
+                row.generated.append(t)
+                row.done = len(row.generated) >= row.max_new
+        if ctx.mode == "grow":
+            grown += size
+        else:
+            lengths = lengths + real
+        if on_token is not None:
+            finished = np.array([rows[i].done for i in range(n_prompts)])
+            on_token({"token": token, "finished": finished})
+
+
+def _position_axes(ctx: Context) -> int:
+    info = next((i for i in ctx.model.inputs if i.name == "position_ids"), None)
+    if info is None:
+        return 0
+    return 3 if info.shape is not None and len(info.shape) == 3 else 1
+
+
+def _feed(ctx, tokens, positions, lengths, cache_length, given, axes) -> dict[str, jax.Array]:
+    """The inputs of one step other than the cache."""
+    names = {i.name for i in ctx.model.inputs}
+    feed: dict[str, jax.Array] = {"tokens": jnp.asarray(tokens)}
+    if "attention_mask" in names:
+        mask = cache_modes.mask(ctx.mode, lengths, tokens.shape[1], cache_length)
+        feed["attention_mask"] = jnp.asarray(mask)
+    if axes:
+        feed["position_ids"] = jnp.asarray(
+            (positions if axes == 3 else positions[0]).astype(np.int32)
+        )
+    return feed | given
