@@ -139,7 +139,7 @@ def advance(
         present = outputs[entry.output]
         if entry.cross or mode != "append":
             # A cross-attention present is empty on the steps that reuse the cache.
-            keep = entry.cross and present.shape[SEQ] == 0
+            keep = entry.cross and present.size == 0
             new[entry.input] = cache[entry.input] if keep else present.astype(entry.dtype)
             continue
         past = cache[entry.input]
