@@ -152,6 +152,39 @@ def advance(
     return new
 
 
+def shared_by_all_rows(mode: str) -> bool:
+    """Whether rows with prompts of different lengths can share one cache (not in grow)."""
+    return mode != "grow"
+
+
+def donated(mode: str) -> bool:
+    """Whether a step can update the cache buffers in place (not in grow, where they grow)."""
+    return mode != "grow"
+
+
+class State:
+    """The cache of a group of rows on the device, and the count of valid tokens of each row."""
+
+    def __init__(self, mode: str, layout: CacheLayout, batch: int, rows: int, cross: int):
+        self.mode = mode
+        self.rows = rows if mode != "grow" else 0  # rows of the cache arrays
+        # In grow the cross-attention cache is made by the first step; elsewhere it is a buffer.
+        self.arrays = layout.empty(batch, self.rows, cross if mode != "grow" else 0)
+        self.lengths = np.zeros(batch, np.int32)  # valid cached tokens of each row
+
+    def mask(self, step: int) -> np.ndarray:
+        """The attention mask of the next step of ``step`` tokens."""
+        return mask(self.mode, self.lengths, step, self.rows)
+
+    def advance(self, real: np.ndarray, step: int) -> None:
+        """Counts the tokens a step cached: ``real`` [B] of each row, ``step`` in all."""
+        if self.mode == "grow":  # every row's cache holds the whole step
+            self.lengths = self.lengths + step
+            self.rows += step
+        else:  # padding tokens after a row's real ones are overwritten by its next step
+            self.lengths = self.lengths + real
+
+
 def branch(mode: str, cache_length: int) -> bool:
     """The value of use_cache_branch: whether the cache holds tokens (grow) or is a buffer."""
     return mode != "grow" or cache_length > 0

@@ -174,7 +174,7 @@ def generate(
 def _groups(ctx: Context, rows: list[_Row]) -> list[list[int]]:
     """The rows that share a cache: all of them, or in grow those with prompts of one length."""
     active = [i for i, row in enumerate(rows) if not row.done]
-    if ctx.mode != "grow":
+    if cache_modes.shared_by_all_rows(ctx.mode):
         return [active] if active else []
     lengths = sorted({len(rows[i].prompt) for i in active})
     return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
@@ -188,11 +188,10 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
     pad = pad if pad is not None else (ctx.eos[0] if ctx.eos else 0)
     longest = max(len(rows[i].prompt) + rows[i].max_new for i in group)
     first = chunk(max(len(rows[i].prompt) for i in group))
-    length = cache_modes.capacity(ctx.mode, longest, first)
     encoder = next((int(v.shape[1]) for k, v in given.items() if k == "encoder_hidden_states"), 0)
-    cache = ctx.cache.empty(batch, length, 0 if ctx.mode == "grow" else encoder)
-    lengths = np.zeros(batch, np.int32)  # valid cached tokens of each row
-    grown = 0  # grow: the shared cache length
+    state = cache_modes.State(
+        ctx.mode, ctx.cache, batch, cache_modes.capacity(ctx.mode, longest, first), encoder
+    )
     position_axes = _position_axes(ctx)
     while any(not rows[i].done for i in group):
         remaining = np.array(
@@ -204,7 +203,7 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
         positions = np.zeros((position_axes or 1, batch, size), np.int64)
         image_mask = np.zeros((batch, size), bool)
         image_rows = np.zeros((batch, size), np.int64)
-        start = lengths if ctx.mode != "grow" else np.full(batch, grown, np.int32)
+        start = state.lengths
         for i, row in enumerate(rows):
             index = np.arange(size) + int(start[i])  # index of each fed token in its row
             positions[:, i] = index
@@ -226,15 +225,16 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
                 tokens[i, 0] = row.generated[-1]
                 positions[:, i] = index + row.delta
             real[i] = n
-        cache_length = grown if ctx.mode == "grow" else length
-        feed = _feed(ctx, tokens, positions, start, cache_length, given, position_axes)
+        feed = _feed(ctx, tokens, positions, state, given, position_axes)
         if image_mask.any():
             feed["image_mask"] = jnp.asarray(image_mask)
             feed["image_features"] = jnp.asarray(
                 features[np.clip(image_rows, 0, len(features) - 1)]
             )
         last = np.maximum(real - 1, 0)
-        logits, cache = ctx.compiled.steps(cache, feed, jnp.asarray(start), jnp.asarray(last))
+        logits, state.arrays = ctx.compiled.steps(
+            state.arrays, feed, jnp.asarray(start), jnp.asarray(last)
+        )
         steps = np.array([len(r.generated) for r in rows], np.int32)
         chosen = np.asarray(ctx.compiled.select(logits, seeds, steps))
         logits.delete()
@@ -253,10 +253,7 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
             else:
                 row.generated.append(t)
                 row.done = len(row.generated) >= row.max_new
-        if ctx.mode == "grow":
-            grown += size
-        else:
-            lengths = lengths + real
+        state.advance(real, size)
         if on_token is not None:
             finished = np.array([rows[i].done for i in range(n_prompts)])
             on_token({"token": token, "finished": finished})
@@ -269,13 +266,12 @@ def _position_axes(ctx: Context) -> int:
     return 3 if info.shape is not None and len(info.shape) == 3 else 1
 
 
-def _feed(ctx, tokens, positions, lengths, cache_length, given, axes) -> dict[str, jax.Array]:
+def _feed(ctx, tokens, positions, state, given, axes) -> dict[str, jax.Array]:
     """The inputs of one step other than the cache."""
     names = {i.name for i in ctx.model.inputs}
     feed: dict[str, jax.Array] = {"tokens": jnp.asarray(tokens)}
     if "attention_mask" in names:
-        mask = cache_modes.mask(ctx.mode, lengths, tokens.shape[1], cache_length)
-        feed["attention_mask"] = jnp.asarray(mask)
+        feed["attention_mask"] = jnp.asarray(state.mask(tokens.shape[1]))
     if axes:
         feed["position_ids"] = jnp.asarray(
             (positions if axes == 3 else positions[0]).astype(np.int32)

@@ -51,8 +51,7 @@ class Steps:
         self.shapes.add((tokens.shape[1], length, branch))
         fn = self.functions.get(branch)
         if fn is None:
-            # The cache buffers are donated, except in grow, where each step's cache is longer.
-            donate = () if ctx.mode == "grow" else (2,)
+            donate = (2,) if cache_modes.donated(ctx.mode) else ()
             fn = jax.jit(_step_function(ctx, branch), donate_argnums=donate, **ctx.jit_options)
             self.functions[branch] = fn
         embed_params = ctx.embed.params if ctx.embed is not None else {}
