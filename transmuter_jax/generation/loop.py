@@ -95,6 +95,14 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
             raise ValueError(
                 f"prompt {i} has {len(prompt)} tokens, more than the cache holds ({limit})"
             )
+    features = inputs.get("image_features")
+    if features is not None and ctx.image_token is not None:
+        count = sum(list(p).count(ctx.image_token) for p in prompts)
+        if count > np.shape(features)[0]:
+            raise ValueError(
+                f"the prompts have {count} image tokens but image_features has "
+                f"{np.shape(features)[0]} rows"
+            )
     for name in ctx.given:
         if name not in inputs:
             raise ValueError(f"missing input {name!r}, which the context says is given")
@@ -180,7 +188,72 @@ def _groups(ctx: Context, rows: list[_Row]) -> list[list[int]]:
     return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
 
 
+@dataclasses.dataclass
+class _Step:
+    """The host arrays of one step: what each row feeds."""
+
+    tokens: np.ndarray  # [B, S] int32, padding after each row's real tokens
+    real: np.ndarray  # [B] real tokens of each row
+    positions: np.ndarray  # [axes, B, S] position of each token
+    image_mask: np.ndarray  # [B, S] image tokens to replace with features
+    image_rows: np.ndarray  # [B, S] the feature row of each image token
+
+
+def _plan(ctx, rows, members, remaining, start, pad, axes) -> _Step:
+    batch = len(rows)
+    size = chunk(int(remaining.max())) if remaining.max() > 0 else 1
+    step = _Step(
+        tokens=np.full((batch, size), pad, np.int32),
+        real=np.zeros(batch, np.int32),
+        positions=np.broadcast_to(
+            np.arange(size) + start[:, None].astype(np.int64), (axes or 1, batch, size)
+        ).copy(),
+        image_mask=np.zeros((batch, size), bool),
+        image_rows=np.zeros((batch, size), np.int64),
+    )
+    for i, row in enumerate(rows):
+        if not members[i] or row.done:
+            continue
+        if remaining[i] > 0:  # the next part of the prompt
+            n = min(size, int(remaining[i]))
+            part = row.prompt[row.fed : row.fed + n]
+            step.tokens[i, :n] = part
+            if row.positions is not None:
+                step.positions[:, i, :n] = row.positions[:, row.fed : row.fed + n]
+            if ctx.image_token is not None:
+                hits = np.flatnonzero(np.asarray(part) == ctx.image_token)
+                used = row.prompt[: row.fed].count(ctx.image_token)
+                step.image_mask[i, hits] = True
+                step.image_rows[i, hits] = row.features + used + np.arange(len(hits))
+        else:  # the last new token
+            n = 1
+            step.tokens[i, 0] = row.generated[-1]
+            step.positions[:, i] += row.delta
+        step.real[i] = n
+    return step
+
+
+def _take(ctx, rows, members, remaining, step: _Step, chosen: np.ndarray, token: np.ndarray):
+    """Gives each row that finished its prompt, or is generating, its selected token."""
+    for i, row in enumerate(rows):
+        if not members[i] or row.done:
+            continue
+        if remaining[i] > 0:
+            row.fed += int(step.real[i])
+            if row.fed < len(row.prompt):
+                continue
+        t = int(chosen[i])
+        if i < len(token):
+            token[i] = t
+        if t in ctx.eos:
+            row.done = True
+        else:
+            row.generated.append(t)
+            row.done = len(row.generated) >= row.max_new
+
+
 def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) -> None:
+    """Runs the rows ``group`` (the others are padding rows) until each is done."""
     batch = ctx.batch_size
     members = np.zeros(batch, bool)
     members[group] = True
@@ -188,72 +261,32 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
     pad = pad if pad is not None else (ctx.eos[0] if ctx.eos else 0)
     longest = max(len(rows[i].prompt) + rows[i].max_new for i in group)
     first = chunk(max(len(rows[i].prompt) for i in group))
-    encoder = next((int(v.shape[1]) for k, v in given.items() if k == "encoder_hidden_states"), 0)
+    states = given.get("encoder_hidden_states")
+    encoder = 0 if states is None else int(states.shape[1])
     state = cache_modes.State(
         ctx.mode, ctx.cache, batch, cache_modes.capacity(ctx.mode, longest, first), encoder
     )
-    position_axes = _position_axes(ctx)
+    axes = _position_axes(ctx)
     while any(not rows[i].done for i in group):
         remaining = np.array(
             [len(r.prompt) - r.fed if members[i] and not r.done else 0 for i, r in enumerate(rows)]
         )
-        size = chunk(int(remaining.max())) if remaining.max() > 0 else 1
-        tokens = np.full((batch, size), pad, np.int32)
-        real = np.zeros(batch, np.int32)
-        positions = np.zeros((position_axes or 1, batch, size), np.int64)
-        image_mask = np.zeros((batch, size), bool)
-        image_rows = np.zeros((batch, size), np.int64)
         start = state.lengths
-        for i, row in enumerate(rows):
-            index = np.arange(size) + int(start[i])  # index of each fed token in its row
-            positions[:, i] = index
-            if not members[i] or row.done:
-                continue
-            if remaining[i] > 0:
-                n = min(size, int(remaining[i]))
-                part = row.prompt[row.fed : row.fed + n]
-                tokens[i, :n] = part
-                if row.positions is not None:
-                    positions[:, i, :n] = row.positions[:, row.fed : row.fed + n]
-                if ctx.image_token is not None and features is not None:
-                    hits = np.flatnonzero(np.asarray(part) == ctx.image_token)
-                    used = sum(1 for t in row.prompt[: row.fed] if t == ctx.image_token)
-                    image_mask[i, hits] = True
-                    image_rows[i, hits] = row.features + used + np.arange(len(hits))
-            else:
-                n = 1
-                tokens[i, 0] = row.generated[-1]
-                positions[:, i] = index + row.delta
-            real[i] = n
-        feed = _feed(ctx, tokens, positions, state, given, position_axes)
-        if image_mask.any():
-            feed["image_mask"] = jnp.asarray(image_mask)
-            feed["image_features"] = jnp.asarray(
-                features[np.clip(image_rows, 0, len(features) - 1)]
-            )
-        last = np.maximum(real - 1, 0)
+        step = _plan(ctx, rows, members, remaining, start, pad, axes)
+        feed = _feed(ctx, step.tokens, step.positions, state, given, axes)
+        if step.image_mask.any() and features is not None:
+            feed["image_mask"] = jnp.asarray(step.image_mask)
+            feed["image_features"] = jnp.asarray(features[step.image_rows])
+        last = np.maximum(step.real - 1, 0)  # each row's last real token
         logits, state.arrays = ctx.compiled.steps(
             state.arrays, feed, jnp.asarray(start), jnp.asarray(last)
         )
-        steps = np.array([len(r.generated) for r in rows], np.int32)
-        chosen = np.asarray(ctx.compiled.select(logits, seeds, steps))
+        counts = np.array([len(r.generated) for r in rows], np.int32)
+        chosen = np.asarray(ctx.compiled.select(logits, seeds, counts))
         logits.delete()
         token = np.full(n_prompts, -1, np.int32)
-        for i, row in enumerate(rows):
-            if not members[i] or row.done:
-                continue
-            if remaining[i] > 0:
-                row.fed += int(real[i])
-                if row.fed < len(row.prompt):
-                    continue
-            t = int(chosen[i])
-            token[i] = t
-            if t in ctx.eos:
-                row.done = True
-            else:
-                row.generated.append(t)
-                row.done = len(row.generated) >= row.max_new
-        state.advance(real, size)
+        _take(ctx, rows, members, remaining, step, chosen, token)
+        state.advance(step.real, step.tokens.shape[1])
         if on_token is not None:
             finished = np.array([rows[i].done for i in range(n_prompts)])
             on_token({"token": token, "finished": finished})
