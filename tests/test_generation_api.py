@@ -164,3 +164,26 @@ def test_a_missing_given_input_is_named(workdir):
 def test_a_decoder_of_embeddings_needs_its_embed_model():
     with pytest.raises(ValueError, match="embed="):
         generation.context(FIXTURES / "qwen25vl-genai-fp32", decoder("qwen25vl-genai-fp32"))
+
+
+@pytest.mark.parametrize("name", [LLAMA, GQA])
+def test_device_memory_does_not_grow_with_the_tokens(name, workdir):
+    import jax
+
+    counts = []
+    ctx = generation.compile(context(name, workdir, max_new_tokens=64, eos_token_id=[]), 2)
+    generation.generate(
+        ctx, _prompts()[:2], [0, 0], on_token=lambda e: counts.append(len(jax.live_arrays()))
+    )
+    assert len(counts) >= 64
+    assert max(counts[4:]) == min(counts[4:])  # the cache and nothing that piles up
+
+
+def test_the_callers_inputs_are_not_deleted(workdir):
+    import jax.numpy as jnp
+
+    states = jnp.zeros((1, 32, 64), jnp.float32)
+    ctx = context("whisper-optimum", workdir, given=("encoder_hidden_states",), max_new_tokens=3)
+    ctx = generation.compile(ctx, 1)
+    generation.generate(ctx, [[5]], [0], {"encoder_hidden_states": states})
+    assert not states.is_deleted() and float(states.sum()) == 0.0
