@@ -86,6 +86,9 @@ def main() -> None:
         for name in os.listdir(raw):
             if name.startswith("model.onnx") or name.endswith(".json"):
                 shutil.move(os.path.join(raw, name), os.path.join(out, name))
+        for name in ("config.json", "generation_config.json"):  # the builder writes neither
+            if not os.path.exists(os.path.join(out, name)):
+                shutil.copy(os.path.join(hf, name), out)
     print(f"wrote {out}")
 
 
