@@ -187,3 +187,25 @@ def test_the_callers_inputs_are_not_deleted(workdir):
     ctx = generation.compile(ctx, 1)
     generation.generate(ctx, [[5]], [0], {"encoder_hidden_states": states})
     assert not states.is_deleted() and float(states.sum()) == 0.0
+
+
+def test_a_hub_id_resolves_offline_from_the_local_cache(tmp_path, monkeypatch):
+    import shutil
+
+    from transmuter_jax import hub
+
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(FIXTURES / LLAMA / name, snapshot / name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert hub.read_json("org/tiny", "config.json")["model_type"] == "llama"
+    ctx = generation.context("org/tiny", decoder(LLAMA), max_new_tokens=3)
+    assert ctx.options["eos_token_id"] == (reference_eos(LLAMA),)
+    with pytest.raises(ValueError, match="org/missing"):
+        hub.folder("org/missing")
