@@ -7,17 +7,22 @@ cache; prompts run in power-of-two steps, new tokens one at a time. See docs/gen
 from .cache import CacheEntry, CacheLayout
 from .context import Context, cache_mode, context, max_new_tokens, outputs
 from .loop import compile, generate
+from .processors import Rows
 from .prompt import prompt_inputs
+from .select import from_bits, to_bits
 
 __all__ = [
     "CacheEntry",
     "CacheLayout",
     "Context",
     "cache_mode",
+    "Rows",
     "compile",
+    "from_bits",
     "context",
     "generate",
     "max_new_tokens",
     "outputs",
     "prompt_inputs",
+    "to_bits",
 ]

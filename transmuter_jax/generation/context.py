@@ -11,6 +11,7 @@ from .. import hub
 from ..onnx.model import Model
 from ..onnx.trace import value_sources
 from .cache import CacheLayout, layout
+from .processors import check, from_options
 
 # transformers 4.57 GenerationConfig defaults of the options generation reads.
 DEFAULTS: dict[str, Any] = {
@@ -172,7 +173,7 @@ def context(
     cache = layout(model, config)
     if not cache.entries:
         raise ValueError(f"{model.path!r} has no KV cache inputs (past_key_values.*)")
-    return Context(
+    ctx = Context(
         model=model,
         mode=cache_mode(model),
         options=merged,
@@ -181,7 +182,10 @@ def context(
         embed=embed,
         image_token=image_token,
         cache=cache,
+        processors=from_options(merged),
     )
+    check(merged, ctx.vocab_size)
+    return ctx
 
 
 def max_new_tokens(repo: str | os.PathLike, prompt_length: int, **options: Any) -> int:

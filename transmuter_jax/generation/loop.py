@@ -13,6 +13,7 @@ import numpy as np
 from ..onnx.dtypes import device_dtype
 from . import cache as cache_modes
 from .context import Context
+from .processors import Rows, static_masks
 from .select import selection
 from .steps import Steps, chunk
 
@@ -44,7 +45,9 @@ def compile(ctx: Context, batch_size: int, **jit_options: Any) -> Context:  # no
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     ready = dataclasses.replace(ctx, batch_size=batch_size, jit_options=dict(jit_options))
-    ready.compiled = Compiled(Steps(ready), selection(ready.options, **jit_options))
+    masks = static_masks(ctx.options, ctx.vocab_size or 0)  # once, not every step
+    select = selection(ready.options, tuple(ready.processors), masks, **jit_options)
+    ready.compiled = Compiled(Steps(ready), select)
     return ready
 
 
@@ -57,6 +60,7 @@ class _Row:
     features: int = 0  # index of the row's first image feature
     fed: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
     done: bool = False
 
 
@@ -163,7 +167,8 @@ def generate(
             "finished" [rows] bool.
 
     Returns:
-        The new tokens of each row, without the eos token.
+        The new tokens of each row, without the eos token; with the option token_logprobs,
+        (token, log-probability) pairs.
     """
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
@@ -176,6 +181,8 @@ def generate(
     seeds_array[: len(seeds)] = np.asarray(seeds, np.int64).astype(np.uint32).view(np.int32)
     for group in _groups(ctx, rows):
         _run_group(ctx, rows, group, given, features, seeds_array, len(prompts), on_token)
+    if ctx.options["token_logprobs"]:
+        return [list(zip(r.generated, r.logprobs, strict=False)) for r in rows[: len(prompts)]]
     return [row.generated for row in rows[: len(prompts)]]
 
 
@@ -233,7 +240,7 @@ def _plan(ctx, rows, members, remaining, start, pad, axes) -> _Step:
     return step
 
 
-def _take(ctx, rows, members, remaining, step: _Step, chosen: np.ndarray, token: np.ndarray):
+def _take(ctx, rows, members, remaining, step: _Step, chosen, logprob, token, history):
     """Gives each row that finished its prompt, or is generating, its selected token."""
     for i, row in enumerate(rows):
         if not members[i] or row.done:
@@ -248,7 +255,10 @@ def _take(ctx, rows, members, remaining, step: _Step, chosen: np.ndarray, token:
         if t in ctx.eos:
             row.done = True
         else:
+            history[i, len(row.prompt) + len(row.generated)] = t
             row.generated.append(t)
+            if logprob is not None:
+                row.logprobs.append(float(logprob[i]))
             row.done = len(row.generated) >= row.max_new
 
 
@@ -267,6 +277,12 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
         ctx.mode, ctx.cache, batch, cache_modes.capacity(ctx.mode, longest, first), encoder
     )
     axes = _position_axes(ctx)
+    history = np.full((batch, -(-longest // 64) * 64), -1, np.int32)
+    for i in group:
+        history[i, : len(rows[i].prompt)] = rows[i].prompt
+    prompt = jnp.asarray([len(r.prompt) for r in rows], jnp.int32)
+    max_length = jnp.asarray([len(r.prompt) + r.max_new for r in rows], jnp.int32)
+    custom = [p for p in ctx.processors if not isinstance(p, str)]
     while any(not rows[i].done for i in group):
         remaining = np.array(
             [len(r.prompt) - r.fed if members[i] and not r.done else 0 for i, r in enumerate(rows)]
@@ -282,14 +298,31 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
             state.arrays, feed, jnp.asarray(start), jnp.asarray(last)
         )
         counts = np.array([len(r.generated) for r in rows], np.int32)
-        chosen = np.asarray(ctx.compiled.select(logits, seeds, counts))
+        lengths = jnp.asarray(np.array([len(r.prompt) for r in rows], np.int32) + counts)
+        views = Rows(jnp.asarray(history), prompt, lengths, max_length)
+        states = tuple(_states(p, rows, ctx.vocab_size) for p in custom)
+        out = np.asarray(ctx.compiled.select(logits, seeds, counts, views, states))
         logits.delete()
+        chosen, logprob = (out[:, 0], out[:, 1].view(np.float32)) if out.ndim == 2 else (out, None)
         token = np.full(n_prompts, -1, np.int32)
-        _take(ctx, rows, members, remaining, step, chosen, token)
+        _take(ctx, rows, members, remaining, step, chosen, logprob, token, history)
         state.advance(step.real, step.tokens.shape[1])
         if on_token is not None:
-            finished = np.array([rows[i].done for i in range(n_prompts)])
-            on_token({"token": token, "finished": finished})
+            event = {"token": token, "finished": np.array([r.done for r in rows[:n_prompts]])}
+            if logprob is not None:
+                event["logprob"] = np.where(token >= 0, logprob[:n_prompts], np.nan)
+            on_token(event)
+
+
+def _states(processor, rows, vocab) -> np.ndarray:
+    """The state of a task's processor for each row: [B, ...]."""
+    make = processor[0]
+    return np.stack(
+        [
+            np.asarray(make({"prompt": r.prompt, "generated": r.generated[::-1], "vocab": vocab}))
+            for r in rows
+        ]
+    )
 
 
 def _position_axes(ctx: Context) -> int:

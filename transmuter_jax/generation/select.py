@@ -1,22 +1,43 @@
-"""The compiled token selection: logits in, one int32 array out.
+"""The compiled token selection: logits in, ONE int32 array out.
 
-The selection is a jitted function of its own, apart from the decoder step. Greedy selection
-takes the argmax; sampling applies temperature, top-k and top-p (transformers' order) and draws
-with a key derived from the row's seed and its step, so a row's tokens do not depend on the other
-rows of its batch.
+The selection is a jitted function of its own, apart from the decoder step. It applies the
+processors (transformers' order), then greedy argmax, or sampling with temperature, top-k and
+top-p drawn with a key made from the row's seed and step, so a row's tokens do not depend on the
+other rows of its batch. Its only output is int32: token ids as integers and log-probabilities as
+the bits of their float32 values (see :func:`to_bits`), so one transfer per step carries all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The smallest finite float32: removed tokens get it, never -inf.
-LOWEST = float(np.finfo(np.float32).min)
+from .processors import LOWEST, Rows, process
+
+QUIET_NAN = 0x7FC00000
+
+
+def to_bits(value: Any) -> Any:
+    """The int32 of the bits of ``value`` as float32 (element-wise on lists); NaN is the quiet
+    NaN with sign bit 0."""
+    if isinstance(value, (list, tuple)):
+        return [to_bits(v) for v in value]
+    value = float(value)
+    if value != value:
+        return QUIET_NAN
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def from_bits(bits: Any) -> Any:
+    """The float32 value of the int32 ``bits`` (element-wise on lists): a float, nan or ±inf."""
+    if isinstance(bits, (list, tuple)):
+        return [from_bits(b) for b in bits]
+    return struct.unpack("<f", struct.pack("<i", int(bits)))[0]
 
 
 def _top_k(scores: jax.Array, k: int, keep: int) -> jax.Array:
@@ -31,35 +52,62 @@ def _top_p(scores: jax.Array, p: float, keep: int) -> jax.Array:
     order = jnp.argsort(scores, axis=-1)
     ascending = jnp.take_along_axis(scores, order, axis=-1)
     cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    drop = cumulative <= 1 - p
-    drop = drop.at[..., -keep:].set(False)
+    drop = (cumulative <= 1 - p).at[..., -keep:].set(False)
     removed = jnp.zeros_like(drop).at[jnp.arange(scores.shape[0])[:, None], order].set(drop)
     return jnp.where(removed, LOWEST, scores)
 
 
-def selection(options: Mapping[str, Any], **jit_options: Any):
-    """The jitted selection ``(logits [B, V], seeds [B], steps [B]) -> tokens [B] int32``."""
-    sample = bool(options.get("do_sample"))
-    temperature = float(options.get("temperature") or 1.0)
-    top_k = int(options.get("top_k") or 0)
-    top_p = float(options["top_p"]) if options.get("top_p") is not None else 1.0
+def warp(scores: jax.Array, options: Mapping[str, Any]) -> jax.Array:
+    """Temperature, top-k and top-p, as transformers applies them when sampling."""
     keep = int(options.get("min_tokens_to_keep") or 1)
+    temperature = options.get("temperature")
+    if temperature is not None and temperature != 1.0:
+        scores = jnp.maximum(scores / float(temperature), LOWEST)
+    if options.get("top_k"):
+        scores = _top_k(scores, int(options["top_k"]), keep)
+    if options.get("top_p") is not None and options["top_p"] < 1.0:
+        scores = _top_p(scores, float(options["top_p"]), keep)
+    return scores
 
-    def select(logits, seeds, steps):
-        scores = logits.astype(jnp.float32)
-        if not sample:
-            return jnp.argmax(scores, axis=-1).astype(jnp.int32)
-        if temperature != 1.0:
-            scores = scores / temperature
-        if top_k > 0:
-            scores = _top_k(scores, top_k, keep)
-        if top_p < 1.0:
-            scores = _top_p(scores, top_p, keep)
 
-        def draw(row_scores, seed, step):
-            key = jax.random.fold_in(jax.random.key(seed), step)
-            return jax.random.categorical(key, row_scores)
+def selection(
+    options: Mapping[str, Any],
+    processors: Sequence[Any],
+    masks: Mapping[str, np.ndarray],
+    **jit_options: Any,
+):
+    """The jitted ``(logits [B, V], seeds [B], steps [B], rows, states) -> int32``.
 
-        return jax.vmap(draw)(scores, seeds, steps).astype(jnp.int32)
+    The result is [B] token ids, or [B, 2] (token id, bits of its log-probability) with the
+    option token_logprobs.
+    """
+    sample = bool(options.get("do_sample"))
+    logprobs = bool(options.get("token_logprobs"))
+    renormalize = bool(options.get("renormalize_logits"))
+    device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
+
+    def select(logits, seeds, steps, rows: Rows, states):
+        scores = process(
+            logits.astype(jnp.float32), rows, processors, states, options, device_masks
+        )
+        if sample:
+            scores = warp(scores, options)
+        if renormalize:  # transformers' LogitNormalization, always last
+            scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
+        if sample:
+
+            def draw(row_scores, seed, step):
+                key = jax.random.fold_in(jax.random.key(seed), step)
+                return jax.random.categorical(key, row_scores)
+
+            tokens = jax.vmap(draw)(scores, seeds, steps).astype(jnp.int32)
+        else:
+            tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+        if not logprobs:
+            return tokens
+        chosen = jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0]
+        value = chosen - jax.nn.logsumexp(scores, axis=-1)
+        bits = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.int32)
+        return jnp.stack([tokens, bits], axis=-1)
 
     return jax.jit(select, **jit_options)

@@ -1,0 +1,203 @@
+"""The logits processors of transformers 4.57, applied in the compiled selection.
+
+``ctx.processors`` is the ordered list. A built-in processor is named by a string (its order
+follows transformers' ``_get_logits_processor``); "bad_words" and "suppress_tokens" stand for two
+masks that do not change between steps. A task's own processor is a pair ``(state, process)``:
+``state(row)`` gives an array of the same shape every step from ``{"prompt", "generated" (last
+first), "vocab"}``, and ``process(logits, state)`` changes one row's logits in the compiled
+selection.
+
+Removed tokens get the smallest finite float32 (LOWEST), never -inf, and no score goes below it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LOWEST = float(np.finfo(np.float32).min)
+
+# transformers' order, before the task's processors.
+ORDER = (
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words",
+    "min_length",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rows:
+    """What the processors read of each row, on the device.
+
+    Attributes:
+        history: [B, H] int32 the row's tokens (prompt, then new ones), -1 after them.
+        prompt: [B] int32 prompt length (the decoder prompt of an encoder-decoder).
+        length: [B] int32 tokens of the row: prompt + new tokens, as input_ids' columns.
+        max_length: [B] int32 prompt length + max_new_tokens.
+    """
+
+    history: jax.Array
+    prompt: jax.Array
+    length: jax.Array
+    max_length: jax.Array
+
+
+def from_options(options: Mapping[str, Any]) -> list[Any]:
+    """The built-in processors that ``options`` switch on, in transformers' order."""
+    eos = options["eos_token_id"]
+    on = {
+        "repetition_penalty": options.get("repetition_penalty") not in (None, 1.0),
+        "no_repeat_ngram_size": (options.get("no_repeat_ngram_size") or 0) > 0,
+        "bad_words": options.get("bad_words_ids") is not None,
+        "min_length": bool(eos)
+        and ((options.get("min_length") or 0) > 0 or (options.get("min_new_tokens") or 0) > 0),
+        "forced_bos_token_id": options.get("forced_bos_token_id") is not None,
+        "forced_eos_token_id": options.get("forced_eos_token_id") is not None,
+        "suppress_tokens": options.get("suppress_tokens") is not None,
+        "begin_suppress_tokens": options.get("begin_suppress_tokens") is not None,
+    }
+    return [name for name in ORDER if on[name]]
+
+
+def check(options: Mapping[str, Any], vocab: int | None) -> None:
+    """Raises ValueError for options no processor can apply."""
+    if options.get("do_sample"):
+        temperature = options.get("temperature")
+        if temperature is not None and not temperature > 0:
+            raise ValueError(f"temperature must be positive when sampling, got {temperature}")
+        top_p = options.get("top_p")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        top_k = options.get("top_k")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+            raise ValueError(f"top_k must be a non-negative integer, got {top_k!r}")
+    for words in options.get("bad_words_ids") or ():
+        if len(words) != 1:
+            raise ValueError(f"bad_words_ids of more than one token are not supported: {words}")
+        if vocab is not None and not 0 <= words[0] < vocab:
+            raise ValueError(f"bad_words_ids entry {words} is outside the vocabulary of {vocab}")
+    for key in ("suppress_tokens", "begin_suppress_tokens"):
+        for token in options.get(key) or ():
+            if vocab is not None and not 0 <= token < vocab:
+                raise ValueError(f"{key} entry {token} is outside the vocabulary of {vocab}")
+
+
+def static_masks(options: Mapping[str, Any], vocab: int) -> dict[str, np.ndarray]:
+    """The two masks that do not change between steps: one-token bad words and suppress_tokens."""
+    eos = set(options["eos_token_id"])
+    bad = np.zeros(vocab, bool)
+    for words in options.get("bad_words_ids") or ():
+        if words[0] not in eos:  # transformers never bans an eos token as a bad word
+            bad[words[0]] = True
+    suppress = np.zeros(vocab, bool)
+    suppress[list(options.get("suppress_tokens") or [])] = True
+    return {"bad_words": bad, "suppress_tokens": suppress}
+
+
+def _only(scores: jax.Array, tokens: Sequence[int], when: jax.Array) -> jax.Array:
+    """Rows where ``when``: every score LOWEST but ``tokens``, which get 0."""
+    keep = jnp.zeros(scores.shape[-1], bool).at[jnp.asarray(tokens)].set(True)
+    forced = jnp.where(keep, 0.0, LOWEST)
+    return jnp.where(when[:, None], forced, scores)
+
+
+def _remove(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.where(mask, LOWEST, scores)
+
+
+def _seen(history: jax.Array, vocab: int) -> jax.Array:
+    """[B, V] whether each token occurs in the row's history."""
+    rows = jnp.arange(history.shape[0])[:, None]
+    ids = jnp.where(history < 0, vocab, history)  # -1 padding lands out of range: dropped
+    return jnp.zeros((history.shape[0], vocab), bool).at[rows, ids].set(True, mode="drop")
+
+
+def _no_repeat(scores: jax.Array, rows: Rows, n: int) -> jax.Array:
+    """Bans each token that would complete an n-gram already in the row."""
+    history, length = rows.history, rows.length
+    b, h = history.shape
+    if h < n:
+        return scores
+    starts = jnp.arange(h - n + 1)  # n-gram i covers history[i : i + n]
+    last = length[:, None] - (n - 1) + jnp.arange(n - 1)[None, :]  # [B, n-1] positions
+    prefix = jnp.take_along_axis(history, jnp.clip(last, 0, h - 1), axis=1)  # [B, n-1]
+    match = starts[None, :] + n - 1 < length[:, None]  # the n-gram lies in the row
+    for k in range(n - 1):
+        match &= history[:, k : h - n + 1 + k] == prefix[:, k : k + 1]
+    match &= (length + 1 >= n)[:, None]
+    banned_ids = jnp.where(match, history[:, n - 1 :], scores.shape[-1])
+    rows_index = jnp.arange(b)[:, None]
+    banned = jnp.zeros(scores.shape, bool).at[rows_index, banned_ids].set(True, mode="drop")
+    return _remove(scores, banned)
+
+
+def apply_builtin(
+    name: str,
+    scores: jax.Array,
+    rows: Rows,
+    options: Mapping[str, Any],
+    masks: Mapping[str, jax.Array],
+) -> jax.Array:
+    """One built-in processor on scores [B, V]."""
+    vocab = scores.shape[-1]
+    eos = list(options["eos_token_id"])
+    if name == "repetition_penalty":
+        penalty = float(options["repetition_penalty"])
+        penalized = jnp.where(scores < 0, scores * penalty, scores / penalty)
+        return jnp.where(_seen(rows.history, vocab), penalized, scores)
+    if name == "no_repeat_ngram_size":
+        return _no_repeat(scores, rows, int(options["no_repeat_ngram_size"]))
+    if name in ("bad_words", "suppress_tokens"):
+        return _remove(scores, masks[name][None, :])
+    if name == "min_length":
+        if (options.get("min_new_tokens") or 0) > 0:
+            short = rows.length - rows.prompt < int(options["min_new_tokens"])
+        else:
+            short = rows.length < int(options["min_length"])
+        is_eos = jnp.zeros(vocab, bool).at[jnp.asarray(eos)].set(True)
+        return jnp.where(short[:, None] & is_eos[None, :], LOWEST, scores)
+    if name == "forced_bos_token_id":
+        return _only(scores, [int(options["forced_bos_token_id"])], rows.length == 1)
+    if name == "forced_eos_token_id":
+        forced = options["forced_eos_token_id"]
+        forced = [forced] if isinstance(forced, int) else list(forced)
+        return _only(scores, forced, rows.length == rows.max_length - 1)
+    if name == "begin_suppress_tokens":
+        begin = rows.prompt
+        if options.get("forced_bos_token_id") is not None:
+            begin = jnp.where(rows.prompt > 1, begin, begin + 1)
+        tokens = (
+            jnp.zeros(vocab, bool).at[jnp.asarray(list(options["begin_suppress_tokens"]))].set(True)
+        )
+        return jnp.where((rows.length == begin)[:, None] & tokens[None, :], LOWEST, scores)
+    raise ValueError(f"unknown processor {name!r}")
+
+
+def process(
+    scores: jax.Array,
+    rows: Rows,
+    processors: Sequence[Any],
+    states: Sequence[jax.Array],
+    options: Mapping[str, Any],
+    masks: Mapping[str, jax.Array],
+) -> jax.Array:
+    """Applies ``processors`` in order; ``states`` holds the [B, ...] state of each custom one."""
+    custom = iter(states)
+    for processor in processors:
+        if isinstance(processor, str):
+            scores = apply_builtin(processor, scores, rows, options, masks)
+        else:
+            scores = jax.vmap(processor[1])(scores, next(custom))
+        scores = jnp.maximum(scores, LOWEST)
+    return scores
