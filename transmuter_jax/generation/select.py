@@ -60,6 +60,8 @@ def _top_p(scores: jax.Array, p: float, keep: int) -> jax.Array:
 def warp(scores: jax.Array, options: Mapping[str, Any]) -> jax.Array:
     """Temperature, top-k and top-p, as transformers applies them when sampling."""
     keep = int(options.get("min_tokens_to_keep") or 1)
+    if options.get("num_beams", 1) > 1:  # transformers keeps a non-eos token for each beam
+        keep = len(options["eos_token_id"]) + 1 if options["eos_token_id"] else 2
     temperature = options.get("temperature")
     if temperature is not None and temperature != 1.0:
         scores = jnp.maximum(scores / float(temperature), LOWEST)
@@ -67,6 +69,24 @@ def warp(scores: jax.Array, options: Mapping[str, Any]) -> jax.Array:
         scores = _top_k(scores, int(options["top_k"]), keep)
     if options.get("top_p") is not None and options["top_p"] < 1.0:
         scores = _top_p(scores, float(options["top_p"]), keep)
+    return scores
+
+
+def processed(
+    logits: jax.Array,
+    rows: Rows,
+    processors: Sequence[Any],
+    states: Sequence[jax.Array],
+    options: Mapping[str, Any],
+    masks: Mapping[str, jax.Array],
+) -> jax.Array:
+    """The scores a step selects from: processors, then the sampling warpers, then
+    renormalize_logits (transformers' LogitNormalization is always last)."""
+    scores = process(logits.astype(jnp.float32), rows, processors, states, options, masks)
+    if options.get("do_sample"):
+        scores = warp(scores, options)
+    if options.get("renormalize_logits"):
+        scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
     return scores
 
 
@@ -83,17 +103,10 @@ def selection(
     """
     sample = bool(options.get("do_sample"))
     logprobs = bool(options.get("token_logprobs"))
-    renormalize = bool(options.get("renormalize_logits"))
     device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
 
     def select(logits, seeds, steps, rows: Rows, states):
-        scores = process(
-            logits.astype(jnp.float32), rows, processors, states, options, device_masks
-        )
-        if sample:
-            scores = warp(scores, options)
-        if renormalize:  # transformers' LogitNormalization, always last
-            scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
+        scores = processed(logits, rows, processors, states, options, device_masks)
         if sample:
 
             def draw(row_scores, seed, step):

@@ -1,0 +1,49 @@
+"""Greedy generation with processor settings, and log-probabilities, equal transformers 4.57.6.
+
+References: generate() with the case's options, and compute_transition_scores(...,
+normalize_logits=True) for the log-probabilities (one per new token, and one for the eos that
+stopped a row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from generation_cases import context, encoder_inputs, reference
+
+from transmuter_jax import generation
+
+NAMES = ["llama-optimum", "whisper-optimum", "marian-optimum"]
+
+
+def _cases():
+    params = []
+    for name in NAMES:
+        for case in reference(name)[0]["cases"]:
+            if case["name"].startswith(("processors_", "logprobs")):
+                params.append(pytest.param(name, case, id=f"{name}/{case['name']}"))
+    return params
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("generation-processors")
+
+
+@pytest.mark.parametrize(("name", "case"), _cases())
+def test_tokens_and_logprobs_equal_transformers(name, case, workdir):
+    prompts = case["prompts"]
+    given, inputs = encoder_inputs(name, case, list(range(len(prompts))))
+    options = {k: v for k, v in case["options"].items() if k not in ("num_beams",)}
+    ctx = context(name, workdir, given=given, token_logprobs=True, **options)
+    ctx = generation.compile(ctx, len(prompts))
+    events = []
+    out = generation.generate(ctx, prompts, [0] * len(prompts), inputs, on_token=events.append)
+    for row, (pairs, tokens, logprobs, stopped) in enumerate(
+        zip(out, case["tokens"], case["logprobs"], case["stopped_at_eos"], strict=True)
+    ):
+        assert [t for t, _ in pairs] == tokens, f"row {row}"
+        np.testing.assert_allclose([lp for _, lp in pairs], logprobs[: len(tokens)], atol=1e-4)
+        if stopped:  # the eos that stopped the row carries the last log-probability
+            last = [e["logprob"][row] for e in events if e["token"][row] >= 0][-1]
+            np.testing.assert_allclose(last, logprobs[-1], atol=1e-4)
