@@ -194,3 +194,15 @@ def cache_length(cache: dict[str, Any], layout: CacheLayout) -> int:
     """Rows of the self-attention cache arrays."""
     entry = next(e for e in layout.entries if not e.cross)
     return int(cache[entry.input].shape[SEQ])
+
+
+def reorder_function(layout: CacheLayout, **jit_options: Any):
+    """The jitted ``(arrays, order [B]) -> arrays`` that gives row i the cache of row order[i]
+    (beam search): one gather per buffer, donated. Cross-attention caches, the same for all beams
+    of a prompt, do not move."""
+
+    def reorder(arrays, order):
+        cross = {e.input for e in layout.entries if e.cross}
+        return {k: v if k in cross else jnp.take(v, order, axis=0) for k, v in arrays.items()}
+
+    return jax.jit(reorder, donate_argnums=(0,), **jit_options)

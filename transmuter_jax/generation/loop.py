@@ -12,9 +12,10 @@ import numpy as np
 
 from ..onnx.dtypes import device_dtype
 from . import cache as cache_modes
+from .beam import BeamPrompt
 from .context import Context
 from .processors import Rows, static_masks
-from .select import selection
+from .select import beam_selection, selection
 from .steps import Steps, chunk
 
 
@@ -24,6 +25,7 @@ class Compiled:
 
     steps: Steps
     select: Any
+    reorder: Any
 
     @property
     def shapes(self) -> int:
@@ -46,8 +48,10 @@ def compile(ctx: Context, batch_size: int, **jit_options: Any) -> Context:  # no
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     ready = dataclasses.replace(ctx, batch_size=batch_size, jit_options=dict(jit_options))
     masks = static_masks(ctx.options, ctx.vocab_size or 0)  # once, not every step
-    select = selection(ready.options, tuple(ready.processors), masks, **jit_options)
-    ready.compiled = Compiled(Steps(ready), select)
+    make = beam_selection if ctx.options["num_beams"] > 1 else selection
+    select = make(ready.options, tuple(ready.processors), masks, **jit_options)
+    reorder = cache_modes.reorder_function(ctx.cache, **jit_options)
+    ready.compiled = Compiled(Steps(ready), select, reorder)
     return ready
 
 
@@ -173,17 +177,102 @@ def generate(
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
     _validate(ctx, prompts, seeds, inputs)
-    rows = _rows(ctx, prompts, inputs)
-    given = _given(ctx, inputs)
     features = inputs.get("image_features")
     features = None if features is None else np.asarray(features)
+    if ctx.options["num_beams"] > 1:
+        return _beam_search(ctx, prompts, inputs, features, on_token)
+    rows = _rows(ctx, prompts, inputs)
+    given = _given(ctx, inputs)
     seeds_array = np.zeros(ctx.batch_size, np.int32)
     seeds_array[: len(seeds)] = np.asarray(seeds, np.int64).astype(np.uint32).view(np.int32)
+    n = len(prompts)
+
+    def choose(logits, views, states, remaining, step, members):
+        counts = np.array([len(r.generated) for r in rows], np.int32)
+        out = np.asarray(ctx.compiled.select(logits, seeds_array, counts, views, states))
+        chosen, logprob = (out[:, 0], out[:, 1].view(np.float32)) if out.ndim == 2 else (out, None)
+        token = np.full(n, -1, np.int32)
+        _take(ctx, rows, members, remaining, step, chosen, logprob, token)
+        if on_token is not None:
+            event = {"token": token, "finished": np.array([r.done for r in rows[:n]])}
+            if logprob is not None:
+                event["logprob"] = np.where(token >= 0, logprob[:n], np.nan)
+            on_token(event)
+        return None
+
     for group in _groups(ctx, rows):
-        _run_group(ctx, rows, group, given, features, seeds_array, len(prompts), on_token)
+        _run_group(ctx, rows, group, given, features, choose)
     if ctx.options["token_logprobs"]:
-        return [list(zip(r.generated, r.logprobs, strict=False)) for r in rows[: len(prompts)]]
-    return [row.generated for row in rows[: len(prompts)]]
+        return [list(zip(r.generated, r.logprobs, strict=False)) for r in rows[:n]]
+    return [row.generated for row in rows[:n]]
+
+
+def _beam_search(ctx, prompts, inputs, features, on_token):
+    """Beam search: the beams of prompt p are rows p*k ... p*k + k - 1."""
+    k = int(ctx.options["num_beams"])
+    base = _rows(ctx, prompts, inputs)
+    rows = [dataclasses.replace(r, generated=[], logprobs=[]) for r in base for _ in range(k)]
+    given = {name: jnp.repeat(v, k, axis=0) for name, v in _given(ctx, inputs).items()}
+    options = ctx.options
+    beams = {
+        p: BeamPrompt(
+            len(r.prompt),
+            len(r.prompt) + r.max_new,
+            k,
+            float(options["length_penalty"]),
+            options["early_stopping"],
+            ctx.eos,
+        )
+        for p, r in enumerate(base[: len(prompts)])
+        if not r.done
+    }
+    n = len(prompts)
+
+    def choose(logits, views, states, remaining, step, members):
+        running = np.zeros(len(rows), np.float32)
+        for p, beam in beams.items():
+            running[p * k : (p + 1) * k] = beam.scores
+        out = np.asarray(ctx.compiled.select(logits, jnp.asarray(running), views, states))
+        order = np.arange(len(rows))
+        token = np.full(n, -1, np.int32)
+        for p, beam in beams.items():
+            first = p * k
+            if not members[first] or beam.done:
+                continue
+            if remaining[first] > 0:
+                for i in range(first, first + k):
+                    rows[i].fed += int(step.real[i])
+                if rows[first].fed < len(rows[first].prompt):
+                    continue
+            cand = out[p]
+            sources = beam.step(
+                cand[:, 0], cand[:, 1], cand[:, 2].view(np.float32), cand[:, 3].view(np.float32)
+            )
+            order[first : first + k] = first + sources
+            for i in range(k):
+                rows[first + i].generated = list(beam.tokens[i])
+                rows[first + i].done = beam.done
+            token[p] = beam.tokens[0][-1]
+        if on_token is not None:
+            done = np.array([p not in beams or beams[p].done for p in range(n)])
+            best = [beams[p].hypotheses[0] if p in beams else None for p in range(n)]
+            score = np.array([h.score if h and h.finished else np.nan for h in best], np.float32)
+            on_token({"token": token, "finished": done, "score": score})
+        return order if (order != np.arange(len(rows))).any() else None
+
+    for group in _groups(ctx, rows):
+        _run_group(ctx, rows, group, given, features, choose)
+    results = []
+    for p in range(n):
+        if p not in beams:
+            results.append([])
+            continue
+        tokens, logprobs, _ = beams[p].result()
+        if options["token_logprobs"]:
+            results.append(list(zip(tokens, logprobs, strict=False)))
+        else:
+            results.append(tokens)
+    return results
 
 
 def _groups(ctx: Context, rows: list[_Row]) -> list[list[int]]:
@@ -240,7 +329,7 @@ def _plan(ctx, rows, members, remaining, start, pad, axes) -> _Step:
     return step
 
 
-def _take(ctx, rows, members, remaining, step: _Step, chosen, logprob, token, history):
+def _take(ctx, rows, members, remaining, step: _Step, chosen, logprob, token):
     """Gives each row that finished its prompt, or is generating, its selected token."""
     for i, row in enumerate(rows):
         if not members[i] or row.done:
@@ -255,16 +344,29 @@ def _take(ctx, rows, members, remaining, step: _Step, chosen, logprob, token, hi
         if t in ctx.eos:
             row.done = True
         else:
-            history[i, len(row.prompt) + len(row.generated)] = t
             row.generated.append(t)
             if logprob is not None:
                 row.logprobs.append(float(logprob[i]))
             row.done = len(row.generated) >= row.max_new
 
 
-def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) -> None:
-    """Runs the rows ``group`` (the others are padding rows) until each is done."""
-    batch = ctx.batch_size
+def _history(rows: list[_Row], width: int) -> np.ndarray:
+    """[B, width] each row's prompt and new tokens, -1 after them."""
+    history = np.full((len(rows), width), -1, np.int32)
+    for i, row in enumerate(rows):
+        tokens = row.prompt + row.generated
+        history[i, : len(tokens)] = tokens
+    return history
+
+
+def _run_group(ctx, rows, group, given, features, choose) -> None:
+    """Runs the rows ``group`` (the others are padding rows) until each is done.
+
+    ``choose(logits, views, states, remaining, step, members)`` takes each step's last-token
+    logits, gives rows their tokens, and returns the new order of the cache rows (beam search)
+    or None.
+    """
+    batch = len(rows)
     members = np.zeros(batch, bool)
     members[group] = True
     pad = ctx.options["pad_token_id"]
@@ -277,9 +379,7 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
         ctx.mode, ctx.cache, batch, cache_modes.capacity(ctx.mode, longest, first), encoder
     )
     axes = _position_axes(ctx)
-    history = np.full((batch, -(-longest // 64) * 64), -1, np.int32)
-    for i in group:
-        history[i, : len(rows[i].prompt)] = rows[i].prompt
+    width = -(-longest // 64) * 64
     prompt = jnp.asarray([len(r.prompt) for r in rows], jnp.int32)
     max_length = jnp.asarray([len(r.prompt) + r.max_new for r in rows], jnp.int32)
     custom = [p for p in ctx.processors if not isinstance(p, str)]
@@ -297,21 +397,16 @@ def _run_group(ctx, rows, group, given, features, seeds, n_prompts, on_token) ->
         logits, state.arrays = ctx.compiled.steps(
             state.arrays, feed, jnp.asarray(start), jnp.asarray(last)
         )
-        counts = np.array([len(r.generated) for r in rows], np.int32)
-        lengths = jnp.asarray(np.array([len(r.prompt) for r in rows], np.int32) + counts)
-        views = Rows(jnp.asarray(history), prompt, lengths, max_length)
+        lengths = [len(r.prompt) + len(r.generated) for r in rows]
+        views = Rows(
+            jnp.asarray(_history(rows, width)), prompt, jnp.asarray(lengths, jnp.int32), max_length
+        )
         states = tuple(_states(p, rows, ctx.vocab_size) for p in custom)
-        out = np.asarray(ctx.compiled.select(logits, seeds, counts, views, states))
+        order = choose(logits, views, states, remaining, step, members)
         logits.delete()
-        chosen, logprob = (out[:, 0], out[:, 1].view(np.float32)) if out.ndim == 2 else (out, None)
-        token = np.full(n_prompts, -1, np.int32)
-        _take(ctx, rows, members, remaining, step, chosen, logprob, token, history)
+        if order is not None:
+            state.arrays = ctx.compiled.reorder(state.arrays, jnp.asarray(order, jnp.int32))
         state.advance(step.real, step.tokens.shape[1])
-        if on_token is not None:
-            event = {"token": token, "finished": np.array([r.done for r in rows[:n_prompts]])}
-            if logprob is not None:
-                event["logprob"] = np.where(token >= 0, logprob[:n_prompts], np.nan)
-            on_token(event)
 
 
 def _states(processor, rows, vocab) -> np.ndarray:

@@ -71,7 +71,20 @@ def from_options(options: Mapping[str, Any]) -> list[Any]:
 
 
 def check(options: Mapping[str, Any], vocab: int | None) -> None:
-    """Raises ValueError for options no processor can apply."""
+    """Raises ValueError for options no processor (or beam search) can apply."""
+    beams = options.get("num_beams", 1)
+    if vocab is not None and beams > vocab:
+        raise ValueError(f"num_beams {beams} is more than the vocabulary of {vocab} tokens")
+    if (options.get("num_return_sequences") or 1) > beams:
+        raise ValueError(
+            f"num_return_sequences {options['num_return_sequences']} is more than num_beams {beams}"
+        )
+    if (options.get("num_return_sequences") or 1) > 1:
+        raise ValueError("num_return_sequences above 1 is not supported: one result per prompt")
+    if beams > 1 and options.get("do_sample"):
+        raise ValueError(
+            "beam search with sampling (do_sample with num_beams > 1) is not supported"
+        )
     if options.get("do_sample"):
         temperature = options.get("temperature")
         if temperature is not None and not temperature > 0:

@@ -124,3 +124,43 @@ def selection(
         return jnp.stack([tokens, bits], axis=-1)
 
     return jax.jit(select, **jit_options)
+
+
+def beam_selection(
+    options: Mapping[str, Any],
+    processors: Sequence[Any],
+    masks: Mapping[str, np.ndarray],
+    **jit_options: Any,
+):
+    """The jitted beam step ``(logits [P*k, V], running [P*k], rows, states) -> int32 [P, K, 4]``.
+
+    For each prompt: the K = max(2, 1 + eos tokens) * k best candidates of log-softmax, then the
+    processors, plus the beam's score: (token, source beam, bits of the accumulated score, bits of
+    the token's log-probability of the processed scores).
+    """
+    beams = int(options["num_beams"])
+    keep = max(2, 1 + len(options["eos_token_id"])) * beams
+    device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
+
+    def select(logits, running, rows: Rows, states):
+        scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        scores = process(scores, rows, processors, states, options, device_masks)
+        if options.get("renormalize_logits"):
+            scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
+        token_logprobs = scores - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
+        vocab = scores.shape[-1]
+        total = (scores + running[:, None]).reshape(-1, beams * vocab)  # [P, k*V]
+        top, index = jax.lax.top_k(total, keep)
+        chosen = jnp.take_along_axis(token_logprobs.reshape(-1, beams * vocab), index, axis=1)
+        bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
+        return jnp.stack(
+            [
+                (index % vocab).astype(jnp.int32),
+                (index // vocab).astype(jnp.int32),
+                bits(top),
+                bits(chosen),
+            ],
+            axis=-1,
+        )
+
+    return jax.jit(select, **jit_options)
