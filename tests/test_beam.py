@@ -15,13 +15,14 @@ from transmuter_jax import generation
 
 FAST = ["llama-optimum", "llama-genai-fp32"]  # append and in_place
 GROW = ["whisper-optimum", "marian-optimum"]  # grow, encoder-decoder: one length per group
+EMBEDS = ["smolvlm-torch", "qwen25vl-genai-fp32"]  # decoders of embeddings: their "beam" case
 
 
 def _cases():
     params = []
-    for name in FAST + GROW:
+    for name in FAST + GROW + EMBEDS:
         for c in reference(name)[0]["cases"]:
-            if not c["name"].startswith("beam"):
+            if not c["name"].startswith("beam") or (name in EMBEDS and c["name"] != "beam"):
                 continue
             if name in GROW and c["name"] not in (
                 "beam_4_lp2.0_early_never",
