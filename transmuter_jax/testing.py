@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .generation.cache import _config_dims
 from .onnx.model import Model, ValueInfo
 
 
@@ -41,18 +42,9 @@ def _head_size(model: Model) -> int | None:
         config = os.path.join(folder, "config.json")
         if os.path.exists(config):
             with open(config) as file:
-                data = json.load(file)
-            data = data.get("text_config", data)
-            if data.get("head_dim"):
-                return int(data["head_dim"])
-            hidden = data.get("hidden_size") or data.get("d_model")
-            heads = (
-                data.get("num_attention_heads")
-                or data.get("decoder_attention_heads")
-                or data.get("num_heads")
-            )
-            if hidden and heads:
-                return int(hidden) // int(heads)
+                size = _config_dims(json.load(file))[1]
+            if size:
+                return int(size)
         folder = os.path.dirname(folder)
     return None
 

@@ -144,9 +144,7 @@ def beam_selection(
 
     def select(logits, running, rows: Rows, states):
         scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        scores = process(scores, rows, processors, states, options, device_masks)
-        if options.get("renormalize_logits"):
-            scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
+        scores = processed(scores, rows, processors, states, options, device_masks)
         token_logprobs = scores - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
         vocab = scores.shape[-1]
         total = (scores + running[:, None]).reshape(-1, beams * vocab)  # [P, k*V]
