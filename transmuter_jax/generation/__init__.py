@@ -6,7 +6,7 @@ cache; prompts run in power-of-two steps, new tokens one at a time. See docs/gen
 
 from .cache import CacheEntry, CacheLayout
 from .context import Context, cache_mode, context, max_new_tokens, outputs
-from .loop import compile, generate
+from .loop import compile, generate, new_tokens
 from .processors import Rows
 from .prompt import prompt_inputs
 from .select import from_bits, to_bits
@@ -22,6 +22,7 @@ __all__ = [
     "context",
     "generate",
     "max_new_tokens",
+    "new_tokens",
     "outputs",
     "prompt_inputs",
     "to_bits",

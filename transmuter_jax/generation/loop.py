@@ -68,7 +68,9 @@ class _Row:
     done: bool = False
 
 
-def _max_new(ctx: Context, prompt_length: int) -> int:
+def new_tokens(ctx: Context, prompt_length: int) -> int:
+    """The most new tokens a prompt of ``prompt_length`` tokens gets: max_new_tokens, else
+    max_length minus the prompt, else 256 when max_length is GenerationConfig's default."""
     options = ctx.options
     if options["max_new_tokens"] is not None:
         return int(options["max_new_tokens"])
@@ -125,7 +127,7 @@ def _rows(ctx: Context, prompts, inputs) -> list[_Row]:
     positions = inputs.get("position_ids") or [None] * len(prompts)
     for prompt, given in zip(prompts, positions, strict=True):
         prompt = [int(t) for t in prompt]
-        row = _Row(prompt, _max_new(ctx, len(prompt)) if prompt else 0, features=features)
+        row = _Row(prompt, new_tokens(ctx, len(prompt)) if prompt else 0, features=features)
         if given is not None and len(given):
             row.positions = np.asarray(given, np.int64).reshape(-1, len(prompt))
             row.delta = int(row.positions.max()) + 1 - len(prompt)

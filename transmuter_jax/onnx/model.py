@@ -72,8 +72,10 @@ def _read_onnx(path: str) -> onnx.ModelProto:
 def _external_array(tensor: TensorProto, folder: str, path: str) -> np.ndarray:
     info = {e.key: e.value for e in tensor.external_data}
     location = info.get("location", "")
-    root = os.path.realpath(folder)
-    file = os.path.realpath(os.path.join(root, location))
+    # The named path must stay in the folder; a link there may point elsewhere (the hub cache
+    # links snapshot files to its blobs).
+    root = os.path.abspath(folder)
+    file = os.path.normpath(os.path.join(root, location))
     if not location or os.path.isabs(location) or os.path.commonpath([root, file]) != root:
         raise ModelFileError(
             f"tensor {tensor.name!r} of {path!r} points to external data {location!r} "

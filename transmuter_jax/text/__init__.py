@@ -1,0 +1,10 @@
+"""Text tasks: text generation (text or chat in, text out) and text-to-text (encoder-decoder).
+
+See docs/text.md.
+"""
+
+from ._runner import Result
+from .generation import TextGeneration, generation
+from .text_to_text import TextToText, text_to_text
+
+__all__ = ["Result", "TextGeneration", "TextToText", "generation", "text_to_text"]

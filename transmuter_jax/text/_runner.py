@@ -1,0 +1,202 @@
+"""What the text tasks share: resolving a repo, compiled contexts per options, runs, streaming."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import default, hub
+from .. import generation as gen
+from ..onnx.model import Model, load
+from .tokenizer import Tokenizer
+
+KEEP_CONTEXTS = 8  # compiled contexts kept per pipeline (one per batch size and options)
+
+
+@dataclasses.dataclass
+class Result:
+    """One generated answer.
+
+    Attributes:
+        text: the new text (special tokens skipped).
+        token_ids: the new token ids, without the eos token.
+        logprobs: the log-probability of each new token (with token_logprobs=True), else None.
+        finish_reason: "eos" when an eos token ended it, "length" when the token limit did.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+
+
+def resolve(repo: str | os.PathLike | None, dtype: str | None, file: str | None) -> hub.Files:
+    """The files of ``repo``: None or a default-model alias ("default", "default-int4",
+    "default-optimum") is the default model, prepared on first use."""
+    if repo is None or (isinstance(repo, str) and repo in default.ALIASES):
+        folder = default.path(default.export_for(repo, dtype))
+        return hub.files(folder, file=file)
+    return hub.files(repo, dtype=dtype, file=file)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+class Runner:
+    """A decoder with compiled contexts per (batch, options); all share one set of steps."""
+
+    def __init__(
+        self,
+        folder: str,
+        model: Model,
+        *,
+        embed: Model | None = None,
+        given: Sequence[str] = (),
+        options: Mapping[str, Any],
+    ):
+        self.folder, self.model, self.embed, self.given = folder, model, embed, tuple(given)
+        self.options = dict(options)
+        self._contexts: OrderedDict[tuple, gen.Context] = OrderedDict()
+        self._steps: Any = None
+        # the options are checked now, so a bad one fails at construction
+        gen.context(folder, model, given=self.given, embed=embed, **self.options)
+
+    def context(self, batch: int, options: Mapping[str, Any]) -> gen.Context:
+        """The compiled context for ``batch`` prompts and the defaults updated by ``options``."""
+        merged = {**self.options, **options}
+        key = (batch, _frozen(merged))
+        ctx = self._contexts.get(key)
+        if ctx is not None:
+            self._contexts.move_to_end(key)
+            return ctx
+        ctx = gen.context(self.folder, self.model, given=self.given, embed=self.embed, **merged)
+        ctx = gen.compile(ctx, batch)
+        if self._steps is None:
+            self._steps = ctx.compiled.steps
+        else:  # the decoder's compiled shapes do not depend on the options
+            ctx.compiled = dataclasses.replace(ctx.compiled, steps=self._steps)
+        self._contexts[key] = ctx
+        while len(self._contexts) > KEEP_CONTEXTS:
+            self._contexts.popitem(last=False)
+        return ctx
+
+    @property
+    def compiled_shapes(self) -> int:
+        """How many decoder step shapes have been compiled."""
+        return 0 if self._steps is None else len(self._steps.shapes)
+
+    def run(
+        self,
+        tokenizer: Tokenizer,
+        prompts: list[list[int]],
+        options: Mapping[str, Any],
+        *,
+        seed: int | None = None,
+        inputs: Mapping[str, Any] | None = None,
+        on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
+    ) -> list[Result]:
+        """Generates after each prompt and decodes the new tokens."""
+        ctx = self.context(len(prompts), options)
+        base = secrets.randbits(31) if seed is None else int(seed)
+        seeds = [base + i for i in range(len(prompts))]
+        out = gen.generate(ctx, prompts, seeds, inputs, on_token)
+        results = []
+        for prompt, tokens in zip(prompts, out, strict=True):
+            logprobs = None
+            if ctx.options["token_logprobs"]:
+                tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
+            limit = gen.new_tokens(ctx, len(prompt))
+            reason = "length" if len(tokens) >= limit else "eos"
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            results.append(Result(text, list(tokens), logprobs, reason))
+        return results
+
+    def stream(
+        self,
+        tokenizer: Tokenizer,
+        prompt: list[int],
+        options: Mapping[str, Any],
+        *,
+        seed: int | None = None,
+        inputs: Mapping[str, Any] | None = None,
+    ) -> Iterator[str]:
+        """Generates after one prompt, yielding text pieces as tokens come.
+
+        Generation runs in a worker thread; closing the iterator (or Ctrl-C while waiting on it)
+        stops it after the current step.
+        """
+        pieces: queue.Queue = queue.Queue()
+        cancel = threading.Event()
+        text = tokenizer.streamer(skip_special_tokens=True)
+        done = object()
+
+        def on_token(event: dict[str, np.ndarray]) -> None:
+            if cancel.is_set():
+                raise _Cancelled
+            token = int(event["token"][0])
+            if token >= 0:
+                piece = text.push([token])
+                if piece:
+                    pieces.put(piece)
+
+        def work() -> None:
+            try:
+                self.run(tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token)
+                rest = text.finish()
+                if rest:
+                    pieces.put(rest)
+                pieces.put(done)
+            except _Cancelled:
+                pieces.put(done)
+            except BaseException as error:  # noqa: BLE001 - handed to the reading thread
+                pieces.put(error)
+
+        worker = threading.Thread(target=work, name="transmuter-generate", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = pieces.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()
+            worker.join()
+
+
+class _Cancelled(Exception):
+    """Raised in the generation thread when the reader stopped the stream."""
+
+
+def load_decoder(files: hub.Files) -> tuple[Model, Model | None]:
+    """The decoder of ``files`` and, for a decoder of inputs_embeds, its embedding model."""
+    model = load(files.decoder)
+    embed = load(files.embed) if files.embed else None
+    return model, embed
+
+
+def prompt_kind(prompt: Any) -> str:
+    """ "text" for a string, "chat" for a list of message dicts, else raise TypeError."""
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        return "chat"
+    raise TypeError(
+        "a prompt is a string or a list of chat messages ({'role': ..., 'content': ...}), "
+        f"got {type(prompt).__name__}: {prompt!r:.80}"
+    )

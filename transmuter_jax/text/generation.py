@@ -1,0 +1,150 @@
+"""Text generation: text or chat messages in, text out."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ._runner import Result, Runner, load_decoder, prompt_kind, resolve
+from .tokenizer import Tokenizer
+
+Message = Mapping[str, Any]
+Prompt = str | Sequence[Message]
+
+
+class TextGeneration:
+    """A decoder-only language model with its tokenizer, from :func:`generation`.
+
+    Attributes:
+        files: the files it was loaded from (folder, exporter family, decoder).
+        tokenizer: the tokenizer of ``tokenizer.json``.
+        options: the default generation options (transformers' names).
+    """
+
+    def __init__(self, repo, *, dtype=None, file=None, chat_template=None, **options):
+        self.files = resolve(repo, dtype, file)
+        if self.files.encoder is not None:
+            raise ValueError(
+                f"{repo!r} is an encoder-decoder model: use transmuter_jax.text.text_to_text"
+            )
+        self.tokenizer = Tokenizer.from_folder(self.files.folder)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        model, embed = load_decoder(self.files)
+        self._runner = Runner(self.files.folder, model, embed=embed, options=options)
+        self.options = dict(options)
+
+    @property
+    def compiled_shapes(self) -> int:
+        """How many decoder step shapes have been compiled so far."""
+        return self._runner.compiled_shapes
+
+    def prompt_ids(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
+        """The token ids of a prompt.
+
+        A list of messages goes through the chat template (with the generation prompt, or
+        continuing a final assistant message), a string is encoded as it is, with the tokenizer's
+        special tokens; ``chat=True`` sends a string through the template as one user message.
+        """
+        kind = prompt_kind(prompt)
+        if kind == "text" and not chat:
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        messages = [{"role": "user", "content": prompt}] if kind == "text" else list(prompt)
+        text = self.chat_text(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_text(self, messages: Sequence[Message]) -> str:
+        """The chat template applied to ``messages``, as transformers' text-generation pipeline
+        does: a final assistant message is continued, else the generation prompt is added."""
+        last = messages[-1] if messages else {}
+        if isinstance(last, Mapping) and last.get("role") == "assistant":
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+            content = str(last.get("content", "")).strip()
+            end = text.rfind(content)
+            if not content or end < 0:
+                raise ValueError("cannot find the final assistant message in the rendered chat")
+            return text[: end + len(content)]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        chat: bool | None = None,
+        seed: int | None = None,
+        **options: Any,
+    ) -> list[Result]:
+        """Generates an answer to each prompt, in one batch.
+
+        Args:
+            prompts: strings or chat-message lists.
+            chat: send string prompts through the chat template as user messages.
+            seed: the sampling seed of the first prompt (the next get seed + 1, ...); None: random.
+            **options: generation options for this call (max_new_tokens, do_sample, ...).
+
+        Returns:
+            One :class:`Result` per prompt: text, token ids, log-probabilities, finish reason.
+        """
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise TypeError("prompts is a non-empty list of prompts")
+        ids = [self.prompt_ids(p, chat=chat) for p in prompts]
+        return self._runner.run(self.tokenizer, ids, options, seed=seed)
+
+    def __call__(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        chat: bool | None = None,
+        seed: int | None = None,
+        **options: Any,
+    ) -> str | list[str]:
+        """The answer to a prompt, or the answers to a list of prompts (see :meth:`generate`)."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], Mapping)
+        )
+        batch = [prompts] if single else prompts
+        results = self.generate(batch, chat=chat, seed=seed, **options)
+        texts = [r.text for r in results]
+        return texts[0] if single else texts
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        chat: bool | None = None,
+        seed: int | None = None,
+        **options: Any,
+    ) -> Iterator[str]:
+        """Yields the answer to one prompt in pieces as it is generated.
+
+        Pieces never split a multi-byte character, and they join to the text the same call
+        without streaming gives. Closing the iterator stops generation.
+        """
+        ids = self.prompt_ids(prompt, chat=chat)
+        return self._runner.stream(self.tokenizer, ids, options, seed=seed)
+
+
+def generation(
+    repo: str | os.PathLike | None = None,
+    *,
+    dtype: str | None = None,
+    file: str | None = None,
+    chat_template: str | None = None,
+    **options: Any,
+) -> TextGeneration:
+    """A text-generation pipeline.
+
+    Args:
+        repo: a local folder or a hub id; None (or "default", "default-int4",
+            "default-optimum") is the default model, SmolLM2-135M-Instruct, prepared on first use.
+        dtype: which variant of the ONNX files (such as "fp32", "q4", "int4"); None: fp32.
+        file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        chat_template: a Jinja chat template replacing the tokenizer's.
+        **options: default generation options, transformers' names (max_new_tokens, do_sample,
+            temperature, top_k, top_p, num_beams, repetition_penalty, token_logprobs, ...).
+
+    Returns:
+        A :class:`TextGeneration`: call it with a prompt, or use ``stream`` and ``generate``.
+    """
+    return TextGeneration(repo, dtype=dtype, file=file, chat_template=chat_template, **options)

@@ -1,0 +1,127 @@
+"""Text to text with an encoder-decoder model (Marian-style translation)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..onnx.model import load
+from ._runner import Result, Runner, load_decoder, resolve
+from .tokenizer import Tokenizer
+
+
+class TextToText:
+    """An encoder-decoder model with its tokenizer, from :func:`text_to_text`.
+
+    The encoder runs once per text; generation then starts from decoder_start_token_id with the
+    encoder outputs given to every decoder step.
+
+    Attributes:
+        files: the files it was loaded from (folder, exporter family, encoder, decoder).
+        tokenizer: the tokenizer of ``tokenizer.json``.
+        options: the default generation options (transformers' names).
+    """
+
+    def __init__(self, repo, *, dtype=None, file=None, **options):
+        self.files = resolve(repo, dtype, file)
+        if self.files.encoder is None:
+            raise ValueError(f"{repo!r} has no encoder: use transmuter_jax.text.generation")
+        self.tokenizer = Tokenizer.from_folder(self.files.folder)
+        self.encoder = load(self.files.encoder)
+        decoder, embed = load_decoder(self.files)
+        names = {i.name for i in decoder.inputs}
+        given = [n for n in ("encoder_hidden_states", "encoder_attention_mask") if n in names]
+        if "encoder_hidden_states" not in given:
+            raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
+        self._runner = Runner(self.files.folder, decoder, embed=embed, given=given, options=options)
+        self.options = dict(options)
+
+    @property
+    def compiled_shapes(self) -> int:
+        """How many decoder step shapes have been compiled so far."""
+        return self._runner.compiled_shapes
+
+    def _encode(self, texts: Sequence[str]) -> tuple[dict[str, np.ndarray], int]:
+        """The encoder outputs of each text (run alone, as a batch of one), padded to one length,
+        and the length of the longest text in tokens."""
+        if isinstance(texts, str) or not texts or not all(isinstance(t, str) for t in texts):
+            raise TypeError("texts is a non-empty list of strings")
+        names = {i.name for i in self.encoder.inputs}
+        states = []
+        for text in texts:
+            ids = np.asarray([self.tokenizer.encode(text)], np.int64)
+            feeds = {"input_ids": ids}
+            if "attention_mask" in names:
+                feeds["attention_mask"] = np.ones_like(ids)
+            out = self.encoder(feeds)
+            states.append(np.asarray(out.get("last_hidden_state", next(iter(out.values()))))[0])
+        longest = max(len(s) for s in states)
+        hidden = np.zeros((len(texts), longest, states[0].shape[-1]), states[0].dtype)
+        mask = np.zeros((len(texts), longest), np.int64)
+        for row, state in enumerate(states):
+            hidden[row, : len(state)], mask[row, : len(state)] = state, 1
+        given = {"encoder_hidden_states": hidden}
+        if "encoder_attention_mask" in self._runner.given:
+            given["encoder_attention_mask"] = mask
+        elif longest != min(len(s) for s in states):
+            raise ValueError(
+                "the decoder takes no encoder_attention_mask: give texts one at a time"
+            )
+        return given, longest
+
+    def _start(self, options: dict[str, Any]) -> list[int]:
+        ctx = self._runner.context(1, options)
+        start = ctx.options["decoder_start_token_id"]
+        if start is None:
+            raise ValueError(f"{self.files.folder!r} has no decoder_start_token_id")
+        return [int(start)]
+
+    def generate(self, texts: Sequence[str], *, seed: int | None = None, **options) -> list[Result]:
+        """Generates the output text of each input text, in one batch.
+
+        Args:
+            texts: the input texts.
+            seed: the sampling seed of the first text (the next get seed + 1, ...); None: random.
+            **options: generation options for this call (max_new_tokens, num_beams, ...).
+        """
+        given, _ = self._encode(texts)
+        prompt = self._start(options)
+        return self._runner.run(
+            self.tokenizer, [prompt] * len(texts), options, seed=seed, inputs=given
+        )
+
+    def __call__(
+        self, texts: str | Sequence[str], *, seed: int | None = None, **options: Any
+    ) -> str | list[str]:
+        """The output for a text, or for each text of a list."""
+        single = isinstance(texts, str)
+        results = self.generate([texts] if single else texts, seed=seed, **options)
+        out = [r.text for r in results]
+        return out[0] if single else out
+
+    def stream(self, text: str, *, seed: int | None = None, **options: Any) -> Iterator[str]:
+        """Yields the output for one text in pieces as it is generated."""
+        given, _ = self._encode([text])
+        prompt = self._start(options)
+        return self._runner.stream(self.tokenizer, prompt, options, seed=seed, inputs=given)
+
+
+def text_to_text(
+    repo: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    file: str | None = None,
+    **options: Any,
+) -> TextToText:
+    """A text-to-text pipeline over an encoder-decoder model (translation, summarisation).
+
+    Args:
+        repo: a local folder or a hub id with an encoder and a merged decoder.
+        dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
+        file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        **options: default generation options, transformers' names.
+    """
+    return TextToText(repo, dtype=dtype, file=file, **options)
