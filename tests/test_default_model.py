@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import transmuter_jax as tj
 from transmuter_jax import text
-from transmuter_jax.testing import compare_with_onnxruntime, example_inputs
+from transmuter_jax.testing import example_inputs
 
 pytestmark = pytest.mark.default_model
 
@@ -62,11 +63,39 @@ def test_streaming_pieces_join_to_the_text_with_multibyte_characters(exact):
     assert not any("\ufffd" in p for p in pieces)
 
 
-def test_int4_export_matches_onnxruntime(default_model):
-    model = tj.load(default_model / "genai-int4" / "model.onnx")
-    for inputs in (example_inputs(model, length=8), example_inputs(model, length=1, past=8)):
-        diffs = compare_with_onnxruntime(model, inputs, outputs=["logits"])
-        assert max(diffs.values()) < 5e-2, diffs
+def test_int4_export_matches_onnxruntime_with_exact_dequantisation(
+    default_model, default_reference, tmp_path
+):
+    """The shipped file asks for int8 activations (accuracy_level 4), which onnxruntime's CPU
+    kernels honour (logits off by ~1.6); JAX dequantises exactly, as onnxruntime does at level 0."""
+    import onnx
+    import onnxruntime as ort
+
+    source = default_model / "genai-int4" / "model.onnx"
+    proto = onnx.load(source)
+    levels = 0
+    for node in proto.graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
+                attribute.i, levels = 0, levels + 1
+    assert levels > 100
+    exact = tmp_path / "model.onnx"
+    onnx.save(proto, exact, save_as_external_data=True, location="model.onnx.data")
+    session = ort.InferenceSession(exact, providers=["CPUExecutionProvider"])
+    model = tj.load(source)
+    prompt = np.array([default_reference["cases"][0]["prompt_ids"]], np.int64)
+    inputs = example_inputs(model, length=prompt.shape[1])
+    inputs["input_ids"] = prompt
+    ours = np.asarray(model(inputs)["logits"])
+    theirs = session.run(["logits"], inputs)[0]
+    assert np.abs(ours - theirs).max() < 2e-3
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_int4_answers(default_model):
+    assert "Paris" in text.generation("default-int4")(
+        "What is the capital of France?", chat=True, max_new_tokens=12
+    )
 
 
 def _cli(*args: str, stdin: str | None = None, timeout: float = 600):

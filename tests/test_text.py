@@ -5,8 +5,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-
 from generation_cases import case
+
 from transmuter_jax import text
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

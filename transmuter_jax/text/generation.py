@@ -59,12 +59,9 @@ class TextGeneration:
         does: a final assistant message is continued, else the generation prompt is added."""
         last = messages[-1] if messages else {}
         if isinstance(last, Mapping) and last.get("role") == "assistant":
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-            content = str(last.get("content", "")).strip()
-            end = text.rfind(content)
-            if not content or end < 0:
-                raise ValueError("cannot find the final assistant message in the rendered chat")
-            return text[: end + len(content)]
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=False, continue_final_message=True
+            )
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def generate(
