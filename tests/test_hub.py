@@ -412,3 +412,35 @@ def test_an_incomplete_cached_snapshot_still_lists_its_files(fake_hub, monkeypat
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr("huggingface_hub.snapshot_download", incomplete)
     check(hub.files("org/online"), snapshot, "transformers.js", "onnx/model.onnx", "fp32")
+
+
+@pytest.mark.parametrize(
+    ("fixture", "layout"),
+    [
+        ("llama-optimum", {"model.onnx": "model.onnx"}),
+        ("llama-optimum", {"onnx/model.onnx": "model.onnx"}),  # transformers.js
+        (
+            "llama-genai-fp32",
+            {n: n for n in ("genai_config.json", "model.onnx", "model.onnx.data")},
+        ),
+    ],
+)
+def test_text_generation_from_a_cached_hub_id_offline(cache, fixture, layout):
+    """Each exporter family's layout, from the hub cache with no network, generates the tokens
+    that transformers gave for the same prompt."""
+    from generation_cases import case
+
+    from transmuter_jax import text
+
+    sources = {n: FIXTURES / fixture / n for n in TEXT}
+    sources.update({name: FIXTURES / fixture / src for name, src in layout.items()})
+    cache("org/model", list(sources), sources)
+    pipe = text.generation("org/model")
+    the_case = case("llama-optimum", "text") if fixture == "llama-optimum" else None
+    if the_case is not None:
+        result = pipe.generate([the_case["texts"][0]], max_new_tokens=16)[0]
+        assert result.token_ids == the_case["tokens"][0]
+    else:
+        want = case(fixture, "greedy")
+        out = pipe._runner.run(pipe.tokenizer, want["prompts"][:1], want["options"])
+        assert out[0].token_ids == want["tokens"][0]
