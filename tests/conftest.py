@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
+
+# The tests keep their compiled programs apart from the user's (set before transmuter_jax is
+# imported; the subprocesses of the command-line tests inherit it).
+if "TRANSMUTER_JAX_COMPILE_CACHE" not in os.environ:
+    _base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["TRANSMUTER_JAX_COMPILE_CACHE"] = os.path.join(_base, "transmuter_jax", "jax-tests")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 """transmuter_jax: run Hugging Face ONNX models as compiled JAX programs."""
 
+from . import compile_cache
+
 from .onnx import (
     DynamicShapeError,
     InputError,
@@ -12,6 +14,7 @@ from .onnx import (
 )
 
 __all__ = [
+    "compile_cache",
     "DynamicShapeError",
     "InputError",
     "Model",
@@ -22,3 +25,5 @@ __all__ = [
     "load",
 ]
 __version__ = "0.1.0"
+
+compile_cache.configure()

@@ -1,0 +1,61 @@
+"""The persistent compilation cache: a second process compiles nothing new."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "llama-genai-fp32"
+
+WORKLOAD = """
+import json, sys
+from jax import monitoring
+counts = {}
+monitoring.register_event_listener(
+    lambda name, **kw: counts.__setitem__(name, counts.get(name, 0) + 1))
+import transmuter_jax as tj
+from transmuter_jax import generation
+folder = sys.argv[1]
+model = tj.load(folder + "/model.onnx")
+ctx = generation.compile(generation.context(folder, model, max_new_tokens=6), 2)
+tokens = generation.generate(ctx, [[5, 6, 7, 8, 9], [10, 11]], [0, 1])
+print(json.dumps({
+    "hits": counts.get("/jax/compilation_cache/cache_hits", 0),
+    "misses": counts.get("/jax/compilation_cache/cache_misses", 0),
+    "tokens": tokens,
+    "folder": tj.compile_cache.directory(),
+}))
+"""
+
+
+def _run(setting: str) -> dict:
+    env = dict(os.environ, TRANSMUTER_JAX_COMPILE_CACHE=setting, HF_HUB_OFFLINE="1")
+    out = subprocess.run(
+        [sys.executable, "-c", WORKLOAD, str(FIXTURE)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_compiles_nothing_new(tmp_path):
+    folder = tmp_path / "jax-cache"
+    first = _run(str(folder))
+    assert first["folder"] == str(folder)
+    assert first["misses"] > 3  # the steps, the selection and small helper programs
+    second = _run(str(folder))
+    assert second["misses"] == 0
+    assert second["hits"] >= first["misses"]
+    assert second["tokens"] == first["tokens"]
+
+
+def test_the_variable_turns_it_off(tmp_path):
+    out = _run("off")
+    assert out["folder"] is None
+    assert out["hits"] == out["misses"] == 0
