@@ -1,7 +1,6 @@
 """transmuter_jax: run Hugging Face ONNX models as compiled JAX programs."""
 
 from . import compile_cache
-
 from .onnx import (
     DynamicShapeError,
     InputError,
