@@ -5,6 +5,9 @@
 - append: a buffer whose free rows the mask hides; the graph's present is the buffer plus the new
   rows, which this module writes into the buffer at each row's length.
 - grow: the cache has its exact length (shared by all rows); the present is the next cache.
+  Padded (when the decoder could be rewritten, see :mod:`transmuter_jax.onnx.rewrite`), it has a
+  fixed number of rows whose valid ones come last: the present is the cache plus the new rows,
+  and its last rows are the next cache.
 
 Cache arrays are [batch, heads, length, head_size]: the sequence is axis 2.
 """
@@ -90,20 +93,27 @@ def layout(model: Model, config: dict) -> CacheLayout:
     return CacheLayout(tuple(entries))
 
 
-def capacity(mode: str, longest: int, chunk: int) -> int:
+def capacity(mode: str, longest: int, chunk: int, padded: bool = False) -> int:
     """Rows of the buffer for rows of at most ``longest`` tokens fed in chunks of up to ``chunk``.
 
     A row may take a chunk of padding after its last token, so the buffer has room for it; the
     length is rounded up to a multiple of 64 so that close workloads share compiled shapes.
-    grow has no buffer: 0.
+    grow has no buffer (0) unless padded: then ``longest`` rounded up to a multiple of 64 (the
+    rows of a grow group all feed the same tokens, so no chunk runs past ``longest``).
     """
     if mode == "grow":
-        return 0
-    need = longest + chunk
-    return -(-need // 64) * 64
+        return bucket(longest) if padded else 0
+    return bucket(longest + chunk)
 
 
-def mask(mode: str, lengths: np.ndarray, step: int, cache_length: int) -> np.ndarray:
+def bucket(rows: int) -> int:
+    """``rows`` rounded up to a multiple of 64 (the buffers' capacities and grow's buckets)."""
+    return -(-rows // 64) * 64
+
+
+def mask(
+    mode: str, lengths: np.ndarray, step: int, cache_length: int, padded: bool = False
+) -> np.ndarray:
     """The attention mask of a step of ``step`` tokens after ``lengths`` valid cached tokens.
 
     Args:
@@ -111,8 +121,12 @@ def mask(mode: str, lengths: np.ndarray, step: int, cache_length: int) -> np.nda
         lengths: [B] valid cached tokens of each row.
         step: tokens of this step (padding included).
         cache_length: rows of the cache array (the buffer, or the exact length in grow).
+        padded: grow on a padded cache, whose first ``cache_length - lengths`` rows are padding.
     """
     batch = len(lengths)
+    if mode == "grow" and padded:  # [B, C + S]: padding rows hidden, then valid rows and tokens
+        columns = np.arange(cache_length + step)[None, :]
+        return (columns >= (cache_length - lengths)[:, None]).astype(np.int32)
     if mode == "in_place":  # [B, M]: the valid rows, then this step's tokens
         return (np.arange(cache_length)[None, :] < (lengths + step)[:, None]).astype(np.int32)
     if mode == "append":  # [B, C + S]: valid rows, free rows hidden, then this step's tokens
@@ -127,16 +141,29 @@ def advance(
     cache: dict[str, jax.Array],
     outputs: dict[str, jax.Array],
     lengths: jax.Array,
+    padded_rows: int | None = None,
 ) -> dict[str, jax.Array]:
     """The cache after a step (traced in the step): from the graph's presents.
 
     Args:
         lengths: [B] int32 valid cached tokens of each row before the step (append writes the new
             rows there).
+        padded_rows: in grow on a padded cache, its rows: the last ``padded_rows`` of the
+            present, after zero rows when the present is shorter.
     """
     new = {}
     for entry in layout.entries:
         present = outputs[entry.output]
+        if padded_rows is not None and not entry.cross:
+            have = present.shape[SEQ]
+            if have >= padded_rows:
+                kept = jax.lax.slice_in_dim(present, have - padded_rows, have, axis=SEQ)
+            else:
+                widths = [(0, 0)] * present.ndim
+                widths[SEQ] = (padded_rows - have, 0)
+                kept = jnp.pad(present, widths)
+            new[entry.input] = kept.astype(entry.dtype)
+            continue
         if entry.cross or mode != "append":
             # A cross-attention present is empty on the steps that reuse the cache.
             keep = entry.cross and present.size == 0
@@ -157,30 +184,45 @@ def shared_by_all_rows(mode: str) -> bool:
     return mode != "grow"
 
 
-def donated(mode: str) -> bool:
-    """Whether a step can update the cache buffers in place (not in grow, where they grow)."""
-    return mode != "grow"
+def donated(mode: str, padded: bool = False) -> bool:
+    """Whether a step can update the cache buffers in place (not in grow, where they grow, unless
+    padded)."""
+    return mode != "grow" or padded
 
 
 class State:
-    """The cache of a group of rows on the device, and the count of valid tokens of each row."""
+    """The cache of a group of rows on the device, and the count of valid tokens of each row.
 
-    def __init__(self, mode: str, layout: CacheLayout, batch: int, rows: int, cross: int):
+    Attributes:
+        rows: rows of the cache arrays now.
+        capacity: in grow on a padded cache, its rows after the first step; else None.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        layout: CacheLayout,
+        batch: int,
+        rows: int,
+        cross: int,
+        padded: bool = False,
+    ):
         self.mode = mode
-        self.rows = rows if mode != "grow" else 0  # rows of the cache arrays
+        self.rows = rows if mode != "grow" else 0
+        self.capacity = rows if mode == "grow" and padded else None
         # In grow the cross-attention cache is made by the first step; elsewhere it is a buffer.
         self.arrays = layout.empty(batch, self.rows, cross if mode != "grow" else 0)
         self.lengths = np.zeros(batch, np.int32)  # valid cached tokens of each row
 
     def mask(self, step: int) -> np.ndarray:
         """The attention mask of the next step of ``step`` tokens."""
-        return mask(self.mode, self.lengths, step, self.rows)
+        return mask(self.mode, self.lengths, step, self.rows, self.capacity is not None)
 
     def advance(self, real: np.ndarray, step: int) -> None:
         """Counts the tokens a step cached: ``real`` [B] of each row, ``step`` in all."""
         if self.mode == "grow":  # every row's cache holds the whole step
             self.lengths = self.lengths + step
-            self.rows += step
+            self.rows = self.capacity if self.capacity is not None else self.rows + step
         else:  # padding tokens after a row's real ones are overwritten by its next step
             self.lengths = self.lengths + real
 

@@ -16,7 +16,7 @@ from .beam import BeamPrompt
 from .context import Context
 from .processors import Rows, static_masks
 from .select import beam_selection, selection
-from .steps import Steps, chunk
+from .steps import Steps, chunk, pad_grow
 
 
 @dataclasses.dataclass
@@ -26,19 +26,37 @@ class Compiled:
     steps: Steps
     select: Any
     reorder: Any
+    grow_cache: str = ""  # in grow, what runs: "padded", "buckets" or "exact"
+    unpadded: str = ""  # in grow, why the cache keeps exact lengths ("" when it is padded)
 
     @property
     def shapes(self) -> int:
         """How many step shapes have been compiled."""
         return len(self.steps.shapes)
 
+    @property
+    def padded(self) -> bool:
+        """Whether grow steps run on a padded cache (a few shapes) rather than exact lengths."""
+        return self.steps.padding is not None
 
-def compile(ctx: Context, batch_size: int, **jit_options: Any) -> Context:  # noqa: A001
+
+GROW_CACHES = ("padded", "buckets", "exact")
+
+
+def compile(  # noqa: A001
+    ctx: Context, batch_size: int, *, grow_cache: str = "padded", **jit_options: Any
+) -> Context:
     """Prepares ``ctx`` for batches of ``batch_size`` prompts.
 
     Args:
         ctx: from :func:`context`.
         batch_size: the most prompts a call of :func:`generate` takes.
+        grow_cache: in grow mode, "padded" runs the decoder rewritten for a padded cache whose
+            capacity is each group's prompt and new tokens rounded up to 64 (its prompt steps
+            and one decode shape); "buckets" grows that cache 64 rows at a time as it fills (two
+            decode shapes per 64 rows, fewer padding rows read); "exact" keeps exact lengths
+            (one shape per length). A graph the rewrite does not understand keeps exact lengths
+            (``compiled.unpadded`` says why).
         **jit_options: options of ``jax.jit`` for the step and the selection.
 
     Returns:
@@ -46,12 +64,18 @@ def compile(ctx: Context, batch_size: int, **jit_options: Any) -> Context:  # no
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if grow_cache not in GROW_CACHES:
+        raise ValueError(f"grow_cache must be one of {GROW_CACHES}, got {grow_cache!r}")
     ready = dataclasses.replace(ctx, batch_size=batch_size, jit_options=dict(jit_options))
     masks = static_masks(ctx.options, ctx.vocab_size or 0)  # once, not every step
     make = beam_selection if ctx.options["num_beams"] > 1 else selection
     select = make(ready.options, tuple(ready.processors), masks, **jit_options)
     reorder = cache_modes.reorder_function(ctx.cache, **jit_options)
-    ready.compiled = Compiled(Steps(ready), select, reorder)
+    padding, reason, runs = None, "", ""
+    if ctx.mode == "grow":
+        padding, reason = pad_grow(ctx) if grow_cache != "exact" else (None, "grow_cache='exact'")
+        runs = grow_cache if padding is not None else "exact"
+    ready.compiled = Compiled(Steps(ready, padding), select, reorder, runs, reason)
     return ready
 
 
@@ -377,9 +401,10 @@ def _run_group(ctx, rows, group, given, features, choose) -> None:
     first = chunk(max(len(rows[i].prompt) for i in group))
     states = given.get("encoder_hidden_states")
     encoder = 0 if states is None else int(states.shape[1])
-    state = cache_modes.State(
-        ctx.mode, ctx.cache, batch, cache_modes.capacity(ctx.mode, longest, first), encoder
-    )
+    padded = ctx.compiled.padded
+    capacity = cache_modes.capacity(ctx.mode, longest, first, padded)
+    state = cache_modes.State(ctx.mode, ctx.cache, batch, capacity, encoder, padded)
+    buckets = padded and ctx.compiled.grow_cache == "buckets"
     axes = _position_axes(ctx)
     width = -(-longest // 64) * 64
     prompt = jnp.asarray([len(r.prompt) for r in rows], jnp.int32)
@@ -391,13 +416,15 @@ def _run_group(ctx, rows, group, given, features, choose) -> None:
         )
         start = state.lengths
         step = _plan(ctx, rows, members, remaining, start, pad, axes)
+        if buckets:  # room for this step's tokens, in 64-row buckets
+            state.capacity = cache_modes.bucket(int(start.max()) + step.tokens.shape[1])
         feed = _feed(ctx, step.tokens, step.positions, state, given, axes)
         if step.image_mask.any() and features is not None:
             feed["image_mask"] = jnp.asarray(step.image_mask)
             feed["image_features"] = jnp.asarray(features[step.image_rows])
         last = np.maximum(step.real - 1, 0)  # each row's last real token
         logits, state.arrays = ctx.compiled.steps(
-            state.arrays, feed, jnp.asarray(start), jnp.asarray(last)
+            state.arrays, feed, jnp.asarray(start), jnp.asarray(last), state.capacity
         )
         lengths = [len(r.prompt) + len(r.generated) for r in rows]
         views = Rows(

@@ -8,12 +8,16 @@ XLA program. The cache buffers are donated, so XLA updates them in place.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..onnx.dtypes import device_dtype
+from ..onnx.model import Model
+from ..onnx.rewrite import NotPaddable, PaddedPast, pad_past
 from . import cache as cache_modes
 from .context import Context
 
@@ -23,15 +27,80 @@ def chunk(remaining: int) -> int:
     return 1 << (max(remaining, 1).bit_length() - 1)
 
 
+def probe_inputs(
+    model: Model, layout: cache_modes.CacheLayout, past: int, *, batch: int = 2, step: int = 3
+) -> dict[str, Any]:
+    """Abstract inputs of one step after ``past`` cached tokens, for :func:`pad_past`.
+
+    Static inputs (use_cache_branch) are numpy arrays that pick the branch reading the cache;
+    the others are jax.ShapeDtypeStruct. Dimensions are known from the inputs' names (tokens,
+    attention_mask, cache) and their symbolic dimensions; other dimensions refuse the probe.
+    """
+    entries = {e.input: e for e in layout.entries}
+    encoder = 5  # rows of the cross-attention cache and the encoder outputs
+    dims: dict[Any, int] = {}
+    for info in model.inputs:
+        shape = info.shape or ()
+        if info.name in entries and len(shape) == 4:
+            dims[shape[0]] = batch
+            dims[shape[2]] = encoder if entries[info.name].cross else past
+        elif info.name in ("input_ids", "inputs_embeds") and len(shape) >= 2:
+            dims[shape[0]], dims[shape[1]] = batch, step
+    inputs: dict[str, Any] = {}
+    for info in model.inputs:
+        dtype = device_dtype(np.dtype(info.dtype))
+        if info.name in model.static_inputs:
+            inputs[info.name] = np.ones(info.shape, np.dtype(info.dtype))
+            continue
+        if info.name in entries:
+            entry = entries[info.name]
+            shape = (batch, entry.heads, encoder if entry.cross else past, entry.head_size)
+        elif info.name == "attention_mask":
+            shape = (batch, past + step)
+        elif info.shape is not None and all(isinstance(d, int) or d in dims for d in info.shape):
+            shape = tuple(d if isinstance(d, int) else dims[d] for d in info.shape)
+        else:
+            raise NotPaddable(f"cannot tell the shape of input {info.name!r} {info.shape}")
+        inputs[info.name] = jax.ShapeDtypeStruct(shape, dtype)
+    return inputs
+
+
+_PADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> layout -> result
+
+
+def pad_grow(ctx: Context) -> tuple[PaddedPast | None, str]:
+    """The decoder of a grow context rewritten for a padded cache, else None and the reason.
+
+    The result is kept per decoder and cache layout: contexts of one decoder share it.
+    """
+    if ctx.mode != "grow":
+        return None, f"the cache mode is {ctx.mode!r}, not 'grow'"
+    known = _PADDED.setdefault(ctx.model, {})
+    if ctx.cache not in known:
+        past = [e.input for e in ctx.cache.entries if not e.cross]
+        try:
+            padded = pad_past(ctx.model, lambda n: probe_inputs(ctx.model, ctx.cache, n), past)
+            known[ctx.cache] = (padded, "")
+        except NotPaddable as error:
+            known[ctx.cache] = (None, str(error))
+    return known[ctx.cache]
+
+
 @dataclasses.dataclass
 class Steps:
-    """The compiled steps of a context, one per (step length, cache length, branch)."""
+    """The compiled steps of a context, one per (step length, cache length, branch), and in grow
+    on a padded cache, the cache's rows after the step.
+
+    Attributes:
+        padding: the decoder rewritten for a padded grow cache, or None (exact lengths).
+    """
 
     ctx: Context
+    padding: PaddedPast | None = None
     functions: dict[tuple, Any] = dataclasses.field(default_factory=dict)
     shapes: set[tuple] = dataclasses.field(default_factory=set)
 
-    def __call__(self, cache, feed, lengths, last):
+    def __call__(self, cache, feed, lengths, last, rows: int | None = None):
         """Runs one step.
 
         Args:
@@ -40,6 +109,7 @@ class Steps:
                 image features "image_features" [B, S, H] with "image_mask" [B, S].
             lengths: [B] int32 valid cached tokens of each row before the step.
             last: [B] int32 index in the step of each row's last real token.
+            rows: in grow on a padded cache, its rows after the step.
 
         Returns:
             (logits [B, V] float32 of each row's last real token, the next cache)
@@ -48,18 +118,29 @@ class Steps:
         length = cache_modes.cache_length(cache, ctx.cache)
         branch = cache_modes.branch(ctx.mode, length)
         tokens = feed["tokens"]
-        self.shapes.add((tokens.shape[1], length, branch))
-        fn = self.functions.get(branch)
+        padded = self.padding is not None and rows is not None
+        key = (tokens.shape[1], length, branch) + ((rows,) if padded else ())
+        self.shapes.add(key)
+        # A padded cache is updated in place when it keeps its rows (not on the first step, nor
+        # when a bucket grows).
+        donate = cache_modes.donated(ctx.mode, padded and length == rows)
+        at = (branch, rows if padded else None, donate)
+        fn = self.functions.get(at)
         if fn is None:
-            donate = (2,) if cache_modes.donated(ctx.mode) else ()
-            fn = jax.jit(_step_function(ctx, branch), donate_argnums=donate, **ctx.jit_options)
-            self.functions[branch] = fn
+            if padded:
+                step = _step_function(ctx, branch, self.padding, rows)
+            else:
+                step = _step_function(ctx, branch, None, None)
+            fn = jax.jit(step, donate_argnums=(2,) if donate else (), **ctx.jit_options)
+            self.functions[at] = fn
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         return fn(ctx.model.params, embed_params, cache, feed, lengths, last)
 
 
-def _step_function(ctx: Context, branch: bool):
+def _step_function(ctx: Context, branch: bool, padding: PaddedPast | None, rows: int | None):
     model, embed, mode, layout = ctx.model, ctx.embed, ctx.mode, ctx.cache
+    if padding is not None:
+        model = padding.model
     static = {name: np.array([branch], dtype=bool) for name in model.static_inputs}
     names = {i.name for i in model.inputs}
 
@@ -77,10 +158,13 @@ def _step_function(ctx: Context, branch: bool):
         else:
             inputs["input_ids"] = tokens
         inputs.update(cache)
+        if padding is not None:  # the rows before each row's valid ones (all rows alike)
+            have = cache_modes.cache_length(cache, layout)
+            inputs[padding.input] = jnp.int32(have) - lengths[0]
         outputs = model._function(static, params, inputs)
         logits = outputs["logits"]  # [B, S, V]
-        rows = jnp.arange(logits.shape[0])
-        last_logits = logits[rows, last].astype(jnp.float32)  # [B, V]
-        return last_logits, cache_modes.advance(mode, layout, cache, outputs, lengths)
+        index = jnp.arange(logits.shape[0])
+        last_logits = logits[index, last].astype(jnp.float32)  # [B, V]
+        return last_logits, cache_modes.advance(mode, layout, cache, outputs, lengths, rows)
 
     return step

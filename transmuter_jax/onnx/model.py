@@ -18,7 +18,11 @@ import onnx.inliner
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
-from . import ops  # noqa: F401  (registers the op implementations)
+from .. import kernels
+from . import (
+    ops,  # noqa: F401  (registers the op implementations)
+    prepack,
+)
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
 from .errors import InputError, ModelFileError
 from .trace import Graph, check_supported, prune, run_nodes, static_dependencies
@@ -162,14 +166,20 @@ class Model:
 
         constants: dict[str, np.ndarray] = {}
         params: dict[str, jax.Array] = {}
+        # On CPU with the kernels, matrix-product weights are packed once, in place of the original.
+        packings = prepack.plan(graph) if kernels.enabled() else {}
         for tensor in graph.initializer:
             array = _tensor_array(tensor, folder, path)
-            if _is_weight(array):
+            if tensor.name in packings:
+                # device_put may keep the packed array without copying it (CPU, aligned).
+                params[tensor.name] = jax.device_put(packings[tensor.name].pack(array))
+            elif _is_weight(array):
                 params[tensor.name] = jnp.asarray(to_device_dtype(np.asarray(array)))
             else:
                 constants[tensor.name] = np.array(array)
         # Weights now live on the device: drop them from the graph.
         del graph.initializer[:]
+        prepack.rewrite(graph, packings)
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]

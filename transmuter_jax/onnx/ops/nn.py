@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ... import kernels
+from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ..trace import is_static
 from ._util import onnx_dtype, precision, xp
@@ -34,13 +36,38 @@ def Gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, broadcast=0):
     """alpha * A' @ B' + beta * C; ``broadcast`` (opset < 7) is implied by numpy broadcasting."""
     a = a.T if transA else a
     b = b.T if transB else b
-    y = _matmul(a, b)  # [M, N]
+    return _gemm_tail(_matmul(a, b), c, alpha, beta)  # [M, N]
+
+
+def _gemm_tail(y, c, alpha, beta):
     dtype = y.dtype
     if alpha != 1.0:
         y = (y * alpha).astype(dtype)
     if c is not None:
         y = y + (c * beta if beta != 1.0 else c).astype(dtype)
     return y
+
+
+# Internal ops of weights packed at load time (see transmuter_jax.onnx.prepack).
+
+
+@op("PackedMatMul", domain=PACKED, fold=False)
+def PackedMatMul(a, packed, *, n):
+    """a @ w, w [K, N] float32 held packed in strips."""
+    return kernels.matmul(a, packed, n)
+
+
+@op("PackedGemm", domain=PACKED, fold=False)
+def PackedGemm(a, packed, c=None, *, n, alpha=1.0, beta=1.0, transA=0):
+    """Gemm with B' = w held packed in strips."""
+    a = a.T if transA else a
+    return _gemm_tail(kernels.matmul(a, packed, n), c, alpha, beta)
+
+
+@op("PackedGather", domain=PACKED, fold=False)
+def PackedGather(packed, indices, *, n, columns):
+    """Rows of w (columns=0) or of w^T (columns=1), w held packed in strips."""
+    return kernels.columns(packed, indices, n) if columns else kernels.rows(packed, indices, n)
 
 
 @op("MatMulInteger", since=10)

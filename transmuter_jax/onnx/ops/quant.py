@@ -3,14 +3,20 @@ the com.microsoft block-quantized MatMulNBits and GatherBlockQuantized."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ... import kernels
 from ..registry import op
 from ._util import onnx_dtype, precision, xp
 
 MS = "com.microsoft"
+# "1": MatMulNBits nodes with accuracy_level 4 quantize their input to int8 per block first, as
+# onnxruntime's CPU kernels do; otherwise every MatMulNBits dequantizes exactly.
+INT8_ENV = "TRANSMUTER_JAX_NBITS_INT8"
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -162,16 +168,47 @@ def MatMulNBits(
     """a [..., K] @ the block-quantized weight [N, K] transposed (+ bias) -> [..., N].
 
     b: uint8 [N, n_blocks, block_size*bits/8], values low bits first; the weight is
-    (value - zero point) * scale per block of K, the zero point 2^(bits-1) when absent.
+    (value - zero point) * scale per block of K, the zero point 2^(bits-1) when absent. With
+    accuracy_level 4 and ``TRANSMUTER_JAX_NBITS_INT8=1``, a is first rounded to int8 per block.
     """
     if weight_prepacked:
         raise NotImplementedError("MatMulNBits with weight_prepacked")
-    weight = _nbits_weight(b, scales, zero_points, g_idx, K, N, block_size, bits)  # [N, K]
     a = jnp.asarray(a)
-    y = jnp.matmul(a.astype(jnp.float32), weight.T, precision=precision())  # [..., N]
+    int8 = accuracy_level == 4 and os.environ.get(INT8_ENV, "") == "1"
+
+    def reference(x, b, scales, zero_points):
+        weight = _nbits_weight(b, scales, zero_points, g_idx, K, N, block_size, bits)  # [N, K]
+        x = _int8_round_trip(x, block_size) if int8 else x
+        return jnp.matmul(x, weight.T, precision=precision())  # [..., N]
+
+    x = a.astype(jnp.float32)
+    rows = int(np.prod(x.shape[:-1]))
+    if (
+        np.size(b)
+        and rows <= kernels.NBITS_MAX_ROWS
+        and kernels.nbits_supported(bits, block_size, K, g_idx, scales, zero_points)
+    ):
+        y = kernels.matmul_nbits(
+            x, b, scales, zero_points, n=N, block_size=block_size, reference=reference, int8=int8
+        )
+    else:
+        y = reference(x, b, scales, zero_points)
     if bias is not None:
         y = y + jnp.asarray(bias).astype(jnp.float32)
     return y.astype(a.dtype)
+
+
+def _int8_round_trip(x, block_size):
+    """x as onnxruntime's accuracy_level 4 sees it: per block of K, round(x * (1 / s)) * s with
+    s = max|x| / 127 in float32, rounding half to even."""
+    k = x.shape[-1]
+    blocks = -(-k // block_size)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block_size - k)])
+    v = padded.reshape(*x.shape[:-1], blocks, block_size)
+    scale = jnp.max(jnp.abs(v), axis=-1, keepdims=True) / 127.0
+    inv = jnp.where(scale != 0, 1.0 / jnp.where(scale != 0, scale, 1.0), 0.0)
+    q = jnp.clip(jnp.round(v * inv), -127.0, 127.0) * scale
+    return q.reshape(*x.shape[:-1], blocks * block_size)[..., :k]
 
 
 def _nbits_weight(b, scales, zero_points, g_idx, k, n, block_size, bits):

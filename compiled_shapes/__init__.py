@@ -1,0 +1,1 @@
+"""The study of compiled-shape caching: see README.md."""

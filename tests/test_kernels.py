@@ -1,0 +1,383 @@
+"""The CPU kernels against their pure-JAX equivalents, inside models, and without them."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx_cases import check_op
+
+import transmuter_jax as tj
+from transmuter_jax import kernels
+from transmuter_jax.kernels import build
+from transmuter_jax.onnx import prepack
+from transmuter_jax.onnx.ops.quant import INT8_ENV, _int8_round_trip, _nbits_weight
+from transmuter_jax.testing import example_inputs
+
+needs_kernels = pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels not available")
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def _close(actual, expected, k: int):
+    """Float32 products of length k against a float64 reference."""
+    scale = np.sqrt(max(k, 1)) * 1e-6 * (1 + np.abs(expected).max(initial=0))
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=scale * 10)
+
+
+# ---------------------------------------------------------------- packed float32 products
+
+
+@pytest.mark.parametrize(
+    ("k", "n"), [(1, 1), (7, 33), (33, 31), (100, 64), (576, 70), (129, 257), (64, 5)]
+)
+def test_pack_roundtrip(rng, k, n):
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = kernels.pack(w)
+    assert packed.shape == (-(-n // kernels.STRIP), k, kernels.STRIP)
+    np.testing.assert_array_equal(np.asarray(kernels.unpack(jnp.asarray(packed), n)), w)
+    idx = np.array([[0, n - 1], [-1, n // 2]])
+    np.testing.assert_array_equal(
+        np.asarray(kernels.columns(jnp.asarray(packed), idx, n)), w.T[idx % n]
+    )
+    idx = np.array([0, k - 1, -1])
+    np.testing.assert_array_equal(np.asarray(kernels.rows(jnp.asarray(packed), idx, n)), w[idx])
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [*range(1, 18), 31, 64, 130])
+@pytest.mark.parametrize(("k", "n"), [(7, 33), (33, 95), (576, 70), (130, 257)])
+def test_matmul_kernel(rng, m, k, n):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    y = jax.jit(kernels.matmul, static_argnums=2)(x, jnp.asarray(kernels.pack(w)), n)
+    _close(y, x.astype(np.float64) @ w, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(2, 3, 40), (40,), (1, 1, 40), (0, 40), (3, 0)])
+def test_matmul_kernel_batch_dims(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    k, n = shape[-1], 37
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    y = jax.jit(kernels.matmul, static_argnums=2)(x, jnp.asarray(kernels.pack(w)), n)
+    assert y.shape == (*shape[:-1], n)
+    _close(y, x.astype(np.float64) @ w, k)
+
+
+@needs_kernels
+def test_matmul_vmap_and_grad(rng):
+    k, n = 45, 70
+    x = rng.standard_normal((4, 3, k)).astype(np.float32)
+    w = rng.standard_normal((2, k, n)).astype(np.float32)
+    packed = jnp.asarray(np.stack([kernels.pack(v) for v in w]))
+    over_x = jax.jit(jax.vmap(lambda x: kernels.matmul(x, packed[0], n)))(x)
+    _close(over_x, x.astype(np.float64) @ w[0], k)
+    over_w = jax.jit(jax.vmap(lambda p: kernels.matmul(x[0], p, n)))(packed)
+    _close(over_w, np.stack([x[0].astype(np.float64) @ v for v in w]), k)
+
+    def loss(x, p):
+        return jnp.sum(jnp.sin(kernels.matmul(x, p, n)))
+
+    def loss_ref(x, w):
+        return jnp.sum(jnp.sin(x @ w))
+
+    gx, gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, packed[0])
+    rx, rw = jax.grad(loss_ref, argnums=(0, 1))(x, w[0])
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(kernels.unpack(gp, n)), np.asarray(rw), rtol=1e-4, atol=1e-4
+    )
+
+
+# ---------------------------------------------------------------- MatMulNBits
+
+
+def _nbits(rng, k, n, block, zero_points):
+    blocks = -(-k // block)
+    b = rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8)
+    scales = (rng.random((n, blocks), dtype=np.float32) * 0.1 + 0.01).astype(np.float32)
+    zp = None
+    if zero_points == "packed":
+        zp = rng.integers(0, 256, (n, -(-blocks // 2)), dtype=np.uint8)
+    elif zero_points == "float":
+        zp = (rng.random((n, blocks), dtype=np.float32) * 15).astype(np.float32)
+    return b, scales, zp
+
+
+def _nbits_reference(x, b, scales, zp, k, n, block):
+    weight = np.asarray(_nbits_weight(b, scales, zp, None, k, n, block, 4), np.float64)
+    return np.asarray(x, np.float64) @ weight.T
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("zero_points", [None, "packed", "float"])
+@pytest.mark.parametrize(
+    ("k", "n", "block"),
+    [(32, 1, 32), (72, 10, 32), (128, 24, 16), (128, 24, 64), (576, 37, 32), (300, 20, 128)],
+)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17])
+def test_matmul_nbits_kernel(rng, monkeypatch, portable, zero_points, k, n, block, m):
+    """Both code paths (VNNI where the CPU has it, and the portable one) against float64."""
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "1" if portable else "0")
+    b, scales, zp = _nbits(rng, k, n, block, zero_points)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    assert kernels.nbits_supported(4, block, k, None, scales, zp)
+
+    def fn(x, b, scales, zp):
+        ref = lambda x, b, s, z: x @ _nbits_weight(b, s, z, None, k, n, block, 4).T
+        return kernels.matmul_nbits(x, b, scales, zp, n=n, block_size=block, reference=ref)
+
+    y = jax.jit(fn)(x, b, scales, zp)
+    _close(y, _nbits_reference(x, b, scales, zp, k, n, block), k)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("k", "block"), [(576, 32), (72, 32), (128, 16), (300, 128)])
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+@pytest.mark.parametrize("portable", [False, True])
+def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, k, block, m):
+    """int8 activations (accuracy_level 4): the kernel equals the pure-JAX round trip."""
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "1" if portable else "0")
+    n = 21
+    b, scales, zp = _nbits(rng, k, n, block, "packed" if m == 3 else None)
+    x = (rng.standard_normal((m, k)) * rng.random((m, 1)) * 4).astype(np.float32)
+    ref = lambda x, b, s, z: (
+        _int8_round_trip(x, block) @ _nbits_weight(b, s, z, None, k, n, block, 4).T
+    )
+    y = kernels.matmul_nbits(x, b, scales, zp, n=n, block_size=block, reference=ref, int8=True)
+    want = np.asarray(ref(jnp.asarray(x), b, scales, zp), np.float64)
+    _close(y, want, k)
+    assert np.abs(want - _nbits_reference(x, b, scales, zp, k, n, block)).max() > 1e-3
+
+
+def test_matmul_nbits_int8_matches_onnxruntime_level_4(rng, monkeypatch):
+    """With TRANSMUTER_JAX_NBITS_INT8=1, accuracy_level 4 matches onnxruntime's int8 kernels."""
+    monkeypatch.setenv(INT8_ENV, "1")
+    k, n, block = 576, 40, 32
+    b, scales, _ = _nbits(rng, k, n, block, None)
+    for m in (1, 4):
+        inputs = {"a": rng.standard_normal((m, k)).astype(np.float32), "b": b, "scales": scales}
+        check_op(
+            "MatMulNBits",
+            inputs,
+            domain="com.microsoft",
+            constants=("b", "scales"),
+            rtol=1e-5,
+            atol=1e-4,
+            K=k,
+            N=n,
+            block_size=block,
+            accuracy_level=4,
+        )
+
+
+@needs_kernels
+def test_matmul_nbits_vmap_and_grad(rng):
+    k, n, block = 64, 12, 32
+    b, scales, zp = _nbits(rng, k, n, block, "packed")
+    x = rng.standard_normal((3, 2, k)).astype(np.float32)
+    ref = lambda x, b, s, z: x @ _nbits_weight(b, s, z, None, k, n, block, 4).T
+
+    def fn(x, scales):
+        return kernels.matmul_nbits(x, b, scales, zp, n=n, block_size=block, reference=ref)
+
+    _close(jax.vmap(fn, (0, None))(x, scales), _nbits_reference(x, b, scales, zp, k, n, block), k)
+    batched = np.stack([scales, 2 * scales])
+    want = np.stack([_nbits_reference(x[0], b, s, zp, k, n, block) for s in batched])
+    _close(jax.vmap(fn, (None, 0))(x[0], batched), want, k)
+    grads = jax.grad(lambda x, s: jnp.sum(fn(x, s) ** 2), argnums=(0, 1))(x, scales)
+    want = jax.grad(lambda x, s: jnp.sum(ref(x, b, s, zp) ** 2), argnums=(0, 1))(x, scales)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-3)
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+@needs_kernels
+def test_concurrent_kernel_calls(rng):
+    """Independent products in one program and programs run from several threads at once."""
+    k, n = 300, 650
+    ws = [rng.standard_normal((k, n)).astype(np.float32) for _ in range(4)]
+    packed = [jnp.asarray(kernels.pack(w)) for w in ws]
+    b, scales, _ = _nbits(rng, k, n, 32, None)
+    ref = lambda x, b, s, z: x @ _nbits_weight(b, s, z, None, k, n, 32, 4).T
+
+    @jax.jit
+    def program(x):
+        ys = [kernels.matmul(x, p, n) for p in packed]
+        ys.append(kernels.matmul_nbits(x, b, scales, None, n=n, block_size=32, reference=ref))
+        return ys
+
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = [x.astype(np.float64) @ w for w in ws]
+    want.append(_nbits_reference(x, b, scales, None, k, n, 32))
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                for got, expected in zip(program(x), want, strict=True):
+                    _close(got, expected, k)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "kernel calls deadlocked"
+    assert not errors, errors[0]
+
+
+# ---------------------------------------------------------------- inside models
+
+
+def _ort(path_or_proto, feeds):
+    proto = (
+        path_or_proto if isinstance(path_or_proto, onnx.ModelProto) else onnx.load(path_or_proto)
+    )
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds), strict=True))
+
+
+def _packed_ops(model: tj.Model) -> set[str]:
+    return {op for domain, op in model.op_types if domain == prepack.DOMAIN}
+
+
+def _products_model(rng) -> onnx.ModelProto:
+    """Every supported use of a packed weight, and one weight that must stay as it is."""
+    k, n, v = 40, 70, 90
+    w = rng.standard_normal((k, n)).astype(np.float32)  # MatMul, Transpose -> Gather
+    e = rng.standard_normal((v, k)).astype(np.float32)  # Gather, Transpose -> MatMul
+    g = rng.standard_normal((n, k)).astype(np.float32)  # Gemm transB=1
+    o = rng.standard_normal((k, n)).astype(np.float32)  # MatMul and Add: not packed
+    q = rng.standard_normal((k, k)).astype(np.float32)  # both orientations: not packed
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])
+    outs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(9)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["y0"]),
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        helper.make_node("Gather", ["wt", "ids"], ["y1"]),
+        helper.make_node("Gather", ["e", "ids"], ["y2"]),
+        helper.make_node("Transpose", ["e"], ["et"]),
+        helper.make_node("MatMul", ["x", "et"], ["y3"]),
+        helper.make_node("Gemm", ["x", "g", "c"], ["y4"], transB=1, alpha=0.5, beta=2.0),
+        helper.make_node("MatMul", ["x", "o"], ["y5"]),
+        helper.make_node("Add", ["o", "o"], ["y6"]),
+        helper.make_node("MatMul", ["x", "q"], ["y7"]),
+        helper.make_node("Transpose", ["q"], ["qt"]),
+        helper.make_node("MatMul", ["x", "qt"], ["y8"]),
+    ]
+    inits = [
+        numpy_helper.from_array(a, name)
+        for name, a in [
+            ("w", w),
+            ("e", e),
+            ("g", g),
+            ("o", o),
+            ("q", q),
+            ("c", rng.standard_normal(n).astype(np.float32)),
+        ]
+    ]
+    graph = helper.make_graph(nodes, "products", [x, ids], outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_kernels
+def test_packed_graph_matches_onnxruntime(rng, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepack, "PACK_MIN", 0)
+    proto = _products_model(rng)
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path)
+    feeds = {
+        "x": rng.standard_normal((3, 40)).astype(np.float32),
+        "ids": np.array([[0, 5, -1], [69, 3, 2]]),
+    }
+    model = tj.load(path)
+    assert _packed_ops(model) == {"PackedMatMul", "PackedGather", "PackedGemm"}
+    assert model.params["w"].shape == (3, 40, kernels.STRIP)  # held once, packed
+    assert model.params["o"].shape == (40, 70)  # also read by Add: not packed
+    assert model.params["q"].shape == (40, 40)  # read as w and as w^T: not packed
+    got = model(feeds)
+    want = _ort(proto, feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
+
+
+def _fixture_graphs():
+    for folder in ("llama-genai-fp32", "llama-optimum", "gemma3-genai-fp32", "gpt2-optimum"):
+        path = FIXTURES / folder / "model.onnx"
+        if path.exists():
+            yield pytest.param(path, id=folder)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", list(_fixture_graphs()))
+def test_fixture_with_every_weight_packed(path, monkeypatch):
+    monkeypatch.setattr(prepack, "PACK_MIN", 0)
+    model = tj.load(path)
+    assert "PackedMatMul" in _packed_ops(model)
+    for batch, length, past in [(1, 5, 0), (2, 1, 4)]:
+        feeds = example_inputs(model, batch=batch, length=length, past=past)
+        if batch > 1 and any(
+            n.op_type == "GroupQueryAttention" for n in onnx.load(path).graph.node
+        ):
+            continue  # onnxruntime's GQA wants batch 1 with a past and several tokens only
+        got = model(feeds)
+        want = _ort(str(path), feeds)
+        for name in want:
+            np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=0, atol=1e-4)
+
+
+def test_kernels_off_by_env(rng, monkeypatch, tmp_path):
+    monkeypatch.setenv(build.ENV, "0")
+    assert not kernels.enabled()
+    proto = _products_model(rng)
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert not _packed_ops(model)
+    feeds = {
+        "x": rng.standard_normal((3, 40)).astype(np.float32),
+        "ids": np.array([[0, 5, -1], [69, 3, 2]]),
+    }
+    got = model(feeds)
+    want = _ort(proto, feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
+    w = rng.standard_normal((40, 70)).astype(np.float32)  # the pure-JAX path of the kernels
+    y = kernels.matmul(feeds["x"], jnp.asarray(kernels.pack(w)), 70)
+    _close(y, feeds["x"].astype(np.float64) @ w, 40)
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRANSMUTER_JAX_CACHE", str(tmp_path))
+    broken = tmp_path / "cxx"
+    broken.write_text("#!/bin/sh\necho 'no compiler here' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(build, "compiler", lambda: str(broken))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build._load() is None
+    assert any("building the CPU kernels failed" in str(w.message) for w in caught)
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert build._load() is None

@@ -1,0 +1,217 @@
+"""CPU kernels (XLA FFI, C++) for the matrix products of decoding, with pure-JAX equivalents.
+
+- :func:`matmul`: float32 ``x @ w`` with ``w`` packed once by :func:`pack` into column strips.
+- :func:`matmul_nbits`: com.microsoft MatMulNBits with 4-bit weights, read as stored.
+
+The kernels run only on the CPU backend, when the library built (see :mod:`.build`); otherwise
+(and for shapes the kernels do not cover) the same functions compute with jax.numpy. Both are
+differentiable and vmappable: gradients, and vmap over the weights, use the pure-JAX path.
+
+Environment: ``TRANSMUTER_JAX_KERNELS=0`` turns the kernels off; ``TRANSMUTER_JAX_KERNEL_THREADS``
+sets the threads of their pool (default: the CPUs this process may use) and
+``TRANSMUTER_JAX_KERNEL_SPIN_US`` how long idle workers spin before sleeping (default 200).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .build import library
+
+STRIP = 32  # columns per strip of a packed weight; the C++ kernel checks it
+# More rows than this: MatMulNBits leaves the product to XLA (dequantize, then one large dot),
+# which is faster there.
+NBITS_MAX_ROWS = 96
+# "1": MatMulNBits runs its portable code even where the CPU has AVX512-VNNI (for testing).
+PORTABLE_ENV = "TRANSMUTER_JAX_KERNEL_PORTABLE"
+
+
+def available() -> bool:
+    """Whether the kernel library is built and loaded (False when turned off)."""
+    return library() is not None
+
+
+def enabled() -> bool:
+    """Whether the kernels run here: the library is available and the backend is the CPU."""
+    return jax.default_backend() == "cpu" and available()
+
+
+# ---------------------------------------------------------------- packed float32 weights
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """A float32 matrix ``[K, N]`` as its strips ``[ceil(N / STRIP), K, STRIP]``, zero-padded.
+
+    The result is 64-byte aligned, so ``jax.device_put`` on CPU can use it without a copy.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    k, n = w.shape
+    strips = -(-n // STRIP)
+    size = strips * k * STRIP
+    raw = np.zeros(size + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    packed = raw[start : start + size].reshape(strips, k, STRIP)
+    for s in range(strips):  # one strip at a time: no second full-size temporary
+        cols = w[:, s * STRIP : (s + 1) * STRIP]
+        packed[s, :, : cols.shape[1]] = cols
+    return packed
+
+
+def unpack(packed: jax.Array, n: int) -> jax.Array:
+    """The matrix ``[K, N]`` that :func:`pack` packed (materialized by XLA where it is used)."""
+    strips, k, width = packed.shape
+    return jnp.transpose(packed, (1, 0, 2)).reshape(k, strips * width)[:, :n]
+
+
+def columns(packed: jax.Array, index: jax.Array, n: int) -> jax.Array:
+    """Columns ``index`` (negative counts from N) of the packed matrix: ``[*index.shape, K]``."""
+    index = jnp.asarray(index).astype(jnp.int32)
+    index = jnp.where(index < 0, index + n, index)
+    return packed[index // STRIP, :, index % STRIP]
+
+
+def rows(packed: jax.Array, index: jax.Array, n: int) -> jax.Array:
+    """Rows ``index`` (negative counts from K) of the packed matrix: ``[*index.shape, N]``."""
+    strips, k, width = packed.shape
+    index = jnp.asarray(index).astype(jnp.int32)
+    index = jnp.where(index < 0, index + k, index)
+    picked = jnp.take(packed, index, axis=1)  # [S, *index.shape, W]
+    picked = jnp.moveaxis(picked, 0, -2)  # [*index.shape, S, W]
+    return picked.reshape(*index.shape, strips * width)[..., :n]
+
+
+def _matmul_reference(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    return jnp.matmul(x, unpack(packed, n))
+
+
+def _matmul_kernel(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+    return jax.ffi.ffi_call("tj_gemm_f32", out)(x, packed)
+
+
+def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """``x [..., K] @ w [K, N]`` in float32, ``w`` given packed by :func:`pack`."""
+    x = jnp.asarray(x, jnp.float32)
+    if not enabled() or x.shape[-1] == 0:
+        return _matmul_reference(x, packed, n)
+    return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
+
+
+# ---------------------------------------------------------------- MatMulNBits
+
+
+def nbits_supported(bits: int, block_size: int, k: int, g_idx, scales, zero_points) -> bool:
+    """Whether :func:`matmul_nbits` runs the kernel for these MatMulNBits attributes and inputs."""
+    blocks = -(-k // block_size) if block_size else 0
+    zp_ok = zero_points is None or _dtype(zero_points) in (np.uint8, np.float32)
+    return (
+        enabled()
+        and bits == 4
+        and block_size >= 16
+        and block_size & (block_size - 1) == 0
+        and blocks * block_size % 32 == 0
+        and g_idx is None
+        and _dtype(scales) == np.float32
+        and zp_ok
+    )
+
+
+def _dtype(value) -> np.dtype:
+    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
+
+
+def matmul_nbits(
+    x: jax.Array,
+    b: jax.Array,
+    scales: jax.Array,
+    zero_points: jax.Array | None,
+    *,
+    n: int,
+    block_size: int,
+    reference: Callable[..., jax.Array],
+    int8: bool = False,
+) -> jax.Array:
+    """The kernel of MatMulNBits without bias: ``x [..., K]`` float32 -> ``[..., N]`` float32.
+
+    ``int8``: quantize ``x`` to int8 per block first, as onnxruntime does for accuracy_level 4.
+    ``reference(x, b, scales, zero_points)`` is the same computation in pure JAX, used for
+    gradients and for vmap over the weights. Call only when :func:`nbits_supported` says so.
+    """
+    zp = jnp.zeros((0,), jnp.uint8) if zero_points is None else jnp.asarray(zero_points)
+
+    def kernel(x, b, scales, zp):
+        out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+        return jax.ffi.ffi_call("tj_matmul_nbits", out)(
+            x,
+            b,
+            scales,
+            zp,
+            block_size=np.int64(block_size),
+            int8=bool(int8),
+            portable=os.environ.get(PORTABLE_ENV, "") == "1",
+        )
+
+    def ref(x, b, scales, zp):
+        return reference(x, b, scales, None if zp.size == 0 else zp)
+
+    fn = _wrapped(kernel, ref)
+    return fn(jnp.asarray(x, jnp.float32), jnp.asarray(b), jnp.asarray(scales), zp)
+
+
+# ---------------------------------------------------------------- autodiff and vmap
+
+
+def _wrapped(kernel: Callable, reference: Callable, **static) -> Callable:
+    """``kernel(x, *weights)`` made differentiable and vmappable through ``reference``.
+
+    vmap over ``x`` only folds the batch into the kernel's leading dimensions; vmap over any
+    weight, and every gradient, runs ``reference`` instead.
+    """
+    kernel = functools.partial(kernel, **static)
+    reference = functools.partial(reference, **static)
+
+    @jax.custom_batching.custom_vmap
+    def batched(x, *weights):
+        return kernel(x, *weights)
+
+    @batched.def_vmap
+    def _rule(axis_size, in_batched, x, *weights):
+        if any(in_batched[1:]):
+            axes = [0 if b else None for b in in_batched]
+            return jax.vmap(reference, in_axes=axes)(x, *weights), True
+        if not in_batched[0]:
+            return kernel(x, *weights), False
+        return kernel(x, *weights), True
+
+    @jax.custom_vjp
+    def fn(x, *weights):
+        return batched(x, *weights)
+
+    def fwd(x, *weights):
+        return batched(x, *weights), (x, weights)
+
+    def bwd(saved, grad):
+        x, weights = saved
+        floats = [i for i, w in enumerate(weights) if jnp.issubdtype(w.dtype, jnp.floating)]
+
+        def ref(x, *float_weights):
+            full = list(weights)
+            for i, w in zip(floats, float_weights, strict=True):
+                full[i] = w
+            return reference(x, *full)
+
+        _, vjp = jax.vjp(ref, x, *(weights[i] for i in floats))
+        grads = vjp(grad)
+        out = [None] * len(weights)
+        for i, g in zip(floats, grads[1:], strict=True):
+            out[i] = g
+        return (grads[0], *out)
+
+    fn.defvjp(fwd, bwd)
+    return fn

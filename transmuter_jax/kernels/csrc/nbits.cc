@@ -1,0 +1,318 @@
+// com.microsoft MatMulNBits with 4-bit weights: Y[M, N] = X[M, K] @ dequant(B)^T, reading the
+// packed weights as they are stored: B[N, blocks, block_size / 2], two values per byte (low
+// nibble first), weight = (value - zero point) * scale per block of K.
+//
+// With AVX512-VNNI, integer dot products (nbits_vnni.h), for any number of rows of X: per row they
+// cost about what a float32 product would. Otherwise X is rearranged to match the nibbles: for each group of 32 values of
+// K, the 16 even positions (low nibbles) then the 16 odd ones (high nibbles), zero-padded past K.
+// Few rows of X: each weight is dequantized in registers and used for every row. More rows: a
+// chunk of weight rows is dequantized once into a buffer, then multiplied with all rows of X.
+// Chunks of weight rows are spread over the thread pool.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "nbits_vnni.h"
+#include "pool.h"
+
+namespace tj {
+
+constexpr int kGroup = 32;          // values of K per 16 bytes of B
+constexpr int kDirectRows = 4;      // at most this many rows of X: dequantize in registers
+constexpr int64_t kTileRows = 16;   // weight rows dequantized per chunk otherwise
+
+enum ZeroPoints { kNone, kPacked, kFloat };
+
+struct NbitsJob {
+  const float* xr;      // [M, groups * 32], rearranged
+  const uint8_t* b;     // [N, groups * 16]
+  const float* scales;  // [N, blocks]
+  const void* zp;       // per ZeroPoints
+  ZeroPoints zp_kind;
+  float* y;             // [M, N]
+  int64_t m, n, groups, blocks, block_size, rows_per_chunk;
+#ifdef TJ_HAVE_VNNI
+  VnniRows vnni;  // X quantized, when the VNNI kernel runs
+#endif
+};
+
+static inline float zero_point(const NbitsJob& job, int64_t row, int64_t block) {
+  switch (job.zp_kind) {
+    case kPacked: {
+      const uint8_t* z = static_cast<const uint8_t*>(job.zp) + row * ((job.blocks + 1) / 2);
+      return static_cast<float>((z[block / 2] >> ((block & 1) * 4)) & 15);
+    }
+    case kFloat:
+      return static_cast<const float*>(job.zp)[row * job.blocks + block];
+    default:
+      return 8.0f;
+  }
+}
+
+// The dequantized weights of group g of `row`, low nibbles (even K) then high (odd K).
+struct Scale {
+  vf s, zs;  // weight = value * s - zs, per lane
+};
+
+static inline Scale group_scale(const NbitsJob& job, int64_t row, int64_t g) {
+  const float* s = job.scales + row * job.blocks;
+  if (job.block_size >= kGroup) {
+    const int64_t block = g * kGroup / job.block_size;
+    const float scale = s[block];
+    return {splat(scale), splat(zero_point(job, row, block) * scale)};
+  }
+  // block_size 16: lanes 0-7 are block 2g, lanes 8-15 block 2g + 1.
+  const float s0 = s[2 * g], s1 = s[2 * g + 1];
+  const float z0 = zero_point(job, row, 2 * g) * s0, z1 = zero_point(job, row, 2 * g + 1) * s1;
+  vf sv, zv;
+  for (int i = 0; i < kLanes; ++i) {
+    sv[i] = i < 8 ? s0 : s1;
+    zv[i] = i < 8 ? z0 : z1;
+  }
+  return {sv, zv};
+}
+
+static inline void dequant_group(const uint8_t* bytes, const Scale& sc, vf* lo, vf* hi) {
+  vb16 q = *reinterpret_cast<const vb16u*>(bytes);
+  vf l = __builtin_convertvector(__builtin_convertvector(q & 15, vi), vf);
+  vf h = __builtin_convertvector(__builtin_convertvector(q >> 4, vi), vf);
+  *lo = l * sc.s - sc.zs;
+  *hi = h * sc.s - sc.zs;
+}
+
+// Rows of B in registers, used for all R rows of X.
+template <int R>
+static void direct_rows(const NbitsJob& job, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t len = job.groups * kGroup;
+  for (int64_t row = n0; row < n1; ++row) {
+    const uint8_t* bytes = job.b + row * job.groups * 16;
+    vf acc[R] = {};
+    for (int64_t g = 0; g < job.groups; ++g) {
+      vf lo, hi;
+      dequant_group(bytes + g * 16, group_scale(job, row, g), &lo, &hi);
+      for (int r = 0; r < R; ++r) {
+        const float* x = job.xr + (m0 + r) * len + g * kGroup;
+        acc[r] += lo * load(x) + hi * load(x + kLanes);
+      }
+    }
+    for (int r = 0; r < R; ++r) job.y[(m0 + r) * job.n + row] = hsum(acc[r]);
+  }
+}
+
+using Direct = void (*)(const NbitsJob&, int64_t, int64_t, int64_t);
+static constexpr Direct kDirect[kDirectRows + 1] = {nullptr, direct_rows<1>, direct_rows<2>,
+                                                   direct_rows<3>, direct_rows<4>};
+
+#ifdef TJ_HAVE_VNNI
+// Sum over blocks of scale * (zero point - 8) * (sum of X over the block), for one row of B.
+static float vnni_correction(const void* ctx, int64_t r, int64_t row) {
+  const NbitsJob& job = *static_cast<const NbitsJob*>(ctx);
+  const float* s = job.scales + row * job.blocks;
+  const float* sums = job.vnni.block_sums.data() + r * job.blocks;
+  float c = 0.0f;
+  for (int64_t b = 0; b < job.blocks; ++b) c += s[b] * (zero_point(job, row, b) - 8.0f) * sums[b];
+  return c;
+}
+
+template <int D>
+static void vnni_pass(const NbitsJob& job, int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+  auto fix = job.zp_kind == kNone ? nullptr : vnni_correction;
+  using Fn = void (*)(const uint8_t*, const float*, int64_t, int64_t, const VnniRows&, int64_t,
+                      int64_t, int64_t, int64_t, float*, int64_t,
+                      float (*)(const void*, int64_t, int64_t), const void*);
+  static constexpr Fn kRows[5] = {nullptr, vnni_rows<1, D>, vnni_rows<2, D>, vnni_rows<3, D>,
+                                  vnni_rows<4, D>};
+  kRows[rows](job.b, job.scales, job.blocks, job.block_size, job.vnni, m0, n0, n1,
+              job.groups * kGroup, job.y, job.n, fix, &job);
+}
+
+static void vnni_chunk(void* ctx, int64_t chunk) {
+  const NbitsJob& job = *static_cast<const NbitsJob*>(ctx);
+  const int64_t n0 = chunk * job.rows_per_chunk;
+  const int64_t n1 = std::min(job.n, n0 + job.rows_per_chunk);
+  const int64_t passes = (job.m + 3) / 4;
+  int64_t m0 = 0;
+  for (int64_t p = 0; p < passes; ++p) {  // balanced passes of at most 4 rows
+    const int64_t rows = (job.m - m0) / (passes - p);
+    if (job.vnni.digits == 1) {
+      vnni_pass<1>(job, m0, rows, n0, n1);
+    } else {
+      vnni_pass<3>(job, m0, rows, n0, n1);
+    }
+    m0 += rows;
+  }
+}
+#endif
+
+// X as onnxruntime's accuracy_level 4 sees it: per block, round(x * 127 / max|x|) * max|x| / 127.
+static void int8_round_trip(float* x, int64_t m, int64_t k, int64_t block_size) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t begin = 0; begin < k; begin += block_size) {
+      float* v = x + r * k + begin;
+      const int64_t len = std::min(block_size, k - begin);
+      float amax = 0.0f;
+      for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+      for (int64_t i = 0; i < len; ++i) {
+        v[i] = std::clamp(std::nearbyint(v[i] * inv), -127.0f, 127.0f) * scale;
+      }
+    }
+  }
+}
+
+static void direct_chunk(void* ctx, int64_t chunk) {
+  const NbitsJob& job = *static_cast<const NbitsJob*>(ctx);
+  const int64_t n0 = chunk * job.rows_per_chunk;
+  const int64_t n1 = std::min(job.n, n0 + job.rows_per_chunk);
+  for (int64_t m0 = 0; m0 < job.m; m0 += kDirectRows) {
+    kDirect[std::min<int64_t>(kDirectRows, job.m - m0)](job, m0, n0, n1);
+  }
+}
+
+// Y[m0:m0+R, n0:n0+C] = dot products of rows of xr and rows of the dequantized tile t.
+template <int R, int C>
+static void dot_micro(const float* xr, const float* t, int64_t len, float* y, int64_t ldy) {
+  vf acc[R][C] = {};
+  for (int64_t i = 0; i < len; i += kLanes) {
+    vf a[R], w[C];
+    for (int r = 0; r < R; ++r) a[r] = load(xr + r * len + i);
+    for (int c = 0; c < C; ++c) w[c] = load(t + c * len + i);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] += a[r] * w[c];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+}
+
+using DotMicro = void (*)(const float*, const float*, int64_t, float*, int64_t);
+#define TJ_ROW(R) {dot_micro<R, 1>, dot_micro<R, 2>, dot_micro<R, 3>, dot_micro<R, 4>}
+static constexpr DotMicro kDot[4][4] = {TJ_ROW(1), TJ_ROW(2), TJ_ROW(3), TJ_ROW(4)};
+#undef TJ_ROW
+
+static void tile_chunk(void* ctx, int64_t chunk) {
+  const NbitsJob& job = *static_cast<const NbitsJob*>(ctx);
+  const int64_t len = job.groups * kGroup;
+  const int64_t n0 = chunk * kTileRows, n1 = std::min(job.n, n0 + kTileRows);
+  thread_local std::vector<float> tile;
+  tile.resize(static_cast<size_t>(kTileRows * len));
+  for (int64_t row = n0; row < n1; ++row) {
+    const uint8_t* bytes = job.b + row * job.groups * 16;
+    float* t = tile.data() + (row - n0) * len;
+    for (int64_t g = 0; g < job.groups; ++g) {
+      vf lo, hi;
+      dequant_group(bytes + g * 16, group_scale(job, row, g), &lo, &hi);
+      store(t + g * kGroup, lo);
+      store(t + g * kGroup + kLanes, hi);
+    }
+  }
+  for (int64_t m0 = 0; m0 < job.m; m0 += 4) {
+    const int64_t r = std::min<int64_t>(4, job.m - m0);
+    for (int64_t c0 = n0; c0 < n1; c0 += 4) {
+      const int64_t c = std::min<int64_t>(4, n1 - c0);
+      kDot[r - 1][c - 1](job.xr + m0 * len, tile.data() + (c0 - n0) * len, len,
+                         job.y + m0 * job.n + c0, job.n);
+    }
+  }
+}
+
+// x [M, K] -> xr [M, groups * 32]: per group of 32, even positions then odd, zero past K.
+static void rearrange(const float* x, int64_t m, int64_t k, int64_t groups, float* xr) {
+  const int64_t len = groups * kGroup;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* in = x + r * k;
+    float* out = xr + r * len;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int j = 0; j < kGroup; ++j) {
+        const int64_t pos = g * kGroup + j;
+        const float v = pos < k ? in[pos] : 0.0f;
+        out[g * kGroup + (j & 1) * 16 + j / 2] = v;
+      }
+    }
+  }
+}
+
+static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t block_size, bool int8,
+                            bool portable) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() < 1 || yd.size() != xd.size()) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: bad ranks");
+  }
+  const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
+  if (block_size < 16 || (block_size & (block_size - 1)) != 0) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: block_size must be a power of 2 >= 16");
+  }
+  const int64_t blocks = (k + block_size - 1) / block_size;
+  const int64_t padded = blocks * block_size;
+  const int64_t groups = padded / kGroup;
+  ZeroPoints kind = kNone;
+  if (zp.element_count() > 0) {
+    kind = zp.element_type() == ffi::DataType::U8 ? kPacked : kFloat;
+    const int64_t want = kind == kPacked ? n * ((blocks + 1) / 2) : n * blocks;
+    if ((kind == kFloat && zp.element_type() != ffi::DataType::F32) ||
+        static_cast<int64_t>(zp.element_count()) != want) {
+      return ffi::Error::InvalidArgument("tj_matmul_nbits: bad zero points");
+    }
+  }
+  if (padded % kGroup != 0 || static_cast<int64_t>(b.element_count()) != n * padded / 2 ||
+      static_cast<int64_t>(scales.element_count()) != n * blocks ||
+      product(yd, 0, yd.size() - 1) != m) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: shapes do not match K, N, block_size");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const float* xin = x.typed_data();
+  NbitsJob job{nullptr, b.typed_data(), scales.typed_data(), zp.untyped_data(), kind,
+               y->typed_data(), m, n, groups, blocks, block_size, 0};
+  Pool& pool = Pool::get();
+  const int64_t target = 8 * static_cast<int64_t>(pool.threads());
+  job.rows_per_chunk = std::max<int64_t>(4, (n + target - 1) / target);
+  const int64_t chunks = (job.n + job.rows_per_chunk - 1) / job.rows_per_chunk;
+#ifdef TJ_HAVE_VNNI
+  if (!portable) {
+    quantize_rows(xin, m, k, padded, block_size, int8 ? 1 : 3, &job.vnni);
+    pool.run(chunks, vnni_chunk, &job);
+    return ffi::Error::Success();
+  }
+#endif
+  std::vector<float> rounded;
+  if (int8) {
+    rounded.assign(xin, xin + m * k);
+    int8_round_trip(rounded.data(), m, k, block_size);
+    xin = rounded.data();
+  }
+  std::vector<float> xr(static_cast<size_t>(m * groups * kGroup));
+  rearrange(xin, m, k, groups, xr.data());
+  job.xr = xr.data();
+  if (m <= kDirectRows) {
+    pool.run(chunks, direct_chunk, &job);
+  } else {
+    pool.run((n + kTileRows - 1) / kTileRows, tile_chunk, &job);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace tj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("int8")
+                                  .Attr<bool>("portable"));
+
+// Whether MatMulNBits uses the VNNI kernel.
+extern "C" int tj_nbits_vnni() {
+#ifdef TJ_HAVE_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}

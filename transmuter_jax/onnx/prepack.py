@@ -1,0 +1,195 @@
+"""Load-time repacking of float32 matrix-product weights for the CPU kernels.
+
+A 2-D float32 initializer is packed (see :func:`transmuter_jax.kernels.pack`) when every use of
+it is a matrix product or an embedding lookup: MatMul or Gemm reading it (or its Transpose) as the
+right operand, and Gather along axis 0 of it (or of its Transpose). Those nodes become the
+internal ops PackedMatMul, PackedGemm and PackedGather of the domain :data:`DOMAIN`, reading the
+packed array under the initializer's name, and the Transpose nodes go: the weight is held once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import GraphProto, NodeProto, TensorProto, helper
+
+from .trace import outer_names, subgraphs
+
+DOMAIN = "transmuter_jax"
+# Smaller matrices (elements) stay as they are: the kernel's call overhead would dominate.
+PACK_MIN = 1 << 15
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How one initializer is packed: ``w [K, N]`` is the initializer, or its transpose."""
+
+    name: str
+    transposed: bool
+    k: int
+    n: int
+
+    def pack(self, array: np.ndarray) -> np.ndarray:
+        from ..kernels import pack
+
+        return pack(np.asarray(array).T if self.transposed else array)
+
+
+@dataclass(frozen=True)
+class _Use:
+    node: NodeProto
+    value: str  # what the node reads: the initializer or its Transpose's output
+    through_transpose: bool
+
+
+def _attr(node: NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _consumers(graph: GraphProto) -> dict[str, list[NodeProto]]:
+    found: dict[str, list[NodeProto]] = defaultdict(list)
+    for node in graph.node:
+        for name in dict.fromkeys(node.input):
+            if name:
+                found[name].append(node)
+    return found
+
+
+def _default_domain(node: NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _w_transposed(use: _Use) -> bool | None:
+    """For a product reading the value as its right operand, whether w [K, N] is the
+    initializer's transpose; None for any other use."""
+    node = use.node
+    if not _default_domain(node) or len(node.input) < 2 or node.input[1] != use.value:
+        return None
+    if node.input[0] == use.value or use.value in node.input[2:]:
+        return None
+    if node.op_type == "MatMul":
+        return use.through_transpose
+    if node.op_type == "Gemm" and not _attr(node, "broadcast", 0):
+        return use.through_transpose != bool(_attr(node, "transB", 0))
+    return None
+
+
+def _is_lookup(use: _Use) -> bool:
+    """Whether the use is a Gather of rows of the value (axis 0)."""
+    node = use.node
+    return (
+        node.op_type == "Gather"
+        and _default_domain(node)
+        and node.input[0] == use.value
+        and use.value not in node.input[1:]
+        and _attr(node, "axis", 0) == 0
+    )
+
+
+def _uses(name: str, consumers, fixed: set[str]) -> list[_Use] | None:
+    """The uses of initializer ``name``, through at most one Transpose; None if one is of
+    another kind."""
+    uses = []
+    for node in consumers.get(name, ()):
+        if node.op_type == "Transpose" and _default_domain(node):
+            perm = _attr(node, "perm", None)
+            out = node.output[0]
+            if (perm is not None and list(perm) != [1, 0]) or out in fixed:
+                return None
+            uses.extend(_Use(inner, out, True) for inner in consumers.get(out, ()))
+        else:
+            uses.append(_Use(node, name, False))
+    if not uses or not all(_w_transposed(u) is not None or _is_lookup(u) for u in uses):
+        return None
+    return uses
+
+
+def plan(graph: GraphProto, minimum: int | None = None) -> dict[str, Packing]:
+    """The initializers of ``graph`` worth packing, by name (from their metadata only)."""
+    minimum = PACK_MIN if minimum is None else minimum
+    consumers = _consumers(graph)
+    fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        for sub in subgraphs(node):
+            fixed |= outer_names(sub)
+    plans = {}
+    for tensor in graph.initializer:
+        dims = tuple(tensor.dims)
+        if (
+            tensor.data_type != TensorProto.FLOAT
+            or len(dims) != 2
+            or dims[0] * dims[1] < minimum
+            or tensor.name in fixed
+        ):
+            continue
+        uses = _uses(tensor.name, consumers, fixed)
+        orientations = {_w_transposed(u) for u in uses or ()} - {None}
+        if len(orientations) != 1:  # no product, or products of both orientations
+            continue
+        transposed = orientations.pop()
+        k, n = (dims[1], dims[0]) if transposed else dims
+        plans[tensor.name] = Packing(tensor.name, transposed, k, n)
+    return plans
+
+
+def rewrite(graph: GraphProto, plans: dict[str, Packing]) -> None:
+    """Replaces the uses of the packed initializers by the internal ops (in place)."""
+    if not plans:
+        return
+    consumers = _consumers(graph)
+    source = {}  # value name -> (packing, whether it is the initializer's transpose)
+    for name, packing in plans.items():
+        source[name] = (packing, False)
+        for node in consumers.get(name, ()):
+            if node.op_type == "Transpose":
+                source[node.output[0]] = (packing, True)
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Transpose" and source.get(node.output[0], (None, False))[1]:
+            continue  # its readers now read the packed weight
+        nodes.append(_replace(node, source))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _replace(node: NodeProto, source) -> NodeProto:
+    if node.op_type == "Gather" and node.input[0] in source:
+        packing, via = source[node.input[0]]
+        reads_w = via == packing.transposed  # rows of w; else rows of w^T, columns of w
+        return helper.make_node(
+            "PackedGather",
+            [packing.name, node.input[1]],
+            list(node.output),
+            name=node.name,
+            domain=DOMAIN,
+            n=packing.n,
+            columns=int(not reads_w),
+        )
+    if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in source:
+        packing, _ = source[node.input[1]]
+        if node.op_type == "MatMul":
+            return helper.make_node(
+                "PackedMatMul",
+                [node.input[0], packing.name],
+                list(node.output),
+                name=node.name,
+                domain=DOMAIN,
+                n=packing.n,
+            )
+        return helper.make_node(
+            "PackedGemm",
+            [node.input[0], packing.name, *node.input[2:3]],
+            list(node.output),
+            name=node.name,
+            domain=DOMAIN,
+            n=packing.n,
+            alpha=float(_attr(node, "alpha", 1.0)),
+            beta=float(_attr(node, "beta", 1.0)),
+            transA=int(_attr(node, "transA", 0)),
+        )
+    return node
