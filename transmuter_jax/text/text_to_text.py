@@ -72,8 +72,9 @@ class TextToText:
             )
         return given, longest
 
-    def _start(self, options: dict[str, Any]) -> list[int]:
-        ctx = self._runner.context(1, options)
+    def _start(self, batch: int, options: dict[str, Any]) -> list[int]:
+        """[decoder_start_token_id], read from the context the run of ``batch`` texts uses."""
+        ctx = self._runner.context(batch, options)
         start = ctx.options["decoder_start_token_id"]
         if start is None:
             raise ValueError(f"{self.files.folder!r} has no decoder_start_token_id")
@@ -88,7 +89,7 @@ class TextToText:
             **options: generation options for this call (max_new_tokens, num_beams, ...).
         """
         given, _ = self._encode(texts)
-        prompt = self._start(options)
+        prompt = self._start(len(texts), options)
         return self._runner.run(
             self.tokenizer, [prompt] * len(texts), options, seed=seed, inputs=given
         )
@@ -105,7 +106,7 @@ class TextToText:
     def stream(self, text: str, *, seed: int | None = None, **options: Any) -> Iterator[str]:
         """Yields the output for one text in pieces as it is generated."""
         given, _ = self._encode([text])
-        prompt = self._start(options)
+        prompt = self._start(1, options)
         return self._runner.stream(self.tokenizer, prompt, options, seed=seed, inputs=given)
 
 
