@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..onnx import compiler
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
+from ..onnx.ops._util import write_rows
 
 SEQ = 2  # the sequence axis of a cache array
 
@@ -172,10 +174,7 @@ def advance(
         past = cache[entry.input]
         rows = jax.lax.slice_in_dim(present, past.shape[SEQ], present.shape[SEQ], axis=SEQ)
 
-        def write(buffer, block, at):  # buffer [H, C, D], block [H, S, D]
-            return jax.lax.dynamic_update_slice(buffer, block.astype(buffer.dtype), (0, at, 0))
-
-        new[entry.input] = jax.vmap(write)(past, rows, lengths)
+        new[entry.input] = write_rows(past, rows, lengths, axis=SEQ)
     return new
 
 
@@ -247,4 +246,4 @@ def reorder_function(layout: CacheLayout, **jit_options: Any):
         cross = {e.input for e in layout.entries if e.cross}
         return {k: v if k in cross else jnp.take(v, order, axis=0) for k, v in arrays.items()}
 
-    return jax.jit(reorder, donate_argnums=(0,), **jit_options)
+    return jax.jit(reorder, donate_argnums=(0,), **compiler.jit_options(jit_options))

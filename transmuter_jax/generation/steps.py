@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..onnx.compiler import jit_options
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.rewrite import NotPaddable, PaddedPast, pad_past
@@ -131,7 +132,8 @@ class Steps:
                 step = _step_function(ctx, branch, self.padding, rows)
             else:
                 step = _step_function(ctx, branch, None, None)
-            fn = jax.jit(step, donate_argnums=(2,) if donate else (), **ctx.jit_options)
+            donated = (2,) if donate else ()
+            fn = jax.jit(step, donate_argnums=donated, **jit_options(ctx.jit_options))
             self.functions[at] = fn
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         return fn(ctx.model.params, embed_params, cache, feed, lengths, last)

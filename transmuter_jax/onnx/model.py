@@ -23,6 +23,7 @@ from . import (
     ops,  # noqa: F401  (registers the op implementations)
     prepack,
 )
+from .compiler import jit_options
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
 from .errors import InputError, ModelFileError
 from .trace import Graph, check_supported, prune, run_nodes, static_dependencies
@@ -232,7 +233,8 @@ class Model:
         fn = self._compiled.get(key)
         if fn is None:
             start = time.perf_counter()
-            lowered = jax.jit(partial(self._function, dict(static))).lower(self.params, dynamic)
+            function = partial(self._function, dict(static))
+            lowered = jax.jit(function, **jit_options()).lower(self.params, dynamic)
             traced = time.perf_counter()
             fn = lowered.compile()
             self.compile_stats.append(

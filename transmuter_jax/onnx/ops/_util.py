@@ -30,3 +30,29 @@ def precision() -> jax.lax.Precision | None:
     GPU and TPU the default may round the inputs to TF32 or bfloat16, so ask for HIGHEST there.
     """
     return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
+
+
+# Up to this many batch rows, write_rows updates the buffer with one slice update per row, which
+# XLA does in place; more rows use one scatter (XLA copies the buffer around it).
+UNROLLED_ROWS = 32
+
+
+def write_rows(buffer: jax.Array, block: jax.Array, start: jax.Array, axis: int) -> jax.Array:
+    """``buffer`` [B, ...] with ``block`` [B, ...] written at index ``start[b]`` of ``axis`` in
+    each batch row b (clamped so that the block fits, as dynamic_update_slice does)."""
+    block = block.astype(buffer.dtype)
+    start = jax.numpy.asarray(start, np.int32)
+    zeros = [np.int32(0)] * (buffer.ndim - 1)
+    if buffer.shape[0] <= UNROLLED_ROWS:
+        for b in range(buffer.shape[0]):
+            at = [np.int32(b), *zeros]
+            at[axis] = start[b]
+            buffer = jax.lax.dynamic_update_slice(buffer, block[b : b + 1], at)
+        return buffer
+
+    def one(rows, new, first):
+        at = list(zeros)
+        at[axis - 1] = first
+        return jax.lax.dynamic_update_slice(rows, new, at)
+
+    return jax.vmap(one)(buffer, block, start)

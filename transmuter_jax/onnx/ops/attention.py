@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..registry import op
-from ._util import precision, xp
+from ._util import precision, write_rows, xp
 
 MS = "com.microsoft"
 
@@ -53,22 +53,19 @@ def _rotary(x, positions, cos_cache, sin_cache, interleaved):
 
 def _write_rows(cache, new, start):
     """Writes new: [B, N, S, H] into cache: [B, N, L, H] at row start[b] of each batch row b."""
-
-    def one(buf, rows, at):  # buf: [N, L, H], rows: [N, S, H]
-        return jax.lax.dynamic_update_slice(buf, rows.astype(buf.dtype), (0, at, 0))
-
-    return jax.vmap(one)(cache, new, jnp.asarray(start, jnp.int32))
+    return write_rows(cache, new, start, axis=2)
 
 
-def _window_mask(q_pos, k_len, valid, window):
-    """Which keys each query sees: causal, below valid, and inside the sliding window.
+def _window_mask(q_pos, k_pos, valid, window):
+    """Which keys each query sees: causal, valid, and inside the sliding window.
 
-    q_pos: [B, S] absolute query positions; valid: [B] number of valid keys; window: keys a
-    query sees counting itself (<= 0: unlimited). Returns [B, 1, S, L] bool.
+    q_pos: [B, S] absolute query positions; k_pos: [B or 1, L] absolute key positions; valid:
+    [B or 1, L] bool; window: keys a query sees counting itself (<= 0: unlimited).
+    Returns [B, 1, S, L] bool.
     """
-    j = jnp.arange(k_len, dtype=jnp.int32)[None, None, :]  # [1, 1, L]
+    j = k_pos[:, None, :]  # [B, 1, L]
     i = q_pos[:, :, None]  # [B, S, 1]
-    mask = (j <= i) & (j < valid[:, None, None])
+    mask = (j <= i) & valid[:, None, :]
     if window > 0:
         mask &= j > i - window
     return mask[:, None]
@@ -92,11 +89,15 @@ def _softmax(scores, mask, sink=None):
 
 
 def _grouped_scores(q, k, scale):
-    """q: [B, S, N, H], k: [B, Nk, L, H] -> scale * q.k: [B, N, S, L] in float32."""
+    """q: [B, S, N, H], k: [B, Nk, L, H] -> scale * q.k: [B, N, S, L] in float32.
+
+    Each KV head's queries are one [G * S, H] matrix, so the product reads k as it lies.
+    """
     b, s, n, h = q.shape
     nk = k.shape[1]
-    qg = q.reshape(b, s, nk, n // nk, h).astype(jnp.float32)
-    scores = jnp.einsum("bskgh,bklh->bkgsl", qg, k.astype(jnp.float32), precision=precision())
+    qg = q.reshape(b, s, nk, n // nk, h).transpose(0, 2, 3, 1, 4).reshape(b, nk, -1, h)
+    qg = qg.astype(jnp.float32)
+    scores = jnp.einsum("bkmh,bklh->bkml", qg, k.astype(jnp.float32), precision=precision())
     return scores.reshape(b, n, s, k.shape[2]) * scale
 
 
@@ -104,8 +105,9 @@ def _grouped_values(probs, v):
     """probs: [B, N, S, L], v: [B, Nk, L, H] -> [B, S, N*H] in float32."""
     b, n, s, l = probs.shape
     nk, h = v.shape[1], v.shape[3]
-    pg = probs.reshape(b, nk, n // nk, s, l)
-    out = jnp.einsum("bkgsl,bklh->bskgh", pg, v.astype(jnp.float32), precision=precision())
+    pg = probs.reshape(b, nk, -1, l)  # [B, Nk, G * S, L]
+    out = jnp.einsum("bkml,bklh->bkmh", pg, v.astype(jnp.float32), precision=precision())
+    out = out.reshape(b, nk, n // nk, s, h).transpose(0, 3, 1, 2, 4)  # [B, S, Nk, G, H]
     return out.reshape(b, s, n * h)
 
 
@@ -198,27 +200,42 @@ def GroupQueryAttention(
 
     buffer = 0 if past_key is None else past_key.shape[2]
     length = max(buffer, total_len, s)
-    present_k = _cache(past_key, b, nk, length, h, query.dtype)
-    present_v = _cache(past_value, b, nk, length, h, query.dtype)
-    present_k = _write_rows(present_k, k.transpose(0, 2, 1, 3), past)  # [B, Nk, L, H]
-    present_v = _write_rows(present_v, v.transpose(0, 2, 1, 3), past)
-
-    scores = _grouped_scores(q, present_k, scale or 1.0 / math.sqrt(h))  # [B, N, S, L]
+    old_k = _cache(past_key, b, nk, length, h, query.dtype)  # [B, Nk, L, H]
+    old_v = _cache(past_value, b, nk, length, h, query.dtype)
+    new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Nk, S, H]
+    present_k = write_rows(old_k, new_k, past, axis=2)
+    present_v = write_rows(old_v, new_v, past, axis=2)
+    scale = scale or 1.0 / math.sqrt(h)
+    rows = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, L]
+    if attention_bias is None and ctx.num_outputs <= 3:
+        # The valid old rows, then this step's rows: the same keys as the written buffer holds,
+        # read without the buffer's update (which XLA would otherwise copy).
+        scores = jnp.concatenate(
+            [_grouped_scores(q, old_k, scale), _grouped_scores(q, new_k, scale)], axis=-1
+        )  # [B, N, S, L + S]
+        k_pos = jnp.concatenate([jnp.broadcast_to(rows, (b, length)), pos], axis=1)
+        valid = jnp.concatenate([rows < past[:, None], pos < total[:, None]], axis=1)
+    else:
+        scores = _grouped_scores(q, present_k, scale)  # [B, N, S, L]
+        if attention_bias is not None:
+            bias = _fit_keys(jnp.asarray(attention_bias).astype(jnp.float32), length)
+            scores = scores + bias
+        k_pos, valid = rows, rows < total[:, None]
     if softcap > 0:
         scores = softcap * jnp.tanh(scores / softcap)
-    if attention_bias is not None:
-        scores = scores + _fit_keys(jnp.asarray(attention_bias).astype(jnp.float32), length)
-    if causal:
-        mask = _window_mask(pos, length, total, local_window_size)
-    else:
-        mask = (jnp.arange(length)[None, :] < total[:, None])[:, None, None, :]
+    window = local_window_size if causal else 0
+    mask = _window_mask(pos if causal else jnp.full_like(pos, 2**30), k_pos, valid, window)
     sink = None
     if head_sink is not None:
         sink = jnp.asarray(head_sink).astype(jnp.float32).reshape(1, n, 1, 1)
     elif smooth_softmax == 1:
         sink = jnp.zeros((1, 1, 1, 1), jnp.float32)
     probs = _softmax(scores, mask, sink)
-    out = _grouped_values(probs, present_v)  # [B, S, N*H]
+    if scores.shape[-1] > length:
+        out = _grouped_values(probs[..., :length], old_v)
+        out = out + _grouped_values(probs[..., length:], new_v)  # [B, S, N*H]
+    else:
+        out = _grouped_values(probs, present_v)
     outs = (out.astype(query.dtype), present_k, present_v)
     if ctx.num_outputs > 3:
         outs += ((scores if qk_output == 1 else probs).astype(query.dtype),)
