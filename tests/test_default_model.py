@@ -63,14 +63,40 @@ def test_streaming_pieces_join_to_the_text_with_multibyte_characters(exact):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def _int4_inputs(model, default_reference):
+    prompt = np.array([default_reference["cases"][0]["prompt_ids"]], np.int64)
+    inputs = example_inputs(model, length=prompt.shape[1])
+    inputs["input_ids"] = prompt
+    return inputs
+
+
+def test_int4_export_follows_onnxruntime(default_model, default_reference):
+    """The shipped file allows int8 activations (accuracy_level 4), which onnxruntime's CPU
+    kernels use, and so does transmuter_jax on CPU. The two int8 schemes round differently, so
+    the logits are close, not equal (the fixtures' int4 graphs match within 1e-4)."""
+    import onnxruntime as ort
+
+    source = default_model / "genai-int4" / "model.onnx"
+    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    model = tj.load(source)
+    inputs = _int4_inputs(model, default_reference)
+    ours = np.asarray(model(inputs)["logits"])
+    theirs = session.run(["logits"], inputs)[0]
+    assert np.abs(ours - theirs).mean() < 0.5
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
+
+
 def test_int4_export_matches_onnxruntime_with_exact_dequantisation(
-    default_model, default_reference, tmp_path
+    default_model, default_reference, tmp_path, monkeypatch
 ):
-    """The shipped file asks for int8 activations (accuracy_level 4), which onnxruntime's CPU
-    kernels honour (logits off by ~1.6); JAX dequantises exactly, as onnxruntime does at level 0."""
+    """TRANSMUTER_JAX_NBITS_INT8=0 dequantises exactly, as onnxruntime does at accuracy_level 0
+    (level 4 moves the logits by ~1.6)."""
     import onnx
     import onnxruntime as ort
 
+    from transmuter_jax.onnx.ops.quant import INT8_ENV
+
+    monkeypatch.setenv(INT8_ENV, "0")
     source = default_model / "genai-int4" / "model.onnx"
     proto = onnx.load(source)
     levels = 0
@@ -83,9 +109,7 @@ def test_int4_export_matches_onnxruntime_with_exact_dequantisation(
     onnx.save(proto, exact, save_as_external_data=True, location="model.onnx.data")
     session = ort.InferenceSession(exact, providers=["CPUExecutionProvider"])
     model = tj.load(source)
-    prompt = np.array([default_reference["cases"][0]["prompt_ids"]], np.int64)
-    inputs = example_inputs(model, length=prompt.shape[1])
-    inputs["input_ids"] = prompt
+    inputs = _int4_inputs(model, default_reference)
     ours = np.asarray(model(inputs)["logits"])
     theirs = session.run(["logits"], inputs)[0]
     assert np.abs(ours - theirs).max() < 2e-3

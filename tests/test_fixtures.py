@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import transmuter_jax as tj
+from transmuter_jax.onnx.ops.quant import INT8_ENV
 from transmuter_jax.testing import example_inputs
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -40,15 +41,13 @@ def _load(path: pathlib.Path) -> tj.Model:
 
 
 @functools.cache
-def _session(path: pathlib.Path) -> ort.InferenceSession:
-    """onnxruntime on the graph; MatMulNBits runs with accuracy_level 0 (exact dequantisation).
-
-    With accuracy_level 4 onnxruntime quantizes the activations to int8, a different computation
-    from the one the graph describes, so the reference uses the exact one.
-    """
+def _session(path: pathlib.Path, exact: bool = False) -> ort.InferenceSession:
+    """onnxruntime on the graph. MatMulNBits with accuracy_level 4 runs as onnxruntime's CPU
+    kernels run it (int8 activations), as transmuter_jax does on CPU; ``exact``: with
+    accuracy_level 0 (exact dequantisation) everywhere."""
     proto = onnx.load(path)
     for node in proto.graph.node:
-        if node.op_type == "MatMulNBits":
+        if node.op_type == "MatMulNBits" and exact:
             for attr in node.attribute:
                 if attr.name == "accuracy_level":
                     attr.i = 0
@@ -88,9 +87,11 @@ def _has_gqa(path: pathlib.Path) -> bool:
     return any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
 
 
-def _compare(path: pathlib.Path, inputs: dict[str, np.ndarray]) -> None:
-    model = _load(path)
-    session = _session(path)
+def _compare(
+    path: pathlib.Path, inputs: dict[str, np.ndarray], model: tj.Model | None = None, exact=False
+) -> None:
+    model = model or _load(path)
+    session = _session(path, exact)
     names = [o.name for o in model.outputs]
     want = dict(zip(names, session.run(names, inputs), strict=True))
     got = model(inputs)
@@ -123,6 +124,29 @@ def test_graph_matches_onnxruntime(path):
     for label, options in _steps(path):
         try:
             _compare(path, example_inputs(_load(path), **options))
+        except AssertionError as error:
+            raise AssertionError(f"{label}: {error}") from error
+
+
+def _nbits_levels(path: pathlib.Path) -> set[int]:
+    proto = onnx.load(path, load_external_data=False)
+    return {
+        a.i
+        for n in proto.graph.node
+        if n.op_type == "MatMulNBits"
+        for a in n.attribute
+        if a.name == "accuracy_level"
+    }
+
+
+@pytest.mark.parametrize("path", [p for p in GRAPHS if 4 in _nbits_levels(p.values[0])])
+def test_int4_graph_matches_exact_onnxruntime_when_asked(path, monkeypatch):
+    """TRANSMUTER_JAX_NBITS_INT8=0: accuracy_level 4 dequantizes exactly, as level 0 does."""
+    monkeypatch.setenv(INT8_ENV, "0")
+    model = tj.load(path)  # traced under the setting
+    for label, options in _steps(path)[:4]:
+        try:
+            _compare(path, example_inputs(model, **options), model, exact=True)
         except AssertionError as error:
             raise AssertionError(f"{label}: {error}") from error
 

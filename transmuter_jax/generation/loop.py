@@ -258,7 +258,7 @@ def _beam_search(ctx, prompts, inputs, features, on_token):
         running = np.zeros(len(rows), np.float32)
         for p, beam in beams.items():
             running[p * k : (p + 1) * k] = beam.scores
-        out = np.asarray(ctx.compiled.select(logits, jnp.asarray(running), views, states))
+        out = np.asarray(ctx.compiled.select(logits, running, views, states))
         order = np.arange(len(rows))
         token = np.full(n, -1, np.int32)
         for p, beam in beams.items():
@@ -420,21 +420,19 @@ def _run_group(ctx, rows, group, given, features, choose) -> None:
             state.capacity = cache_modes.bucket(int(start.max()) + step.tokens.shape[1])
         feed = _feed(ctx, step.tokens, step.positions, state, given, axes)
         if step.image_mask.any() and features is not None:
-            feed["image_mask"] = jnp.asarray(step.image_mask)
-            feed["image_features"] = jnp.asarray(features[step.image_rows])
+            feed["image_mask"] = step.image_mask
+            feed["image_features"] = features[step.image_rows]
         last = np.maximum(step.real - 1, 0)  # each row's last real token
         logits, state.arrays = ctx.compiled.steps(
-            state.arrays, feed, jnp.asarray(start), jnp.asarray(last), state.capacity
+            state.arrays, feed, start, last.astype(np.int32), state.capacity
         )
         lengths = [len(r.prompt) + len(r.generated) for r in rows]
-        views = Rows(
-            jnp.asarray(_history(rows, width)), prompt, jnp.asarray(lengths, jnp.int32), max_length
-        )
+        views = Rows(_history(rows, width), prompt, np.asarray(lengths, np.int32), max_length)
         states = tuple(_states(p, rows, ctx.vocab_size) for p in custom)
         order = choose(logits, views, states, remaining, step, members)
         logits.delete()
         if order is not None:
-            state.arrays = ctx.compiled.reorder(state.arrays, jnp.asarray(order, jnp.int32))
+            state.arrays = ctx.compiled.reorder(state.arrays, np.asarray(order, np.int32))
         state.advance(step.real, step.tokens.shape[1])
 
 
@@ -456,14 +454,12 @@ def _position_axes(ctx: Context) -> int:
     return 3 if info.shape is not None and len(info.shape) == 3 else 1
 
 
-def _feed(ctx, tokens, positions, state, given, axes) -> dict[str, jax.Array]:
-    """The inputs of one step other than the cache."""
+def _feed(ctx, tokens, positions, state, given, axes) -> dict[str, Any]:
+    """The inputs of one step other than the cache (host arrays: the jitted step moves them)."""
     names = {i.name for i in ctx.model.inputs}
-    feed: dict[str, jax.Array] = {"tokens": jnp.asarray(tokens)}
+    feed: dict[str, Any] = {"tokens": tokens}
     if "attention_mask" in names:
-        feed["attention_mask"] = jnp.asarray(state.mask(tokens.shape[1]))
+        feed["attention_mask"] = state.mask(tokens.shape[1])
     if axes:
-        feed["position_ids"] = jnp.asarray(
-            (positions if axes == 3 else positions[0]).astype(np.int32)
-        )
+        feed["position_ids"] = (positions if axes == 3 else positions[0]).astype(np.int32)
     return feed | given

@@ -14,9 +14,20 @@ from ..registry import op
 from ._util import onnx_dtype, precision, xp
 
 MS = "com.microsoft"
-# "1": MatMulNBits nodes with accuracy_level 4 quantize their input to int8 per block first, as
-# onnxruntime's CPU kernels do; otherwise every MatMulNBits dequantizes exactly.
+# MatMulNBits nodes with accuracy_level 4 quantize their input to int8 per block first, as
+# onnxruntime's CPU kernels do, on the CPU backend; elsewhere they dequantize exactly (as
+# onnxruntime's GPU kernels do). "1" asks for int8 on every backend, "0" for exact everywhere.
 INT8_ENV = "TRANSMUTER_JAX_NBITS_INT8"
+
+
+def int8_activations(accuracy_level: int) -> bool:
+    """Whether a MatMulNBits node of ``accuracy_level`` rounds its input to int8 per block."""
+    if accuracy_level != 4:
+        return False
+    setting = os.environ.get(INT8_ENV, "")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return jax.default_backend() == "cpu"
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -169,12 +180,12 @@ def MatMulNBits(
 
     b: uint8 [N, n_blocks, block_size*bits/8], values low bits first; the weight is
     (value - zero point) * scale per block of K, the zero point 2^(bits-1) when absent. With
-    accuracy_level 4 and ``TRANSMUTER_JAX_NBITS_INT8=1``, a is first rounded to int8 per block.
+    accuracy_level 4, a is first rounded to int8 per block (see :func:`int8_activations`).
     """
     if weight_prepacked:
         raise NotImplementedError("MatMulNBits with weight_prepacked")
     a = jnp.asarray(a)
-    int8 = accuracy_level == 4 and os.environ.get(INT8_ENV, "") == "1"
+    int8 = int8_activations(accuracy_level)
 
     def reference(x, b, scales, zero_points):
         weight = _nbits_weight(b, scales, zero_points, g_idx, K, N, block_size, bits)  # [N, K]
