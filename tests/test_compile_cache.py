@@ -17,7 +17,7 @@ counts = {}
 monitoring.register_event_listener(
     lambda name, **kw: counts.__setitem__(name, counts.get(name, 0) + 1))
 import transmuter_jax as tj
-from transmuter_jax import generation
+from transmuter_jax import generation, stored
 folder = sys.argv[1]
 model = tj.load(folder + "/model.onnx")
 ctx = generation.compile(generation.context(folder, model, max_new_tokens=6), 2)
@@ -27,6 +27,7 @@ print(json.dumps({
     "misses": counts.get("/jax/compilation_cache/cache_misses", 0),
     "tokens": tokens,
     "folder": tj.compile_cache.directory(),
+    "stored": stored.counts,
 }))
 """
 
@@ -55,7 +56,31 @@ def test_a_second_process_compiles_nothing_new(tmp_path):
     assert second["tokens"] == first["tokens"]
 
 
+def test_a_second_process_traces_no_step(tmp_path):
+    """The lowered step programs are kept on disk: a second process reads them, traces none."""
+    folder = tmp_path / "jax-cache"
+    first = _run(str(folder))
+    assert first["stored"]["exported"] >= 2  # the prompt steps and the decode step
+    assert first["stored"]["read"] == 0
+    assert len(list((folder / "lowered").glob("*.jaxexport"))) == first["stored"]["exported"]
+    second = _run(str(folder))
+    assert second["stored"] == {"exported": 0, "read": first["stored"]["exported"]}
+    assert second["misses"] == 0
+    assert second["tokens"] == first["tokens"]
+
+
+def test_a_damaged_program_is_traced_again(tmp_path):
+    folder = tmp_path / "jax-cache"
+    first = _run(str(folder))
+    for path in (folder / "lowered").glob("*.jaxexport"):
+        path.write_bytes(b"not a program")
+    second = _run(str(folder))
+    assert second["stored"]["exported"] == first["stored"]["exported"]
+    assert second["tokens"] == first["tokens"]
+
+
 def test_the_variable_turns_it_off(tmp_path):
     out = _run("off")
     assert out["folder"] is None
     assert out["hits"] == out["misses"] == 0
+    assert out["stored"] == {"exported": 0, "read": 0}

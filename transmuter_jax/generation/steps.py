@@ -19,6 +19,7 @@ from ..onnx.compiler import jit_options
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.rewrite import NotPaddable, PaddedPast, pad_past
+from ..stored import StoredJit
 from . import cache as cache_modes
 from .context import Context
 
@@ -128,15 +129,39 @@ class Steps:
         at = (branch, rows if padded else None, donate)
         fn = self.functions.get(at)
         if fn is None:
-            if padded:
-                step = _step_function(ctx, branch, self.padding, rows)
-            else:
-                step = _step_function(ctx, branch, None, None)
+            padding = self.padding if padded else None
+            step = _step_function(ctx, branch, padding, rows if padded else None)
+            key = (
+                "step",
+                (padding.model if padding is not None else ctx.model).fingerprint,
+                ctx.embed.fingerprint if ctx.embed is not None else None,
+                ctx.mode,
+                ctx.cache,
+                branch,
+                rows if padded else None,
+                padding.input if padding is not None else None,
+            )
             donated = (2,) if donate else ()
-            fn = jax.jit(step, donate_argnums=donated, **jit_options(ctx.jit_options))
+            options = jit_options(ctx.jit_options)
+            fn = StoredJit(step, key, donate_argnums=donated, **options)
             self.functions[at] = fn
         embed_params = ctx.embed.params if ctx.embed is not None else {}
-        return fn(ctx.model.params, embed_params, cache, feed, lengths, last)
+        # What varies between calls of one compiled function: the step's inputs, the cache's
+        # rows (self and cross attention) and the batch.
+        signature = (
+            tuple((name, np.shape(v), np.dtype(v.dtype)) for name, v in feed.items()),
+            tuple(np.shape(cache[e.input]) for e in _firsts(ctx.cache)),
+            np.shape(lengths),
+        )
+        return fn(signature, ctx.model.params, embed_params, cache, feed, lengths, last)
+
+
+def _firsts(layout: cache_modes.CacheLayout) -> tuple[cache_modes.CacheEntry, ...]:
+    """The first self-attention and the first cross-attention entries (all others alike)."""
+    firsts = {}
+    for entry in layout.entries:
+        firsts.setdefault(entry.cross, entry)
+    return tuple(firsts.values())
 
 
 def _step_function(ctx: Context, branch: bool, padding: PaddedPast | None, rows: int | None):

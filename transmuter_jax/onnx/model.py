@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import ChainMap
@@ -20,6 +21,7 @@ from onnx import TensorProto, numpy_helper
 
 from .. import kernels
 from . import (
+    inline,
     ops,  # noqa: F401  (registers the op implementations)
     prepack,
 )
@@ -34,6 +36,8 @@ STATIC_INT = 4096
 STATIC_FLOAT = 16
 # A graph input can be part of the compile key (like use_cache_branch) when it is this small.
 STATIC_INPUT = 8
+# Files at least this large have their inline initializers read in place, not parsed.
+INLINE_FILE_BYTES = 16 << 20
 
 
 class ValueInfo(NamedTuple):
@@ -65,11 +69,19 @@ def _value_info(info: onnx.ValueInfoProto) -> ValueInfo:
     return ValueInfo(info.name, dtype, shape)
 
 
-def _read_onnx(path: str) -> onnx.ModelProto:
+def _read_onnx(path: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The model, and its large inline initializers read in place (by name; see :mod:`.inline`)."""
     if not os.path.isfile(path):
         raise ModelFileError(f"no ONNX file at {path!r}")
+    if os.path.getsize(path) >= INLINE_FILE_BYTES:
+        try:
+            found = inline.read(path)
+        except (DecodeError, OSError):
+            found = None
+        if found is not None:
+            return found.proto, found.arrays
     try:
-        return onnx.load(path, load_external_data=False)
+        return onnx.load(path, load_external_data=False), {}
     except (DecodeError, ValueError, RuntimeError, OSError) as error:
         raise ModelFileError(f"{path!r} is not a readable ONNX model: {error}") from error
 
@@ -144,7 +156,7 @@ class Model:
 
     def __init__(self, path: str, *, outputs: Sequence[str] | None = None):
         self.path = path
-        proto = _read_onnx(path)
+        proto, in_place = _read_onnx(path)
         if proto.functions:
             proto = onnx.inliner.inline_local_functions(proto)
         folder = os.path.dirname(os.path.abspath(path))
@@ -170,7 +182,9 @@ class Model:
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original.
         packings = prepack.plan(graph) if kernels.enabled() else {}
         for tensor in graph.initializer:
-            array = _tensor_array(tensor, folder, path)
+            array = in_place.pop(tensor.name, None)
+            if array is None:
+                array = _tensor_array(tensor, folder, path)
             if tensor.name in packings:
                 # device_put may keep the packed array without copying it (CPU, aligned).
                 params[tensor.name] = jax.device_put(packings[tensor.name].pack(array))
@@ -242,6 +256,26 @@ class Model:
             )
             self._compiled[key] = fn
         return fn
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what the graph computes: its nodes, constants, opsets, inputs and the
+        shapes and dtypes of its weights (not their values, which the programs take as arguments).
+        """
+        known = self.__dict__.get("_fingerprint")
+        if known is not None and known[0] is self._graph:
+            return known[1]
+        digest = hashlib.sha256()
+        digest.update(self._graph.proto.SerializeToString(deterministic=True))
+        for name, value in sorted(self._graph.constants.items()):
+            value = np.asarray(value)
+            digest.update(f"{name}{value.dtype}{value.shape}".encode() + value.tobytes())
+        for name, value in sorted(self.params.items()):
+            digest.update(f"{name}{value.dtype}{value.shape}".encode())
+        extra = (sorted(self._graph.opsets.items()), self.inputs, self.outputs, self.static_inputs)
+        digest.update(repr(extra).encode())
+        self._fingerprint = (self._graph, digest.hexdigest())
+        return self._fingerprint[1]
 
     @property
     def compiled_count(self) -> int:
