@@ -14,20 +14,15 @@ from ..registry import op
 from ._util import onnx_dtype, precision, xp
 
 MS = "com.microsoft"
-# MatMulNBits nodes with accuracy_level 4 quantize their input to int8 per block first, as
-# onnxruntime's CPU kernels do, on the CPU backend; elsewhere they dequantize exactly (as
-# onnxruntime's GPU kernels do). "1" asks for int8 on every backend, "0" for exact everywhere.
+# MatMulNBits dequantizes exactly by default. "1": nodes with accuracy_level 4 quantize their input
+# to int8 per block first, as onnxruntime's CPU kernels do (faster; the tokens then depend on
+# rounding, and so on the batch, more than exact products do).
 INT8_ENV = "TRANSMUTER_JAX_NBITS_INT8"
 
 
 def int8_activations(accuracy_level: int) -> bool:
     """Whether a MatMulNBits node of ``accuracy_level`` rounds its input to int8 per block."""
-    if accuracy_level != 4:
-        return False
-    setting = os.environ.get(INT8_ENV, "")
-    if setting in ("0", "1"):
-        return setting == "1"
-    return jax.default_backend() == "cpu"
+    return accuracy_level == 4 and os.environ.get(INT8_ENV, "") == "1"
 
 
 # ---------------------------------------------------------------- shared helpers
