@@ -40,6 +40,17 @@ def _close(actual, expected, k: int):
 # ---------------------------------------------------------------- packed float32 products
 
 
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "reversed"])
+def test_pack_reads_any_strides(rng, layout):
+    """Weights read through a Transpose (tied embeddings), slices and negative strides."""
+    base = rng.standard_normal((90, 70)).astype(np.float32)
+    w = {"transposed": base.T, "sliced": base[3:80:2, 5:68], "reversed": base[::-1, ::-2]}[layout]
+    packed = kernels.pack(w)
+    assert packed.ctypes.data % 64 == 0
+    assert not packed[-1, :, w.shape[1] % kernels.STRIP or kernels.STRIP :].any()  # zero padding
+    np.testing.assert_array_equal(np.asarray(kernels.unpack(jnp.asarray(packed), w.shape[1])), w)
+
+
 @pytest.mark.parametrize(
     ("k", "n"), [(1, 1), (7, 33), (33, 31), (100, 64), (576, 70), (129, 257), (64, 5)]
 )

@@ -14,6 +14,7 @@ sets the threads of their pool (default: the CPUs this process may use) and
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections.abc import Callable
@@ -57,6 +58,18 @@ def pack(w: np.ndarray) -> np.ndarray:
     raw = np.zeros(size + 16, np.float32)
     start = (-raw.ctypes.data % 64) // 4
     packed = raw[start : start + size].reshape(strips, k, STRIP)
+    lib = library()
+    if lib is not None and w.size:  # the library's threaded copy, from any strides
+        row, col = (stride // 4 for stride in w.strides)
+        lib.tj_pack_f32(
+            ctypes.c_void_p(w.ctypes.data),
+            ctypes.c_int64(row),
+            ctypes.c_int64(col),
+            ctypes.c_int64(k),
+            ctypes.c_int64(n),
+            ctypes.c_void_p(packed.ctypes.data),
+        )
+        return packed
     for s in range(strips):  # one strip at a time: no second full-size temporary
         cols = w[:, s * STRIP : (s + 1) * STRIP]
         packed[s, :, : cols.shape[1]] = cols

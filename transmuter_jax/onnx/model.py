@@ -209,9 +209,8 @@ class Model:
             and all(isinstance(d, int) for d in i.shape)
             and int(np.prod(i.shape)) <= STATIC_INPUT
         }
-        self.static_inputs = tuple(
-            i.name for i in self.inputs if i.name in static_dependencies(self._graph) & small
-        )
+        static = static_dependencies(self._graph) & small
+        self.static_inputs = tuple(i.name for i in self.inputs if i.name in static)
         self._by_name = {i.name: i for i in self.inputs}
         self._compiled: dict[tuple, Any] = {}
         self.compile_stats: list[CompileStat] = []

@@ -196,3 +196,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmF32, tj::GemmImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
 
 extern "C" int tj_strip_width() { return tj::kStrip; }
+
+namespace tj {
+
+struct PackJob {
+  const float* w;  // element (i, j) at w[i * row + j * col]
+  int64_t row, col, k, n;
+  float* out;  // [strips, k, kStrip]
+};
+
+static void pack_chunk(void* ctx, int64_t s) {
+  const PackJob& job = *static_cast<const PackJob*>(ctx);
+  const int64_t cols = std::min<int64_t>(kStrip, job.n - s * kStrip);
+  float* out = job.out + s * job.k * kStrip;
+  for (int64_t i = 0; i < job.k; ++i) {
+    const float* src = job.w + i * job.row + s * kStrip * job.col;
+    float* dst = out + i * kStrip;
+    int64_t j = 0;
+    for (; j < cols; ++j) dst[j] = src[j * job.col];
+    for (; j < kStrip; ++j) dst[j] = 0.0f;
+  }
+}
+
+}  // namespace tj
+
+// W [k, n] (strides in elements) into its strips out [ceil(n / kStrip), k, kStrip], zero-padded,
+// over the thread pool.
+extern "C" void tj_pack_f32(const float* w, int64_t row, int64_t col, int64_t k, int64_t n,
+                            float* out) {
+  tj::PackJob job{w, row, col, k, n, out};
+  tj::Pool::get().run((n + tj::kStrip - 1) / tj::kStrip, tj::pack_chunk, &job);
+}
