@@ -84,3 +84,29 @@ def test_the_variable_turns_it_off(tmp_path):
     assert out["folder"] is None
     assert out["hits"] == out["misses"] == 0
     assert out["stored"] == {"exported": 0, "read": 0}
+
+
+def test_a_graph_fingerprint_names_the_graph_not_the_load():
+    import transmuter_jax as tj
+
+    fixtures = pathlib.Path(__file__).parent / "fixtures"
+    first = tj.load(FIXTURE / "model.onnx").fingerprint
+    assert tj.load(FIXTURE / "model.onnx").fingerprint == first  # another load, same graph
+    other = tj.load(fixtures / "qwen2-genai-fp32" / "model.onnx").fingerprint
+    pruned = tj.load(FIXTURE / "model.onnx", outputs=["logits"]).fingerprint
+    assert len({first, other, pruned}) == 3
+
+
+def test_a_stored_program_key_changes_with_what_shapes_the_program(monkeypatch):
+    import numpy as np
+
+    from transmuter_jax import stored
+
+    args = ({"w": np.zeros((2, 3), np.float32)}, np.zeros(4, np.int32))
+    base = stored._key(("step", "graph"), args)
+    assert stored._key(("step", "graph"), args) == base
+    assert stored._key(("step", "other graph"), args) != base
+    assert stored._key(("step", "graph"), (args[0], np.zeros(5, np.int32))) != base
+    assert stored._key(("step", "graph"), (args[0], np.zeros(4, np.float32))) != base
+    monkeypatch.setenv("TRANSMUTER_JAX_NBITS_INT8", "1")
+    assert stored._key(("step", "graph"), args) != base
