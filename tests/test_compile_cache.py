@@ -110,3 +110,26 @@ def test_a_stored_program_key_changes_with_what_shapes_the_program(monkeypatch):
     assert stored._key(("step", "graph"), (args[0], np.zeros(4, np.float32))) != base
     monkeypatch.setenv("TRANSMUTER_JAX_NBITS_INT8", "1")
     assert stored._key(("step", "graph"), args) != base
+
+
+def test_what_jax_export_cannot_store_runs_as_plain_jit(tmp_path, monkeypatch):
+    import jax
+    import numpy as np
+
+    from transmuter_jax import compile_cache, stored
+
+    monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))
+
+    def host(x):  # a host callback: jax.export refuses it
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.pure_callback(lambda v: np.asarray(v) * 2, shape, x)
+
+    before = dict(stored.counts)
+    fn = stored.StoredJit(host, ("host callback",))
+    np.testing.assert_array_equal(np.asarray(fn("sig", np.arange(3.0))), [0.0, 2.0, 4.0])
+    assert stored.counts == before
+    assert not list(tmp_path.glob("lowered/*"))
+    plain = stored.StoredJit(lambda x: x + 1, ("plus one",))
+    np.testing.assert_array_equal(np.asarray(plain("sig", np.arange(3.0))), [1.0, 2.0, 3.0])
+    assert stored.counts["exported"] == before["exported"] + 1
+    assert len(list(tmp_path.glob("lowered/*.jaxexport"))) == 1

@@ -107,7 +107,7 @@ class StoredJit:
     Args:
         fn: the function to compile.
         key: what ``fn`` computes beyond its arguments' shapes: every value it closes over (with
-            :func:`fingerprint` of the models it runs), as a value whose repr is stable across
+            :attr:`Model.fingerprint` of the models it runs), as a value whose repr is stable across
             processes; None keeps nothing on disk (plain ``jax.jit``).
         donate_argnums, **jit_options: as for ``jax.jit``.
 
@@ -144,9 +144,7 @@ class StoredJit:
     def _program(self, args: tuple):
         where = folder()
         if self._key is None or where is None:
-            if self._plain is None:
-                self._plain = jax.jit(self._fn, donate_argnums=self._donate, **self._options)
-            return self._plain
+            return self._jit()
         path = where / (_key(self._key, args) + SUFFIX)
         exported = _read(path)
         if exported is not None:
@@ -154,12 +152,22 @@ class StoredJit:
         else:
             tree, specs = _abstract(args)
             checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in CUSTOM_CALLS]
-            exported = jax.export.export(
+            export = jax.export.export(
                 jax.jit(self._fn), platforms=[jax.default_backend()], disabled_checks=checks
-            )(*jax.tree.unflatten(tree, specs))
-            _write(path, exported.serialize())
+            )
+            try:
+                exported = export(*jax.tree.unflatten(tree, specs))
+                data = exported.serialize()
+            except Exception:  # noqa: BLE001 - what jax.export cannot store runs as plain jit
+                return self._jit()
+            _write(path, data)
             counts["exported"] += 1
         return jax.jit(exported.call, donate_argnums=self._donate, **self._options)
+
+    def _jit(self):
+        if self._plain is None:
+            self._plain = jax.jit(self._fn, donate_argnums=self._donate, **self._options)
+        return self._plain
 
 
 @functools.cache
