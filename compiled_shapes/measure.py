@@ -279,9 +279,9 @@ def _grow_step(ctx, size: int, padded: bool, given, cross) -> StepTime:
     return StepTime(label, "grow", 1, size, valid, padded, compile_s, statistics.median(runs))
 
 
-def whisper_transcription(folder: pathlib.Path, new_tokens: int, grow_cache: str) -> Run:
-    """One transcription of ``new_tokens`` tokens (no eos) after Whisper's 4 prompt tokens, with
-    the grow cache ``grow_cache`` ("padded", "buckets" or "exact")."""
+def _whisper(folder: pathlib.Path, new_tokens: int, grow_cache: str):
+    """A compiled context for one Whisper transcription of ``new_tokens`` tokens (no eos), and
+    zero encoder states."""
     model = tj.load(folder / "decoder_model_merged.onnx")
     states = np.zeros((1, 1500, _hidden(model)), np.float32)
     ctx = generation.context(
@@ -292,6 +292,13 @@ def whisper_transcription(folder: pathlib.Path, new_tokens: int, grow_cache: str
         eos_token_id=[],
     )
     ctx = generation.compile(ctx, 1, grow_cache=grow_cache)
+    return ctx, states
+
+
+def whisper_transcription(folder: pathlib.Path, new_tokens: int, grow_cache: str) -> Run:
+    """One transcription of ``new_tokens`` tokens (no eos) after Whisper's 4 prompt tokens, with
+    the grow cache ``grow_cache`` ("padded", "buckets" or "exact")."""
+    ctx, states = _whisper(folder, new_tokens, grow_cache)
     steps: list[float] = []
     mark = [0.0]
 
@@ -337,16 +344,7 @@ def whisper_memory(
     transcription (no eos). Each compiled XLA CPU program keeps its own mappings; Linux allows
     vm.max_map_count (65530 by default) per process. ``echo`` prints each sample as it comes
     (the full exact run may end the process)."""
-    model = tj.load(folder / "decoder_model_merged.onnx")
-    states = np.zeros((1, 1500, _hidden(model)), np.float32)
-    ctx = generation.context(
-        folder,
-        model,
-        given=("encoder_hidden_states",),
-        max_new_tokens=new_tokens,
-        eos_token_id=[],
-    )
-    ctx = generation.compile(ctx, 1, grow_cache=grow_cache)
+    ctx, states = _whisper(folder, new_tokens, grow_cache)
     maps, rss = _process_memory()
     start = time.perf_counter()
     samples = [{"tokens": 0, "maps": maps, "rss_mb": rss / 1024, "seconds": 0.0, "shapes": 0}]

@@ -91,8 +91,7 @@ def _abstract(args: tuple) -> tuple[Any, list[jax.ShapeDtypeStruct]]:
     return tree, specs
 
 
-def _key(key: Hashable, args: tuple) -> str:
-    tree, specs = _abstract(args)
+def _key(key: Hashable, tree: Any, specs: list[jax.ShapeDtypeStruct]) -> str:
     digest = hashlib.sha256()
     for part in (_library(), _environment(), repr(key), str(tree)):
         digest.update(part.encode() + b"\0")
@@ -145,12 +144,12 @@ class StoredJit:
         where = folder()
         if self._key is None or where is None:
             return self._jit()
-        path = where / (_key(self._key, args) + SUFFIX)
+        tree, specs = _abstract(args)
+        path = where / (_key(self._key, tree, specs) + SUFFIX)
         exported = _read(path)
         if exported is not None:
             counts["read"] += 1
         else:
-            tree, specs = _abstract(args)
             checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in CUSTOM_CALLS]
             export = jax.export.export(
                 jax.jit(self._fn), platforms=[jax.default_backend()], disabled_checks=checks

@@ -8,6 +8,7 @@ XLA program. The cache buffers are donated, so XLA updates them in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -156,6 +157,7 @@ class Steps:
         return fn(signature, ctx.model.params, embed_params, cache, feed, lengths, last)
 
 
+@functools.cache
 def _firsts(layout: cache_modes.CacheLayout) -> tuple[cache_modes.CacheEntry, ...]:
     """The first self-attention and the first cross-attention entries (all others alike)."""
     firsts = {}

@@ -51,11 +51,6 @@ def _rotary(x, positions, cos_cache, sin_cache, interleaved):
     return _rotate(x, cos, sin, interleaved)
 
 
-def _write_rows(cache, new, start):
-    """Writes new: [B, N, S, H] into cache: [B, N, L, H] at row start[b] of each batch row b."""
-    return write_rows(cache, new, start, axis=2)
-
-
 def _window_mask(q_pos, k_pos, valid, window):
     """Which keys each query sees: causal, valid, and inside the sliding window.
 
