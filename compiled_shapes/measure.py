@@ -158,7 +158,7 @@ def step_time(
     encoder = 0
     if given and "encoder_hidden_states" in given:
         encoder = int(given["encoder_hidden_states"].shape[1])
-    state = cache_modes.State(ctx.mode, ctx.cache, batch, rows, encoder, padded)
+    state = cache_modes.State(ctx.compiled.cache, ctx.cache, batch, rows, encoder)
     state.lengths = np.full(batch, valid, np.int32)
     state.rows = rows
     state.arrays = ctx.cache.empty(batch, rows, encoder)
@@ -199,7 +199,7 @@ def default_model_steps(
     out = []
     for tokens in prompts:
         ctx = generation.compile(generation.context(folder, model, max_new_tokens=4), 1)
-        rows = cache_modes.capacity(ctx.mode, tokens + 4, tokens)
+        rows = ctx.compiled.cache.capacity(tokens + 4, tokens)
         out.append(step_time(ctx, label, tokens, rows, 0))
     for rows in capacities:
         ctx = generation.compile(generation.context(folder, model, max_new_tokens=4), 1)
@@ -245,7 +245,7 @@ def _cross_cache(ctx: generation.Context, given: dict[str, Any]) -> dict[str, ja
     feed |= {k: jnp.asarray(v) for k, v in given.items()}
     empty = ctx.cache.empty(ctx.batch_size, 0, 0)
     zeros = jnp.zeros((ctx.batch_size,), jnp.int32)
-    rows = cache_modes.capacity("grow", 64, 1, True) if ctx.compiled.padded else None
+    rows = ctx.compiled.cache.capacity(64, 1) if ctx.compiled.padded else None
     _, new = ctx.compiled.steps(empty, feed, zeros, zeros, rows)
     ctx.compiled.steps.shapes.clear()
     compiles().take()

@@ -96,12 +96,14 @@ def reference_eos(name: str) -> int:
 
 def test_options_merge_over_the_file_as_generation_config_update(workdir):
     ctx = context(LLAMA, workdir)
-    assert ctx.options["eos_token_id"] == (reference_eos(LLAMA),)
-    assert ctx.options["max_length"] == 256 and ctx.options["do_sample"] is False
+    assert ctx.options.eos_token_id == (reference_eos(LLAMA),)
+    assert ctx.options.max_length == 256 and ctx.options.do_sample is False
     ctx = context(LLAMA, workdir, eos_token_id=None, pad_token_id=7, top_k=None)
-    assert ctx.options["eos_token_id"] == () and ctx.options["pad_token_id"] == 7
-    assert ctx.options["top_k"] is None
-    with pytest.raises(ValueError, match="unknown generation options"):
+    assert ctx.options.eos_token_id == () and ctx.options.pad_token_id == 7
+    assert ctx.options.top_k is None
+    with pytest.raises(
+        ValueError, match="unknown generation option 'max_new_token'; did you mean 'max_new_tokens'"
+    ):
         context(LLAMA, workdir, max_new_token=3)
 
 
@@ -206,6 +208,6 @@ def test_a_hub_id_resolves_offline_from_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     assert hub.read_json("org/tiny", "config.json")["model_type"] == "llama"
     ctx = generation.context("org/tiny", decoder(LLAMA), max_new_tokens=3)
-    assert ctx.options["eos_token_id"] == (reference_eos(LLAMA),)
+    assert ctx.options.eos_token_id == (reference_eos(LLAMA),)
     with pytest.raises(ValueError, match="org/missing"):
         hub.folder("org/missing")

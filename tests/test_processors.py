@@ -15,7 +15,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from transmuter_jax.generation.context import merged_options
+from transmuter_jax.generation.options import merge
 from transmuter_jax.generation.processors import LOWEST, Rows, from_options, static_masks
 from transmuter_jax.generation.select import processed
 
@@ -42,7 +42,7 @@ def _case(name):
 def test_scores_equal_transformers(name):
     case = _case(name)
     arrays = _data()[1]
-    options = merged_options(
+    options = merge(
         {}, case["generation_config"], {"max_new_tokens": case["max_new_tokens"], **case["options"]}
     )
     masks = static_masks(options, case["vocab"])
@@ -67,8 +67,5 @@ def test_scores_equal_transformers(name):
 
 def test_multi_token_bad_words_are_refused_clearly():
     case = next(c for c in _data()[0]["cases"] if c.get("multi_token_bad_words"))
-    from transmuter_jax.generation.processors import check
-
-    options = merged_options({}, case["generation_config"], case["options"])
     with pytest.raises(ValueError, match="more than one token"):
-        check(options, case["vocab"])
+        merge({}, case["generation_config"], case["options"]).check_supported(case["vocab"])

@@ -69,9 +69,7 @@ def test_bad_options_fail_before_any_compile(options, message, workdir):
 
 
 def _scores(logits, **options):
-    ctx_options = {**generation.context.__globals__["DEFAULTS"], **options}
-    ctx_options["eos_token_id"] = tuple(ctx_options["eos_token_id"] or ())
-    select = selection(ctx_options, (), {})
+    select = selection(generation.Options(**options), (), {})
     b = logits.shape[0]
     rows = Rows(
         np.full((b, 8), -1, np.int32),

@@ -1,12 +1,15 @@
 """Generation with a KV cache: context, compile, generate.
 
 A step takes new tokens and the cache and gives the logits of each row's last token and the next
-cache; prompts run in power-of-two steps, new tokens one at a time. See docs/generation.md.
+cache; prompts run in power-of-two steps, new tokens in chunks of ``decode_steps`` on the device
+(or one at a time). See docs/generation.md.
 """
 
-from .cache import CacheEntry, CacheLayout
+from .cache import CacheEntry, CacheLayout, Mode
 from .context import Context, cache_mode, context, max_new_tokens, outputs
-from .loop import compile, generate, new_tokens
+from .decode import DecodeState
+from .loop import compile, generate, new_tokens, on_device
+from .options import Options
 from .processors import Rows
 from .prompt import prompt_inputs
 from .select import from_bits, to_bits
@@ -15,6 +18,9 @@ __all__ = [
     "CacheEntry",
     "CacheLayout",
     "Context",
+    "DecodeState",
+    "Mode",
+    "Options",
     "cache_mode",
     "Rows",
     "compile",
@@ -23,6 +29,7 @@ __all__ = [
     "generate",
     "max_new_tokens",
     "new_tokens",
+    "on_device",
     "outputs",
     "prompt_inputs",
     "to_bits",

@@ -7,7 +7,9 @@
 - grow: the cache has its exact length (shared by all rows); the present is the next cache.
   Padded (when the decoder could be rewritten, see :mod:`transmuter_jax.onnx.rewrite`), it has a
   fixed number of rows whose valid ones come last: the present is the cache plus the new rows,
-  and its last rows are the next cache.
+  and its last rows are the next cache; with buckets it grows 64 rows at a time.
+
+Each mode is one :class:`Mode` object, chosen once by ``compile``.
 
 Cache arrays are [batch, heads, length, head_size]: the sequence is axis 2.
 """
@@ -95,68 +97,32 @@ def layout(model: Model, config: dict) -> CacheLayout:
     return CacheLayout(tuple(entries))
 
 
-def capacity(mode: str, longest: int, chunk: int, padded: bool = False) -> int:
-    """Rows of the buffer for rows of at most ``longest`` tokens fed in chunks of up to ``chunk``.
-
-    A row may take a chunk of padding after its last token, so the buffer has room for it; the
-    length is rounded up to a multiple of 64 so that close workloads share compiled shapes.
-    grow has no buffer (0) unless padded: then ``longest`` rounded up to a multiple of 64 (the
-    rows of a grow group all feed the same tokens, so no chunk runs past ``longest``).
-    """
-    if mode == "grow":
-        return bucket(longest) if padded else 0
-    return bucket(longest + chunk)
-
-
 def bucket(rows: int) -> int:
     """``rows`` rounded up to a multiple of 64 (the buffers' capacities and grow's buckets)."""
     return -(-rows // 64) * 64
 
 
-def mask(
-    mode: str, lengths: np.ndarray, step: int, cache_length: int, padded: bool = False
-) -> np.ndarray:
-    """The attention mask of a step of ``step`` tokens after ``lengths`` valid cached tokens.
-
-    Args:
-        mode: the cache mode.
-        lengths: [B] valid cached tokens of each row.
-        step: tokens of this step (padding included).
-        cache_length: rows of the cache array (the buffer, or the exact length in grow).
-        padded: grow on a padded cache, whose first ``cache_length - lengths`` rows are padding.
-    """
-    batch = len(lengths)
-    if mode == "grow" and padded:  # [B, C + S]: padding rows hidden, then valid rows and tokens
-        columns = np.arange(cache_length + step)[None, :]
-        return (columns >= (cache_length - lengths)[:, None]).astype(np.int32)
-    if mode == "in_place":  # [B, M]: the valid rows, then this step's tokens
-        return (np.arange(cache_length)[None, :] < (lengths + step)[:, None]).astype(np.int32)
-    if mode == "append":  # [B, C + S]: valid rows, free rows hidden, then this step's tokens
-        past = np.arange(cache_length)[None, :] < lengths[:, None]
-        return np.concatenate([past, np.ones((batch, step), bool)], axis=1).astype(np.int32)
-    return np.ones((batch, cache_length + step), np.int32)  # grow
-
-
-def advance(
-    mode: str,
+def write(
     layout: CacheLayout,
     cache: dict[str, jax.Array],
     outputs: dict[str, jax.Array],
-    lengths: jax.Array,
+    lengths: jax.Array | None = None,
     padded_rows: int | None = None,
 ) -> dict[str, jax.Array]:
-    """The cache after a step (traced in the step): from the graph's presents.
+    """The cache after a step (traced in the step), from the graph's presents.
 
     Args:
-        lengths: [B] int32 valid cached tokens of each row before the step (append writes the new
-            rows there).
-        padded_rows: in grow on a padded cache, its rows: the last ``padded_rows`` of the
-            present, after zero rows when the present is shorter.
+        lengths: [B] int32 valid cached tokens of each row before the step: when given (append),
+            the present's new rows are written into the buffer there.
+        padded_rows: a padded grow cache's rows: the last ``padded_rows`` of the present, after
+            zero rows when the present is shorter.
     """
     new = {}
     for entry in layout.entries:
         present = outputs[entry.output]
-        if padded_rows is not None and not entry.cross:
+        if entry.cross:  # a cross-attention present is empty on the steps that reuse the cache
+            new[entry.input] = cache[entry.input] if present.size == 0 else present
+        elif padded_rows is not None:
             have = present.shape[SEQ]
             if have >= padded_rows:
                 kept = jax.lax.slice_in_dim(present, have - padded_rows, have, axis=SEQ)
@@ -164,71 +130,194 @@ def advance(
                 widths = [(0, 0)] * present.ndim
                 widths[SEQ] = (padded_rows - have, 0)
                 kept = jnp.pad(present, widths)
-            new[entry.input] = kept.astype(entry.dtype)
-            continue
-        if entry.cross or mode != "append":
-            # A cross-attention present is empty on the steps that reuse the cache.
-            keep = entry.cross and present.size == 0
-            new[entry.input] = cache[entry.input] if keep else present.astype(entry.dtype)
-            continue
-        past = cache[entry.input]
-        rows = jax.lax.slice_in_dim(present, past.shape[SEQ], present.shape[SEQ], axis=SEQ)
-
-        new[entry.input] = write_rows(past, rows, lengths, axis=SEQ)
+            new[entry.input] = kept
+        elif lengths is not None:
+            past = cache[entry.input]
+            rows = jax.lax.slice_in_dim(present, past.shape[SEQ], present.shape[SEQ], axis=SEQ)
+            new[entry.input] = write_rows(past, rows, lengths, axis=SEQ)
+        else:
+            new[entry.input] = present
+        new[entry.input] = new[entry.input].astype(entry.dtype)
     return new
 
 
-def shared_by_all_rows(mode: str) -> bool:
-    """Whether rows with prompts of different lengths can share one cache (not in grow)."""
-    return mode != "grow"
+class Mode:
+    """How one cache mode sizes, masks, writes and advances the cache. ``compile`` picks one.
+
+    Attributes:
+        name: "in_place", "append" or "grow".
+        shared: rows with prompts of different lengths can share one cache (not in grow).
+        padded: a grow cache of fixed rows whose valid rows come last.
+        on_device: decode chunks can run on the device (the cache keeps its shape each step).
+    """
+
+    name = ""
+    shared = True
+    padded = False
+    on_device = True
+
+    def capacity(self, longest: int, chunk: int) -> int:
+        """Rows of the buffer for rows of at most ``longest`` tokens fed in chunks of up to
+        ``chunk``: room for a chunk of padding after a row's last token, rounded up to 64 so
+        that close workloads share compiled shapes."""
+        return bucket(longest + chunk)
+
+    def mask(self, lengths: Any, step: int, rows: int, xp: Any = np) -> Any:
+        """[B, columns] int32 attention mask of a step of ``step`` tokens after ``lengths`` [B]
+        valid cached tokens in a cache of ``rows`` rows (``xp``: numpy, or jax.numpy traced)."""
+        raise NotImplementedError
+
+    def write(self, layout, cache, outputs, lengths, rows_after):
+        """The next cache, traced in the step (see :func:`write`)."""
+        return write(layout, cache, outputs)
+
+    def advance(self, lengths: Any, real: Any, step: int) -> Any:
+        """Valid cached tokens after a step of ``step`` tokens, ``real`` [B] of them each row's."""
+        return lengths + real
+
+    def rows_after(self, rows: int, step: int, capacity: int | None) -> int:
+        """Rows of the cache arrays after a step."""
+        return rows
+
+    def branch(self, cache_length: int) -> bool:
+        """The value of use_cache_branch: whether the cache holds tokens or is a buffer."""
+        return True
+
+    def donated(self, cache_length: int, rows_after: int | None) -> bool:
+        """Whether a step can update the cache arrays in place."""
+        return True
 
 
-def donated(mode: str, padded: bool = False) -> bool:
-    """Whether a step can update the cache buffers in place (not in grow, where they grow, unless
-    padded)."""
-    return mode != "grow" or padded
+class InPlace(Mode):
+    """One buffer as long as the attention mask; GroupQueryAttention writes the new rows of each
+    row after its valid rows (it reads their count from the sum of the mask)."""
+
+    name = "in_place"
+
+    def mask(self, lengths, step, rows, xp=np):
+        columns = xp.arange(rows)[None, :]
+        return (columns < (lengths + step)[:, None]).astype(xp.int32)  # [B, M]
+
+
+class Append(Mode):
+    """A buffer whose free rows the mask hides; the graph's present is the buffer plus the new
+    rows, which :func:`write` puts into the buffer at each row's length."""
+
+    name = "append"
+
+    def mask(self, lengths, step, rows, xp=np):
+        past = xp.arange(rows)[None, :] < lengths[:, None]  # [B, C] valid rows, free rows hidden
+        new = xp.ones((lengths.shape[0], step), bool)
+        return xp.concatenate([past, new], axis=1).astype(xp.int32)  # [B, C + S]
+
+    def write(self, layout, cache, outputs, lengths, rows_after):
+        return write(layout, cache, outputs, lengths)
+
+
+class GrowExact(Mode):
+    """The cache has its exact length, shared by all rows; the present is the next cache. Every
+    length is a new shape, so decode runs step by step on the host."""
+
+    name = "grow"
+    shared = False
+    on_device = False
+
+    def capacity(self, longest, chunk):
+        return 0
+
+    def mask(self, lengths, step, rows, xp=np):
+        return xp.ones((lengths.shape[0], rows + step), xp.int32)
+
+    def advance(self, lengths, real, step):
+        return lengths + step  # every row's cache holds the whole step
+
+    def rows_after(self, rows, step, capacity):
+        return rows + step
+
+    def branch(self, cache_length):
+        return cache_length > 0
+
+    def donated(self, cache_length, rows_after):
+        return False
+
+
+class GrowPadded(GrowExact):
+    """A grow decoder rewritten for a cache of fixed rows (see :mod:`transmuter_jax.onnx.rewrite`)
+    whose valid rows come last: the present is the cache plus the new rows, and its last rows
+    are the next cache. The capacity is the longest row rounded up to 64."""
+
+    padded = True
+    on_device = True
+
+    def capacity(self, longest, chunk):
+        return bucket(longest)  # the rows of a grow group feed the same tokens: no chunk past
+
+    def mask(self, lengths, step, rows, xp=np):
+        columns = xp.arange(rows + step)[None, :]  # padding rows hidden, then valid rows, tokens
+        return (columns >= (rows - lengths)[:, None]).astype(xp.int32)
+
+    def write(self, layout, cache, outputs, lengths, rows_after):
+        return write(layout, cache, outputs, padded_rows=rows_after)
+
+    def rows_after(self, rows, step, capacity):
+        return capacity
+
+    def donated(self, cache_length, rows_after):
+        return cache_length == rows_after  # not on the first step, nor when a bucket grows
+
+    def grown(self, capacity: int, length: int, step: int) -> int:
+        """The capacity for a step of ``step`` tokens after ``length`` cached ones."""
+        return capacity
+
+
+class GrowBuckets(GrowPadded):
+    """A padded grow cache that grows 64 rows at a time as it fills (two decode shapes per 64
+    rows, fewer padding rows read)."""
+
+    def grown(self, capacity, length, step):
+        return bucket(length + step)
+
+
+def mode(name: str, padded: bool = False, buckets: bool = False) -> Mode:
+    """The cache mode object of a context's mode ``name``."""
+    if name == "in_place":
+        return InPlace()
+    if name == "append":
+        return Append()
+    if name != "grow":
+        raise ValueError(f"unknown cache mode {name!r}")
+    if not padded:
+        return GrowExact()
+    return GrowBuckets() if buckets else GrowPadded()
 
 
 class State:
     """The cache of a group of rows on the device, and the count of valid tokens of each row.
 
     Attributes:
-        rows: rows of the cache arrays now.
-        capacity: in grow on a padded cache, its rows after the first step; else None.
+        arrays: the cache arrays by input name.
+        lengths: [B] int32 valid cached tokens of each row.
+        rows: rows of the self-attention cache arrays now.
+        capacity: in grow on a padded cache, its rows after the next step; else None.
     """
 
-    def __init__(
-        self,
-        mode: str,
-        layout: CacheLayout,
-        batch: int,
-        rows: int,
-        cross: int,
-        padded: bool = False,
-    ):
+    def __init__(self, mode: Mode, layout: CacheLayout, batch: int, rows: int, cross: int):
         self.mode = mode
-        self.rows = rows if mode != "grow" else 0
-        self.capacity = rows if mode == "grow" and padded else None
+        grow = isinstance(mode, GrowExact)
+        self.rows = 0 if grow else rows
+        self.capacity = rows if mode.padded else None
         # In grow the cross-attention cache is made by the first step; elsewhere it is a buffer.
-        self.arrays = layout.empty(batch, self.rows, cross if mode != "grow" else 0)
-        self.lengths = np.zeros(batch, np.int32)  # valid cached tokens of each row
+        self.arrays = layout.empty(batch, self.rows, 0 if grow else cross)
+        self.lengths = np.zeros(batch, np.int32)
 
     def mask(self, step: int) -> np.ndarray:
         """The attention mask of the next step of ``step`` tokens."""
-        return mask(self.mode, self.lengths, step, self.rows, self.capacity is not None)
+        return self.mode.mask(self.lengths, step, self.rows)
 
     def advance(self, real: np.ndarray, step: int) -> None:
         """Counts the tokens a step cached: ``real`` [B] of each row, ``step`` in all."""
-        if self.mode == "grow":  # every row's cache holds the whole step
-            self.lengths = self.lengths + step
-            self.rows = self.capacity if self.capacity is not None else self.rows + step
-        else:  # padding tokens after a row's real ones are overwritten by its next step
-            self.lengths = self.lengths + real
-
-
-def branch(mode: str, cache_length: int) -> bool:
-    """The value of use_cache_branch: whether the cache holds tokens (grow) or is a buffer."""
-    return mode != "grow" or cache_length > 0
+        self.lengths = self.mode.advance(self.lengths, real, step).astype(np.int32)
+        self.rows = self.mode.rows_after(self.rows, step, self.capacity)
 
 
 def cache_length(cache: dict[str, Any], layout: CacheLayout) -> int:

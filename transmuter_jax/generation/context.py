@@ -11,38 +11,9 @@ from .. import hub
 from ..onnx.model import Model
 from ..onnx.trace import value_sources
 from .cache import CacheLayout, layout
-from .processors import check, from_options
+from .options import Options, merge
+from .processors import from_options
 
-# transformers 4.57 GenerationConfig defaults of the options generation reads.
-DEFAULTS: dict[str, Any] = {
-    "max_length": 20,
-    "max_new_tokens": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "do_sample": False,
-    "num_beams": 1,
-    "early_stopping": False,
-    "length_penalty": 1.0,
-    "num_return_sequences": 1,
-    "temperature": 1.0,
-    "top_k": 50,
-    "top_p": 1.0,
-    "min_tokens_to_keep": 1,
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "renormalize_logits": False,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-    "decoder_start_token_id": None,
-    "token_logprobs": False,
-}
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 MODES = ("in_place", "append", "grow")
 
 
@@ -53,8 +24,8 @@ class Context:
     Attributes:
         model: the decoder.
         mode: the cache mode, "in_place", "append" or "grow".
-        options: the generation options (transformers' names), file settings merged with the
-            caller's.
+        options: the generation options (transformers' names and defaults), file settings
+            merged with the caller's.
         config: config.json of the repository.
         given: inputs the caller passes to each step (such as encoder_hidden_states).
         embed: the model that turns token ids into embeddings, for a decoder of inputs_embeds.
@@ -67,7 +38,7 @@ class Context:
 
     model: Model
     mode: str
-    options: dict[str, Any]
+    options: Options
     config: dict[str, Any]
     given: tuple[str, ...]
     embed: Model | None
@@ -81,7 +52,7 @@ class Context:
     @property
     def eos(self) -> tuple[int, ...]:
         """The eos token ids (empty: none)."""
-        return self.options["eos_token_id"]
+        return self.options.eos_token_id
 
     @property
     def vocab_size(self) -> int | None:
@@ -91,35 +62,6 @@ class Context:
             return logits.shape[-1]
         text = self.config.get("text_config", self.config)
         return text.get("vocab_size") or self.config.get("vocab_size")
-
-
-def _eos_list(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def merged_options(repo_config: dict, file: dict, options: dict) -> dict[str, Any]:
-    """transformers' defaults, then generation_config.json, then ``options``.
-
-    As GenerationConfig.update: an option given as None replaces the file's value. Without a
-    generation_config.json, the token ids come from config.json (from_model_config).
-    """
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown generation options {unknown}; known: {sorted(DEFAULTS)}")
-    merged = dict(DEFAULTS)
-    if not file:
-        text = repo_config.get("text_config", {})
-        file = {k: repo_config.get(k, text.get(k)) for k in TOKEN_IDS}
-    merged.update({k: v for k, v in file.items() if k in DEFAULTS})
-    merged.update(options)
-    merged["eos_token_id"] = _eos_list(merged["eos_token_id"])
-    if not isinstance(merged["num_beams"], int) or merged["num_beams"] < 1:
-        raise ValueError(f"num_beams must be a positive integer, got {merged['num_beams']!r}")
-    return merged
 
 
 def cache_mode(model: Model) -> str:
@@ -158,10 +100,11 @@ def context(
         embed: for a decoder of inputs_embeds, the model of the token embeddings.
         image_token: the id of the image token whose embeddings image features replace.
         **options: generation options with transformers' names (max_new_tokens, do_sample,
-            eos_token_id, ...); they override generation_config.json.
+            eos_token_id, ...), they override generation_config.json; also token_logprobs and
+            decode_steps (new tokens per dispatch on the device; 1: one step at a time).
     """
     config = hub.read_json(repo, "config.json")
-    merged = merged_options(config, hub.read_json(repo, "generation_config.json"), options)
+    merged = merge(config, hub.read_json(repo, "generation_config.json"), options)
     names = {i.name for i in model.inputs}
     missing = [g for g in given if g not in names]
     if missing:
@@ -184,7 +127,7 @@ def context(
         cache=cache,
         processors=from_options(merged),
     )
-    check(merged, ctx.vocab_size)
+    merged.check_supported(ctx.vocab_size)
     return ctx
 
 

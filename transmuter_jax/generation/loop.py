@@ -1,4 +1,12 @@
-"""generate(): the host loop over steps, rows, groups, padding rows and on_token."""
+"""compile() and generate(): the host loop as verbs (prefill, decode, select) over the rows.
+
+``generate`` runs each group of rows that share a cache: ``prefill`` feeds the prompts in
+power-of-two steps on the host (rows that finish their prompt early take tokens meanwhile),
+then ``decode`` runs the rest in chunks on the device (:mod:`.decode`) or, where a chunk cannot
+run (beam search, a task's own processors, exact-length grow, ``decode_steps=1``), one step at a
+time on the host. A selection strategy (:class:`Sampler` or :class:`BeamSearch`) turns each
+host step's logits into the rows' tokens.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +22,30 @@ from ..onnx.dtypes import device_dtype
 from . import cache as cache_modes
 from .beam import BeamPrompt
 from .context import Context
+from .decode import NOT_RUN, Decoder, DecodeState
 from .processors import Rows, static_masks
 from .select import beam_selection, selection
 from .steps import Steps, chunk, pad_grow
 
+OnToken = Callable[[dict[str, np.ndarray]], None]
+
 
 @dataclasses.dataclass
 class Compiled:
-    """What compile() prepares: the steps (owning the compiled shapes) and the selection."""
+    """What compile() prepares: the cache mode, the steps (owning the compiled shapes), the
+    selection and the decode chunks."""
 
     steps: Steps
     select: Any
     reorder: Any
     grow_cache: str = ""  # in grow, what runs: "padded", "buckets" or "exact"
     unpadded: str = ""  # in grow, why the cache keeps exact lengths ("" when it is padded)
+    decoder: Decoder | None = None  # None: every step runs on the host
+
+    @property
+    def cache(self) -> cache_modes.Mode:
+        """The cache mode object."""
+        return self.steps.mode
 
     @property
     def shapes(self) -> int:
@@ -37,7 +55,7 @@ class Compiled:
     @property
     def padded(self) -> bool:
         """Whether grow steps run on a padded cache (a few shapes) rather than exact lengths."""
-        return self.steps.padding is not None
+        return self.steps.mode.padded
 
 
 GROW_CACHES = ("padded", "buckets", "exact")
@@ -62,27 +80,52 @@ def compile(  # noqa: A001
     Returns:
         A context that owns the cache of compiled shapes: call this in the serving process.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if grow_cache not in GROW_CACHES:
         raise ValueError(f"grow_cache must be one of {GROW_CACHES}, got {grow_cache!r}")
     ready = dataclasses.replace(ctx, batch_size=batch_size, jit_options=dict(jit_options))
-    masks = static_masks(ctx.options, ctx.vocab_size or 0)  # once, not every step
-    make = beam_selection if ctx.options["num_beams"] > 1 else selection
-    select = make(ready.options, tuple(ready.processors), masks, **jit_options)
+    options = ctx.options
+    masks = static_masks(options, ctx.vocab_size or 0)  # once, not every step
+    make = beam_selection if options.num_beams > 1 else selection
+    select = make(options, tuple(ready.processors), masks, **jit_options)
     reorder = cache_modes.reorder_function(ctx.cache, **jit_options)
     padding, reason, runs = None, "", ""
     if ctx.mode == "grow":
         padding, reason = pad_grow(ctx) if grow_cache != "exact" else (None, "grow_cache='exact'")
         runs = grow_cache if padding is not None else "exact"
-    ready.compiled = Compiled(Steps(ready, padding), select, reorder, runs, reason)
+    mode = cache_modes.mode(ctx.mode, padding is not None, runs == "buckets")
+    steps = Steps(ready, mode, padding)
+    ready.compiled = Compiled(steps, select, reorder, runs, reason)
+    ready.compiled.decoder = _decoder(ready, steps, select)
     return ready
+
+
+def _decoder(ctx: Context, steps: Steps, select) -> Decoder | None:
+    """The decode chunks, or None where decode runs step by step on the host."""
+    options = ctx.options
+    custom = any(not isinstance(p, str) for p in ctx.processors)
+    if options.decode_steps < 2 or options.num_beams > 1 or custom or not steps.mode.on_device:
+        return None
+    axes = _position_axes(ctx)
+    return Decoder(steps, select, options.eos_token_id, _pad(ctx), options.decode_steps,
+                   options.token_logprobs, axes)  # fmt: skip
+
+
+def on_device(ctx: Context) -> bool:
+    """Whether ``ctx`` decodes in chunks on the device (else one step at a time on the host)."""
+    if ctx.compiled is None:
+        raise ValueError("call generation.compile(ctx, batch_size) first")
+    decoder = ctx.compiled.decoder
+    custom = any(not isinstance(p, str) for p in ctx.processors)  # added after compile
+    return decoder is not None and not custom
 
 
 @dataclasses.dataclass
 class _Row:
     prompt: list[int]
     max_new: int
+    seed: int = 0
     positions: np.ndarray | None = None  # [axes, len(prompt)] given prompt positions
     delta: int = 0  # position of a token after the prompt: its index + delta
     features: int = 0  # index of the row's first image feature
@@ -96,11 +139,45 @@ def new_tokens(ctx: Context, prompt_length: int) -> int:
     """The most new tokens a prompt of ``prompt_length`` tokens gets: max_new_tokens, else
     max_length minus the prompt, else 256 when max_length is GenerationConfig's default."""
     options = ctx.options
-    if options["max_new_tokens"] is not None:
-        return int(options["max_new_tokens"])
-    if options["max_length"] is None or options["max_length"] == 20:
+    if options.max_new_tokens is not None:
+        return int(options.max_new_tokens)
+    if options.max_length is None or options.max_length == 20:
         return 256
-    return max(int(options["max_length"]) - prompt_length, 0)
+    return max(int(options.max_length) - prompt_length, 0)
+
+
+def generate(
+    ctx: Context,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    inputs: Mapping[str, Any] | None = None,
+    on_token: OnToken | None = None,
+) -> list[list[int]]:
+    """Generates tokens after each prompt.
+
+    Args:
+        ctx: from :func:`compile`.
+        prompts: token ids of each prompt; an empty prompt is a padding row that gives no tokens.
+        seeds: the sampling seed of each row (any integer: its low 32 bits are used).
+        inputs: the inputs the context names in ``given`` (one row per prompt); also
+            "image_features" [count, hidden] (the features of the image tokens of all rows, in
+            order) and "position_ids" (per prompt: positions per axis per token, or empty).
+        on_token: called after each step with "token" [rows] int32 (-1: no new token) and
+            "finished" [rows] bool (and "logprob" or, in beam search, "score"); in order, one
+            call per step, delivered as each decode chunk returns.
+
+    Returns:
+        The new tokens of each row, without the eos token; with the option token_logprobs,
+        (token, log-probability) pairs.
+    """
+    inputs = dict(inputs or {})
+    prompts = [list(p) for p in prompts]
+    _validate(ctx, prompts, seeds, inputs)
+    run = _Run.start(ctx, prompts, seeds, inputs, on_token)
+    for group in run.groups():
+        state = run.prefill(group)
+        run.decode(group, state)
+    return run.strategy.results(run)
 
 
 def _limit(ctx: Context) -> int | None:
@@ -120,6 +197,9 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
         )
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds has {len(seeds)} values for {len(prompts)} prompts")
+    for i, seed in enumerate(seeds):
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            raise ValueError(f"seed {i} must be an integer, got {seed!r}")
     vocab, limit = ctx.vocab_size, _limit(ctx)
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < (vocab or 2**31)]
@@ -146,12 +226,13 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
             )
 
 
-def _rows(ctx: Context, prompts, inputs) -> list[_Row]:
+def _rows(ctx: Context, prompts, seeds, inputs) -> list[_Row]:
     rows, features = [], 0
     positions = inputs.get("position_ids") or [None] * len(prompts)
-    for prompt, given in zip(prompts, positions, strict=True):
+    for prompt, seed, given in zip(prompts, seeds, positions, strict=True):
         prompt = [int(t) for t in prompt]
-        row = _Row(prompt, new_tokens(ctx, len(prompt)) if prompt else 0, features=features)
+        row = _Row(prompt, new_tokens(ctx, len(prompt)) if prompt else 0, int(seed))
+        row.features = features
         if given is not None and len(given):
             row.positions = np.asarray(given, np.int64).reshape(-1, len(prompt))
             row.delta = int(row.positions.max()) + 1 - len(prompt)
@@ -177,95 +258,297 @@ def _given(ctx: Context, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
     return padded
 
 
-def generate(
-    ctx: Context,
-    prompts: Sequence[Sequence[int]],
-    seeds: Sequence[int],
-    inputs: Mapping[str, Any] | None = None,
-    on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
-) -> list[list[int]]:
-    """Generates tokens after each prompt.
+@dataclasses.dataclass
+class _Step:
+    """The host arrays of one step: what each row feeds."""
 
-    Args:
-        ctx: from :func:`compile`.
-        prompts: token ids of each prompt; an empty prompt is a padding row that gives no tokens.
-        seeds: the sampling seed of each row.
-        inputs: the inputs the context names in ``given`` (one row per prompt); also
-            "image_features" [count, hidden] (the features of the image tokens of all rows, in
-            order) and "position_ids" (per prompt: positions per axis per token, or empty).
-        on_token: called after each step with "token" [rows] int32 (-1: no new token) and
-            "finished" [rows] bool.
+    tokens: np.ndarray  # [B, S] int32, padding after each row's real tokens
+    real: np.ndarray  # [B] real tokens of each row
+    remaining: np.ndarray  # [B] prompt tokens each row had left before the step
+    positions: np.ndarray  # [axes, B, S] position of each token
+    image_mask: np.ndarray  # [B, S] image tokens to replace with features
+    image_rows: np.ndarray  # [B, S] the feature row of each image token
 
-    Returns:
-        The new tokens of each row, without the eos token; with the option token_logprobs,
-        (token, log-probability) pairs.
-    """
-    inputs = dict(inputs or {})
-    prompts = [list(p) for p in prompts]
-    _validate(ctx, prompts, seeds, inputs)
-    features = inputs.get("image_features")
-    features = None if features is None else np.asarray(features)
-    if ctx.options["num_beams"] > 1:
-        return _beam_search(ctx, prompts, inputs, features, on_token)
-    rows = _rows(ctx, prompts, inputs)
-    given = _given(ctx, inputs)
-    seeds_array = np.zeros(ctx.batch_size, np.int32)
-    seeds_array[: len(seeds)] = np.asarray(seeds, np.int64).astype(np.uint32).view(np.int32)
-    n = len(prompts)
 
-    def choose(logits, views, states, remaining, step, members):
+@dataclasses.dataclass
+class _Run:
+    """One call of generate: the rows, their given inputs, the selection strategy."""
+
+    ctx: Context
+    rows: list[_Row]
+    given: dict[str, jax.Array]
+    features: np.ndarray | None
+    strategy: Sampler | BeamSearch
+    on_token: OnToken | None
+    n: int  # the caller's rows (the others pad the batch)
+    members: np.ndarray = None  # [B] bool rows of the group that runs now
+
+    @classmethod
+    def start(cls, ctx, prompts, seeds, inputs, on_token) -> _Run:
+        features = inputs.get("image_features")
+        features = None if features is None else np.asarray(features)
+        rows = _rows(ctx, prompts, seeds, inputs)
+        given = _given(ctx, inputs)
+        if ctx.options.num_beams > 1:
+            strategy = BeamSearch(ctx, rows, len(prompts))
+            rows = strategy.rows
+            given = {name: jnp.repeat(v, strategy.k, axis=0) for name, v in given.items()}
+        else:
+            strategy = Sampler()
+        return cls(ctx, rows, given, features, strategy, on_token, len(prompts))
+
+    def groups(self) -> list[list[int]]:
+        """The rows that share a cache: all of them, or in grow those with prompts of one
+        length."""
+        rows = self.rows
+        active = [i for i, row in enumerate(rows) if not row.done]
+        if self.ctx.compiled.cache.shared:
+            return [active] if active else []
+        lengths = sorted({len(rows[i].prompt) for i in active})
+        return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
+
+    def live(self) -> bool:
+        return any(not self.rows[i].done for i in np.flatnonzero(self.members))
+
+    def remaining(self) -> np.ndarray:
+        return np.array(
+            [
+                len(r.prompt) - r.fed if self.members[i] and not r.done else 0
+                for i, r in enumerate(self.rows)
+            ]
+        )
+
+    # -- the verbs --------------------------------------------------------------------------
+
+    def prefill(self, group: list[int]) -> cache_modes.State:
+        """A new cache for ``group``, fed every prompt of the group in power-of-two steps."""
+        ctx, rows = self.ctx, self.rows
+        self.members = np.zeros(len(rows), bool)
+        self.members[group] = True
+        longest = max(len(rows[i].prompt) + rows[i].max_new for i in group)
+        first = chunk(max(len(rows[i].prompt) for i in group))
+        states = self.given.get("encoder_hidden_states")
+        encoder = 0 if states is None else int(states.shape[1])
+        mode = ctx.compiled.cache
+        state = cache_modes.State(
+            mode, ctx.cache, len(rows), mode.capacity(longest, first), encoder
+        )
+        self.width = cache_modes.bucket(longest)
+        while self.live() and self.remaining().max() > 0:
+            self.step(state)
+        return state
+
+    def decode(self, group: list[int], state: cache_modes.State) -> None:
+        """Runs the group's rows until each is done: in chunks on the device where it can."""
+        decoder = self.ctx.compiled.decoder if on_device(self.ctx) else None
+        mode = self.ctx.compiled.cache
+        while self.live():
+            room = decoder.size if decoder is not None else 0
+            if decoder is not None and mode.padded:  # a bucket holds this many more tokens
+                room = min(room, state.capacity - int(state.lengths.max()))
+            if room < 2:
+                self.step(state)
+            else:
+                self.chunk(decoder, state, room)
+
+    def step(self, state: cache_modes.State) -> None:
+        """One step on the host: the next part of each prompt, or each row's last new token."""
+        ctx = self.ctx
+        mode = ctx.compiled.cache
+        step = self.plan(state.lengths)
+        size = step.tokens.shape[1]
+        if mode.padded:  # room for this step's tokens (buckets grow 64 rows at a time)
+            state.capacity = mode.grown(state.capacity, int(state.lengths.max()), size)
+        feed = _feed(ctx, step.tokens, step.positions, state, self.given, _position_axes(ctx))
+        if step.image_mask.any() and self.features is not None:
+            feed["image_mask"] = step.image_mask
+            feed["image_features"] = self.features[step.image_rows]
+        last = np.maximum(step.real - 1, 0).astype(np.int32)  # each row's last real token
+        logits, state.arrays = ctx.compiled.steps(
+            state.arrays, feed, state.lengths, last, state.capacity
+        )
+        order = self.strategy.select(self, logits, step)
+        logits.delete()
+        if order is not None:
+            state.arrays = ctx.compiled.reorder(state.arrays, np.asarray(order, np.int32))
+        state.advance(step.real, size)
+
+    def chunk(self, decoder: Decoder, state: cache_modes.State, room: int) -> None:
+        """Up to ``room`` decode steps on the device; then the host takes their tokens."""
+        rows, members = self.rows, self.members
+        live = np.array([members[i] and not r.done for i, r in enumerate(rows)])
+        history = _history(rows, self.width)
+        device = DecodeState(
+            token=np.array([r.generated[-1] if r.generated else 0 for r in rows], np.int32),
+            lengths=state.lengths.astype(np.int32),
+            history=history,
+            prompt=np.array([len(r.prompt) for r in rows], np.int32),
+            count=np.array([len(r.generated) for r in rows], np.int32),
+            max_new=np.array([r.max_new for r in rows], np.int32),
+            delta=np.array([r.delta for r in rows], np.int32),
+            seeds=_seeds(rows),
+            done=~live,
+            cache=state.arrays,
+        )
+        state.arrays = None  # donated
+        result, out = decoder(device, self.given, room, state.capacity)
+        state.arrays = result.cache
+        eos = self.ctx.eos
+        for i in range(out.shape[0]):
+            if out[i, 0, 0] == NOT_RUN:
+                break
+            token = out[i, :, 0]
+            logprob = out[i, :, 2].view(np.float32) if out.shape[2] > 2 else None
+            for b in np.flatnonzero(token >= 0):
+                row = rows[b]
+                t = int(token[b])
+                if t not in eos:
+                    row.generated.append(t)
+                    if logprob is not None:
+                        row.logprobs.append(float(logprob[b]))
+                row.done = bool(out[i, b, 1])
+            self.emit(token, logprob)
+            state.advance((token >= 0).astype(np.int32), 1)
+
+    def emit(self, token: np.ndarray, logprob: np.ndarray | None, **more: np.ndarray) -> None:
+        """Calls on_token with one step's event of the caller's rows."""
+        if self.on_token is None:
+            return
+        n = self.n
+        event = {"token": token[:n], "finished": np.array([r.done for r in self.rows[:n]])}
+        if logprob is not None:
+            event["logprob"] = np.where(token[:n] >= 0, logprob[:n], np.nan)
+        self.on_token(event | more)
+
+    # -- the host step's arrays -------------------------------------------------------------
+
+    def plan(self, start: np.ndarray) -> _Step:
+        """What each row of the group feeds next, after ``start`` [B] cached tokens."""
+        ctx, rows, members = self.ctx, self.rows, self.members
+        remaining = self.remaining()
+        batch, axes = len(rows), _position_axes(ctx)
+        size = chunk(int(remaining.max())) if remaining.max() > 0 else 1
+        step = _Step(
+            tokens=np.full((batch, size), _pad(ctx), np.int32),
+            real=np.zeros(batch, np.int32),
+            remaining=remaining,
+            positions=np.broadcast_to(
+                np.arange(size) + start[:, None].astype(np.int64), (axes or 1, batch, size)
+            ).copy(),
+            image_mask=np.zeros((batch, size), bool),
+            image_rows=np.zeros((batch, size), np.int64),
+        )
+        for i, row in enumerate(rows):
+            if not members[i] or row.done:
+                continue
+            if remaining[i] > 0:  # the next part of the prompt
+                n = min(size, int(remaining[i]))
+                part = row.prompt[row.fed : row.fed + n]
+                step.tokens[i, :n] = part
+                if row.positions is not None:
+                    step.positions[:, i, :n] = row.positions[:, row.fed : row.fed + n]
+                if ctx.image_token is not None:
+                    hits = np.flatnonzero(np.asarray(part) == ctx.image_token)
+                    used = row.prompt[: row.fed].count(ctx.image_token)
+                    step.image_mask[i, hits] = True
+                    step.image_rows[i, hits] = row.features + used + np.arange(len(hits))
+            else:  # the last new token
+                n = 1
+                step.tokens[i, 0] = row.generated[-1]
+                step.positions[:, i] += row.delta
+            step.real[i] = n
+        return step
+
+    def views(self) -> Rows:
+        """What the processors read of each row."""
+        rows = self.rows
+        return Rows(
+            _history(rows, self.width),
+            np.array([len(r.prompt) for r in rows], np.int32),
+            np.array([len(r.prompt) + len(r.generated) for r in rows], np.int32),
+            np.array([len(r.prompt) + r.max_new for r in rows], np.int32),
+        )
+
+    def states(self) -> tuple[np.ndarray, ...]:
+        """The [B, ...] state of each of the task's own processors."""
+        custom = [p for p in self.ctx.processors if not isinstance(p, str)]
+        return tuple(_states(p, self.rows, self.ctx.vocab_size) for p in custom)
+
+
+class Sampler:
+    """Greedy or sampled selection: one token per row per step."""
+
+    def select(self, run: _Run, logits, step: _Step) -> None:
+        """Gives each row that finished its prompt, or is generating, its selected token."""
+        ctx, rows = run.ctx, run.rows
         counts = np.array([len(r.generated) for r in rows], np.int32)
-        out = np.asarray(ctx.compiled.select(logits, seeds_array, counts, views, states))
+        out = np.asarray(
+            ctx.compiled.select(logits, _seeds(rows), counts, run.views(), run.states())
+        )
         chosen, logprob = (out[:, 0], out[:, 1].view(np.float32)) if out.ndim == 2 else (out, None)
-        token = np.full(n, -1, np.int32)
-        _take(ctx, rows, members, remaining, step, chosen, logprob, token)
-        if on_token is not None:
-            event = {"token": token, "finished": np.array([r.done for r in rows[:n]])}
-            if logprob is not None:
-                event["logprob"] = np.where(token >= 0, logprob[:n], np.nan)
-            on_token(event)
+        token = np.full(len(rows), -1, np.int32)
+        for i, row in enumerate(rows):
+            if not run.members[i] or row.done:
+                continue
+            if step.remaining[i] > 0:
+                row.fed += int(step.real[i])
+                if row.fed < len(row.prompt):
+                    continue
+            t = token[i] = int(chosen[i])
+            if t in ctx.eos:
+                row.done = True
+            else:
+                row.generated.append(t)
+                if logprob is not None:
+                    row.logprobs.append(float(logprob[i]))
+                row.done = len(row.generated) >= row.max_new
+        run.emit(token, logprob)
         return None
 
-    for group in _groups(ctx, rows):
-        _run_group(ctx, rows, group, given, features, choose)
-    if ctx.options["token_logprobs"]:
-        return [list(zip(r.generated, r.logprobs, strict=False)) for r in rows[:n]]
-    return [row.generated for row in rows[:n]]
+    def results(self, run: _Run) -> list:
+        rows = run.rows[: run.n]
+        if run.ctx.options.token_logprobs:
+            return [list(zip(r.generated, r.logprobs, strict=False)) for r in rows]
+        return [row.generated for row in rows]
 
 
-def _beam_search(ctx, prompts, inputs, features, on_token):
-    """Beam search: the beams of prompt p are rows p*k ... p*k + k - 1."""
-    k = int(ctx.options["num_beams"])
-    base = _rows(ctx, prompts, inputs)
-    rows = [dataclasses.replace(r, generated=[], logprobs=[]) for r in base for _ in range(k)]
-    given = {name: jnp.repeat(v, k, axis=0) for name, v in _given(ctx, inputs).items()}
-    options = ctx.options
-    beams = {
-        p: BeamPrompt(
-            len(r.prompt),
-            len(r.prompt) + r.max_new,
-            k,
-            float(options["length_penalty"]),
-            options["early_stopping"],
-            ctx.eos,
-        )
-        for p, r in enumerate(base[: len(prompts)])
-        if not r.done
-    }
-    n = len(prompts)
+class BeamSearch:
+    """Beam search: the beams of prompt p are rows p*k ... p*k + k - 1; host bookkeeping in
+    :class:`BeamPrompt`, candidates from the compiled beam selection."""
 
-    def choose(logits, views, states, remaining, step, members):
+    def __init__(self, ctx: Context, base: list[_Row], n: int):
+        options = ctx.options
+        self.k = k = int(options.num_beams)
+        self.rows = [
+            dataclasses.replace(r, generated=[], logprobs=[]) for r in base for _ in range(k)
+        ]
+        self.beams = {
+            p: BeamPrompt(
+                len(r.prompt),
+                len(r.prompt) + r.max_new,
+                k,
+                float(options.length_penalty),
+                options.early_stopping,
+                ctx.eos,
+            )
+            for p, r in enumerate(base[:n])
+            if not r.done
+        }
+
+    def select(self, run: _Run, logits, step: _Step) -> np.ndarray | None:
+        """Extends each prompt's beams; returns the new order of the cache rows, or None."""
+        rows, beams, k, n = run.rows, self.beams, self.k, run.n
         running = np.zeros(len(rows), np.float32)
         for p, beam in beams.items():
             running[p * k : (p + 1) * k] = beam.scores
-        out = np.asarray(ctx.compiled.select(logits, running, views, states))
+        out = np.asarray(run.ctx.compiled.select(logits, running, run.views(), run.states()))
         order = np.arange(len(rows))
         token = np.full(n, -1, np.int32)
         for p, beam in beams.items():
             first = p * k
-            if not members[first] or beam.done:
+            if not run.members[first] or beam.done:
                 continue
-            if remaining[first] > 0:
+            if step.remaining[first] > 0:
                 for i in range(first, first + k):
                     rows[i].fed += int(step.real[i])
                 if rows[first].fed < len(rows[first].prompt):
@@ -279,101 +562,40 @@ def _beam_search(ctx, prompts, inputs, features, on_token):
                 rows[first + i].generated = list(beam.tokens[i])
                 rows[first + i].done = beam.done
             token[p] = beam.tokens[0][-1]
-        if on_token is not None:
+        if run.on_token is not None:
             done = np.array([p not in beams or beams[p].done for p in range(n)])
             best = [beams[p].hypotheses[0] if p in beams else None for p in range(n)]
             score = np.array([h.score if h and h.finished else np.nan for h in best], np.float32)
-            on_token({"token": token, "finished": done, "score": score})
+            run.on_token({"token": token, "finished": done, "score": score})
         return order if (order != np.arange(len(rows))).any() else None
 
-    for group in _groups(ctx, rows):
-        _run_group(ctx, rows, group, given, features, choose)
-    results = []
-    for p in range(n):
-        if p not in beams:
-            results.append([])
-            continue
-        tokens, logprobs, _ = beams[p].result()
-        if options["token_logprobs"]:
-            results.append(list(zip(tokens, logprobs, strict=False)))
-        else:
-            results.append(tokens)
-    return results
-
-
-def _groups(ctx: Context, rows: list[_Row]) -> list[list[int]]:
-    """The rows that share a cache: all of them, or in grow those with prompts of one length."""
-    active = [i for i, row in enumerate(rows) if not row.done]
-    if cache_modes.shared_by_all_rows(ctx.mode):
-        return [active] if active else []
-    lengths = sorted({len(rows[i].prompt) for i in active})
-    return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
-
-
-@dataclasses.dataclass
-class _Step:
-    """The host arrays of one step: what each row feeds."""
-
-    tokens: np.ndarray  # [B, S] int32, padding after each row's real tokens
-    real: np.ndarray  # [B] real tokens of each row
-    positions: np.ndarray  # [axes, B, S] position of each token
-    image_mask: np.ndarray  # [B, S] image tokens to replace with features
-    image_rows: np.ndarray  # [B, S] the feature row of each image token
-
-
-def _plan(ctx, rows, members, remaining, start, pad, axes) -> _Step:
-    batch = len(rows)
-    size = chunk(int(remaining.max())) if remaining.max() > 0 else 1
-    step = _Step(
-        tokens=np.full((batch, size), pad, np.int32),
-        real=np.zeros(batch, np.int32),
-        positions=np.broadcast_to(
-            np.arange(size) + start[:, None].astype(np.int64), (axes or 1, batch, size)
-        ).copy(),
-        image_mask=np.zeros((batch, size), bool),
-        image_rows=np.zeros((batch, size), np.int64),
-    )
-    for i, row in enumerate(rows):
-        if not members[i] or row.done:
-            continue
-        if remaining[i] > 0:  # the next part of the prompt
-            n = min(size, int(remaining[i]))
-            part = row.prompt[row.fed : row.fed + n]
-            step.tokens[i, :n] = part
-            if row.positions is not None:
-                step.positions[:, i, :n] = row.positions[:, row.fed : row.fed + n]
-            if ctx.image_token is not None:
-                hits = np.flatnonzero(np.asarray(part) == ctx.image_token)
-                used = row.prompt[: row.fed].count(ctx.image_token)
-                step.image_mask[i, hits] = True
-                step.image_rows[i, hits] = row.features + used + np.arange(len(hits))
-        else:  # the last new token
-            n = 1
-            step.tokens[i, 0] = row.generated[-1]
-            step.positions[:, i] += row.delta
-        step.real[i] = n
-    return step
-
-
-def _take(ctx, rows, members, remaining, step: _Step, chosen, logprob, token):
-    """Gives each row that finished its prompt, or is generating, its selected token."""
-    for i, row in enumerate(rows):
-        if not members[i] or row.done:
-            continue
-        if remaining[i] > 0:
-            row.fed += int(step.real[i])
-            if row.fed < len(row.prompt):
+    def results(self, run: _Run) -> list:
+        results = []
+        for p in range(run.n):
+            if p not in self.beams:
+                results.append([])
                 continue
-        t = int(chosen[i])
-        if i < len(token):
-            token[i] = t
-        if t in ctx.eos:
-            row.done = True
-        else:
-            row.generated.append(t)
-            if logprob is not None:
-                row.logprobs.append(float(logprob[i]))
-            row.done = len(row.generated) >= row.max_new
+            tokens, logprobs, _ = self.beams[p].result()
+            if run.ctx.options.token_logprobs:
+                results.append(list(zip(tokens, logprobs, strict=False)))
+            else:
+                results.append(tokens)
+        return results
+
+
+def _seeds(rows: list[_Row]) -> np.ndarray:
+    """[B] int32 the low 32 bits of each row's seed."""
+    return np.array([r.seed & 0xFFFFFFFF for r in rows], np.uint32).view(np.int32)
+
+
+def _pad(ctx: Context) -> int:
+    """The token of padding positions: pad_token_id when it is in the vocabulary, else the first
+    eos token, else 0 (its value never reaches a real token's result)."""
+    vocab = ctx.vocab_size or 2**31
+    for token in (ctx.options.pad_token_id, *ctx.eos, 0):
+        if token is not None and 0 <= token < vocab:
+            return int(token)
+    return 0
 
 
 def _history(rows: list[_Row], width: int) -> np.ndarray:
@@ -383,57 +605,6 @@ def _history(rows: list[_Row], width: int) -> np.ndarray:
         tokens = row.prompt + row.generated
         history[i, : len(tokens)] = tokens
     return history
-
-
-def _run_group(ctx, rows, group, given, features, choose) -> None:
-    """Runs the rows ``group`` (the others are padding rows) until each is done.
-
-    ``choose(logits, views, states, remaining, step, members)`` takes each step's last-token
-    logits, gives rows their tokens, and returns the new order of the cache rows (beam search)
-    or None.
-    """
-    batch = len(rows)
-    members = np.zeros(batch, bool)
-    members[group] = True
-    pad = ctx.options["pad_token_id"]
-    pad = pad if pad is not None else (ctx.eos[0] if ctx.eos else 0)
-    longest = max(len(rows[i].prompt) + rows[i].max_new for i in group)
-    first = chunk(max(len(rows[i].prompt) for i in group))
-    states = given.get("encoder_hidden_states")
-    encoder = 0 if states is None else int(states.shape[1])
-    padded = ctx.compiled.padded
-    capacity = cache_modes.capacity(ctx.mode, longest, first, padded)
-    state = cache_modes.State(ctx.mode, ctx.cache, batch, capacity, encoder, padded)
-    buckets = padded and ctx.compiled.grow_cache == "buckets"
-    axes = _position_axes(ctx)
-    width = -(-longest // 64) * 64
-    prompt = jnp.asarray([len(r.prompt) for r in rows], jnp.int32)
-    max_length = jnp.asarray([len(r.prompt) + r.max_new for r in rows], jnp.int32)
-    custom = [p for p in ctx.processors if not isinstance(p, str)]
-    while any(not rows[i].done for i in group):
-        remaining = np.array(
-            [len(r.prompt) - r.fed if members[i] and not r.done else 0 for i, r in enumerate(rows)]
-        )
-        start = state.lengths
-        step = _plan(ctx, rows, members, remaining, start, pad, axes)
-        if buckets:  # room for this step's tokens, in 64-row buckets
-            state.capacity = cache_modes.bucket(int(start.max()) + step.tokens.shape[1])
-        feed = _feed(ctx, step.tokens, step.positions, state, given, axes)
-        if step.image_mask.any() and features is not None:
-            feed["image_mask"] = step.image_mask
-            feed["image_features"] = features[step.image_rows]
-        last = np.maximum(step.real - 1, 0)  # each row's last real token
-        logits, state.arrays = ctx.compiled.steps(
-            state.arrays, feed, start, last.astype(np.int32), state.capacity
-        )
-        lengths = [len(r.prompt) + len(r.generated) for r in rows]
-        views = Rows(_history(rows, width), prompt, np.asarray(lengths, np.int32), max_length)
-        states = tuple(_states(p, rows, ctx.vocab_size) for p in custom)
-        order = choose(logits, views, states, remaining, step, members)
-        logits.delete()
-        if order is not None:
-            state.arrays = ctx.compiled.reorder(state.arrays, np.asarray(order, np.int32))
-        state.advance(step.real, step.tokens.shape[1])
 
 
 def _states(processor, rows, vocab) -> np.ndarray:

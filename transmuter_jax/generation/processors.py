@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .options import Options
+
 LOWEST = float(np.finfo(np.float32).min)
 
 # transformers' order, before the task's processors.
@@ -53,68 +55,32 @@ class Rows:
     max_length: jax.Array
 
 
-def from_options(options: Mapping[str, Any]) -> list[Any]:
+def from_options(options: Options) -> list[Any]:
     """The built-in processors that ``options`` switch on, in transformers' order."""
-    eos = options["eos_token_id"]
+    eos = options.eos_token_id
     on = {
-        "repetition_penalty": options.get("repetition_penalty") not in (None, 1.0),
-        "no_repeat_ngram_size": (options.get("no_repeat_ngram_size") or 0) > 0,
-        "bad_words": options.get("bad_words_ids") is not None,
+        "repetition_penalty": options.repetition_penalty not in (None, 1.0),
+        "no_repeat_ngram_size": (options.no_repeat_ngram_size or 0) > 0,
+        "bad_words": options.bad_words_ids is not None,
         "min_length": bool(eos)
-        and ((options.get("min_length") or 0) > 0 or (options.get("min_new_tokens") or 0) > 0),
-        "forced_bos_token_id": options.get("forced_bos_token_id") is not None,
-        "forced_eos_token_id": options.get("forced_eos_token_id") is not None,
-        "suppress_tokens": options.get("suppress_tokens") is not None,
-        "begin_suppress_tokens": options.get("begin_suppress_tokens") is not None,
+        and ((options.min_length or 0) > 0 or (options.min_new_tokens or 0) > 0),
+        "forced_bos_token_id": options.forced_bos_token_id is not None,
+        "forced_eos_token_id": options.forced_eos_token_id is not None,
+        "suppress_tokens": options.suppress_tokens is not None,
+        "begin_suppress_tokens": options.begin_suppress_tokens is not None,
     }
     return [name for name in ORDER if on[name]]
 
 
-def check(options: Mapping[str, Any], vocab: int | None) -> None:
-    """Raises ValueError for options no processor (or beam search) can apply."""
-    beams = options.get("num_beams", 1)
-    if vocab is not None and beams > vocab:
-        raise ValueError(f"num_beams {beams} is more than the vocabulary of {vocab} tokens")
-    if (options.get("num_return_sequences") or 1) > beams:
-        raise ValueError(
-            f"num_return_sequences {options['num_return_sequences']} is more than num_beams {beams}"
-        )
-    if (options.get("num_return_sequences") or 1) > 1:
-        raise ValueError("num_return_sequences above 1 is not supported: one result per prompt")
-    if beams > 1 and options.get("do_sample"):
-        raise ValueError(
-            "beam search with sampling (do_sample with num_beams > 1) is not supported"
-        )
-    if options.get("do_sample"):
-        temperature = options.get("temperature")
-        if temperature is not None and not temperature > 0:
-            raise ValueError(f"temperature must be positive when sampling, got {temperature}")
-        top_p = options.get("top_p")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        top_k = options.get("top_k")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
-            raise ValueError(f"top_k must be a non-negative integer, got {top_k!r}")
-    for words in options.get("bad_words_ids") or ():
-        if len(words) != 1:
-            raise ValueError(f"bad_words_ids of more than one token are not supported: {words}")
-        if vocab is not None and not 0 <= words[0] < vocab:
-            raise ValueError(f"bad_words_ids entry {words} is outside the vocabulary of {vocab}")
-    for key in ("suppress_tokens", "begin_suppress_tokens"):
-        for token in options.get(key) or ():
-            if vocab is not None and not 0 <= token < vocab:
-                raise ValueError(f"{key} entry {token} is outside the vocabulary of {vocab}")
-
-
-def static_masks(options: Mapping[str, Any], vocab: int) -> dict[str, np.ndarray]:
+def static_masks(options: Options, vocab: int) -> dict[str, np.ndarray]:
     """The two masks that do not change between steps: one-token bad words and suppress_tokens."""
-    eos = set(options["eos_token_id"])
+    eos = set(options.eos_token_id)
     bad = np.zeros(vocab, bool)
-    for words in options.get("bad_words_ids") or ():
+    for words in options.bad_words_ids or ():
         if words[0] not in eos:  # transformers never bans an eos token as a bad word
             bad[words[0]] = True
     suppress = np.zeros(vocab, bool)
-    suppress[list(options.get("suppress_tokens") or [])] = True
+    suppress[list(options.suppress_tokens or [])] = True
     return {"bad_words": bad, "suppress_tokens": suppress}
 
 
@@ -159,39 +125,38 @@ def apply_builtin(
     name: str,
     scores: jax.Array,
     rows: Rows,
-    options: Mapping[str, Any],
+    options: Options,
     masks: Mapping[str, jax.Array],
 ) -> jax.Array:
     """One built-in processor on scores [B, V]."""
     vocab = scores.shape[-1]
-    eos = list(options["eos_token_id"])
+    eos = list(options.eos_token_id)
     if name == "repetition_penalty":
-        penalty = float(options["repetition_penalty"])
+        penalty = float(options.repetition_penalty)
         penalized = jnp.where(scores < 0, scores * penalty, scores / penalty)
         return jnp.where(_seen(rows.history, vocab), penalized, scores)
     if name == "no_repeat_ngram_size":
-        return _no_repeat(scores, rows, int(options["no_repeat_ngram_size"]))
+        return _no_repeat(scores, rows, int(options.no_repeat_ngram_size))
     if name in ("bad_words", "suppress_tokens"):
         return _remove(scores, masks[name][None, :])
     if name == "min_length":
-        if (options.get("min_new_tokens") or 0) > 0:
-            short = rows.length - rows.prompt < int(options["min_new_tokens"])
+        if (options.min_new_tokens or 0) > 0:
+            short = rows.length - rows.prompt < int(options.min_new_tokens)
         else:
-            short = rows.length < int(options["min_length"])
+            short = rows.length < int(options.min_length)
         is_eos = jnp.zeros(vocab, bool).at[jnp.asarray(eos)].set(True)
         return jnp.where(short[:, None] & is_eos[None, :], LOWEST, scores)
     if name == "forced_bos_token_id":
-        return _only(scores, [int(options["forced_bos_token_id"])], rows.length == 1)
+        return _only(scores, [int(options.forced_bos_token_id)], rows.length == 1)
     if name == "forced_eos_token_id":
-        forced = options["forced_eos_token_id"]
-        forced = [forced] if isinstance(forced, int) else list(forced)
+        forced = list(options.forced_eos_token_id)
         return _only(scores, forced, rows.length == rows.max_length - 1)
     if name == "begin_suppress_tokens":
         begin = rows.prompt
-        if options.get("forced_bos_token_id") is not None:
+        if options.forced_bos_token_id is not None:
             begin = jnp.where(rows.prompt > 1, begin, begin + 1)
         tokens = (
-            jnp.zeros(vocab, bool).at[jnp.asarray(list(options["begin_suppress_tokens"]))].set(True)
+            jnp.zeros(vocab, bool).at[jnp.asarray(list(options.begin_suppress_tokens))].set(True)
         )
         return jnp.where((rows.length == begin)[:, None] & tokens[None, :], LOWEST, scores)
     raise ValueError(f"unknown processor {name!r}")
@@ -202,7 +167,7 @@ def process(
     rows: Rows,
     processors: Sequence[Any],
     states: Sequence[jax.Array],
-    options: Mapping[str, Any],
+    options: Options,
     masks: Mapping[str, jax.Array],
 ) -> jax.Array:
     """Applies ``processors`` in order; ``states`` holds the [B, ...] state of each custom one."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .options import Options
 from .processors import LOWEST, Rows, process
 
 QUIET_NAN = 0x7FC00000
@@ -57,18 +58,18 @@ def _top_p(scores: jax.Array, p: float, keep: int) -> jax.Array:
     return jnp.where(removed, LOWEST, scores)
 
 
-def warp(scores: jax.Array, options: Mapping[str, Any]) -> jax.Array:
+def warp(scores: jax.Array, options: Options) -> jax.Array:
     """Temperature, top-k and top-p, as transformers applies them when sampling."""
-    keep = int(options.get("min_tokens_to_keep") or 1)
-    if options.get("num_beams", 1) > 1:  # transformers keeps a non-eos token for each beam
-        keep = len(options["eos_token_id"]) + 1 if options["eos_token_id"] else 2
-    temperature = options.get("temperature")
+    keep = int(options.min_tokens_to_keep or 1)
+    if options.num_beams > 1:  # transformers keeps a non-eos token for each beam
+        keep = len(options.eos_token_id) + 1 if options.eos_token_id else 2
+    temperature = options.temperature
     if temperature is not None and temperature != 1.0:
         scores = jnp.maximum(scores / float(temperature), LOWEST)
-    if options.get("top_k"):
-        scores = _top_k(scores, int(options["top_k"]), keep)
-    if options.get("top_p") is not None and options["top_p"] < 1.0:
-        scores = _top_p(scores, float(options["top_p"]), keep)
+    if options.top_k:
+        scores = _top_k(scores, int(options.top_k), keep)
+    if options.top_p is not None and options.top_p < 1.0:
+        scores = _top_p(scores, float(options.top_p), keep)
     return scores
 
 
@@ -77,21 +78,21 @@ def processed(
     rows: Rows,
     processors: Sequence[Any],
     states: Sequence[jax.Array],
-    options: Mapping[str, Any],
+    options: Options,
     masks: Mapping[str, jax.Array],
 ) -> jax.Array:
     """The scores a step selects from: processors, then the sampling warpers, then
     renormalize_logits (transformers' LogitNormalization is always last)."""
     scores = process(logits.astype(jnp.float32), rows, processors, states, options, masks)
-    if options.get("do_sample"):
+    if options.do_sample:
         scores = warp(scores, options)
-    if options.get("renormalize_logits"):
+    if options.renormalize_logits:
         scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
     return scores
 
 
 def selection(
-    options: Mapping[str, Any],
+    options: Options,
     processors: Sequence[Any],
     masks: Mapping[str, np.ndarray],
     **jit_options: Any,
@@ -101,8 +102,8 @@ def selection(
     The result is [B] token ids, or [B, 2] (token id, bits of its log-probability) with the
     option token_logprobs.
     """
-    sample = bool(options.get("do_sample"))
-    logprobs = bool(options.get("token_logprobs"))
+    sample = bool(options.do_sample)
+    logprobs = bool(options.token_logprobs)
     device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
 
     def select(logits, seeds, steps, rows: Rows, states):
@@ -127,7 +128,7 @@ def selection(
 
 
 def beam_selection(
-    options: Mapping[str, Any],
+    options: Options,
     processors: Sequence[Any],
     masks: Mapping[str, np.ndarray],
     **jit_options: Any,
@@ -138,8 +139,8 @@ def beam_selection(
     processors, plus the beam's score: (token, source beam, bits of the accumulated score, bits of
     the token's log-probability of the processed scores).
     """
-    beams = int(options["num_beams"])
-    keep = max(2, 1 + len(options["eos_token_id"])) * beams
+    beams = int(options.num_beams)
+    keep = max(2, 1 + len(options.eos_token_id)) * beams
     device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
 
     def select(logits, running, rows: Rows, states):

@@ -95,10 +95,12 @@ class Steps:
     on a padded cache, the cache's rows after the step.
 
     Attributes:
-        padding: the decoder rewritten for a padded grow cache, or None (exact lengths).
+        mode: the cache mode.
+        padding: the decoder rewritten for a padded grow cache, or None.
     """
 
     ctx: Context
+    mode: cache_modes.Mode
     padding: PaddedPast | None = None
     functions: dict[tuple, Any] = dataclasses.field(default_factory=dict)
     shapes: set[tuple] = dataclasses.field(default_factory=set)
@@ -119,32 +121,18 @@ class Steps:
         """
         ctx = self.ctx
         length = cache_modes.cache_length(cache, ctx.cache)
-        branch = cache_modes.branch(ctx.mode, length)
-        tokens = feed["tokens"]
+        branch = self.mode.branch(length)
         padded = self.padding is not None and rows is not None
-        key = (tokens.shape[1], length, branch) + ((rows,) if padded else ())
-        self.shapes.add(key)
-        # A padded cache is updated in place when it keeps its rows (not on the first step, nor
-        # when a bucket grows).
-        donate = cache_modes.donated(ctx.mode, padded and length == rows)
-        at = (branch, rows if padded else None, donate)
+        rows = rows if padded else None
+        self.shapes.add((feed["tokens"].shape[1], length, branch) + ((rows,) if padded else ()))
+        donate = self.mode.donated(length, rows)
+        at = (branch, rows, donate)
         fn = self.functions.get(at)
         if fn is None:
-            padding = self.padding if padded else None
-            step = _step_function(ctx, branch, padding, rows if padded else None)
-            key = (
-                "step",
-                (padding.model if padding is not None else ctx.model).fingerprint,
-                ctx.embed.fingerprint if ctx.embed is not None else None,
-                ctx.mode,
-                ctx.cache,
-                branch,
-                rows if padded else None,
-                padding.input if padding is not None else None,
-            )
-            donated = (2,) if donate else ()
+            step = self.function(branch, rows)
             options = jit_options(ctx.jit_options)
-            fn = StoredJit(step, key, donate_argnums=donated, **options)
+            donated = (2,) if donate else ()
+            fn = StoredJit(step, self.key("step", branch, rows), donate_argnums=donated, **options)
             self.functions[at] = fn
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         # What varies between calls of one compiled function: the step's inputs, the cache's
@@ -156,6 +144,27 @@ class Steps:
         )
         return fn(signature, ctx.model.params, embed_params, cache, feed, lengths, last)
 
+    def key(self, kind: str, branch: bool, rows: int | None, *more: Any) -> tuple:
+        """What a stored program of this context computes beyond its arguments' shapes."""
+        ctx, padding = self.ctx, self.padding if rows is not None else None
+        return (
+            kind,
+            (padding.model if padding is not None else ctx.model).fingerprint,
+            ctx.embed.fingerprint if ctx.embed is not None else None,
+            self.mode.name,
+            type(self.mode).__name__,
+            ctx.cache,
+            branch,
+            rows,
+            padding.input if padding is not None else None,
+            *more,
+        )
+
+    def function(self, branch: bool, rows: int | None):
+        """The pure step ``(params, embed_params, cache, feed, lengths, last) -> (logits, cache)``
+        for the cache branch ``branch`` (and a padded grow cache of ``rows`` rows)."""
+        return _step_function(self.ctx, self.mode, branch, self.padding, rows)
+
 
 @functools.cache
 def _firsts(layout: cache_modes.CacheLayout) -> tuple[cache_modes.CacheEntry, ...]:
@@ -166,8 +175,16 @@ def _firsts(layout: cache_modes.CacheLayout) -> tuple[cache_modes.CacheEntry, ..
     return tuple(firsts.values())
 
 
-def _step_function(ctx: Context, branch: bool, padding: PaddedPast | None, rows: int | None):
-    model, embed, mode, layout = ctx.model, ctx.embed, ctx.mode, ctx.cache
+def _step_function(
+    ctx: Context,
+    mode: cache_modes.Mode,
+    branch: bool,
+    padding: PaddedPast | None,
+    rows: int | None,
+):
+    model, embed, layout = ctx.model, ctx.embed, ctx.cache
+    if rows is None:
+        padding = None
     if padding is not None:
         model = padding.model
     static = {name: np.array([branch], dtype=bool) for name in model.static_inputs}
@@ -194,6 +211,6 @@ def _step_function(ctx: Context, branch: bool, padding: PaddedPast | None, rows:
         logits = outputs["logits"]  # [B, S, V]
         index = jnp.arange(logits.shape[0])
         last_logits = logits[index, last].astype(jnp.float32)  # [B, V]
-        return last_logits, cache_modes.advance(mode, layout, cache, outputs, lengths, rows)
+        return last_logits, mode.write(layout, cache, outputs, lengths, rows)
 
     return step

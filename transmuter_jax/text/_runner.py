@@ -116,7 +116,7 @@ class Runner:
         results = []
         for prompt, tokens in zip(prompts, out, strict=True):
             logprobs = None
-            if ctx.options["token_logprobs"]:
+            if ctx.options.token_logprobs:
                 tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
             limit = gen.new_tokens(ctx, len(prompt))
             reason = "length" if len(tokens) >= limit else "eos"

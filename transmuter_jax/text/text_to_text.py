@@ -75,7 +75,7 @@ class TextToText:
     def _start(self, batch: int, options: dict[str, Any]) -> list[int]:
         """[decoder_start_token_id], read from the context the run of ``batch`` texts uses."""
         ctx = self._runner.context(batch, options)
-        start = ctx.options["decoder_start_token_id"]
+        start = ctx.options.decoder_start_token_id
         if start is None:
             raise ValueError(f"{self.files.folder!r} has no decoder_start_token_id")
         return [int(start)]

@@ -1,0 +1,178 @@
+"""Decode on the device: up to ``decode_steps`` new tokens per dispatch, in one XLA program.
+
+After the prompt, a chunk runs decoder step -> selection -> next input in a ``lax.while_loop``
+that stops after ``limit`` steps or when every row is done, with the cache donated in and out.
+The host gets ONE int32 array per chunk: [steps, B, 2 or 3] (token or -1, finished flag, and
+with token_logprobs the bits of its log-probability); steps the loop did not run hold -2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..onnx.compiler import jit_options
+from ..stored import StoredJit
+from .processors import Rows
+from .steps import Steps
+
+NOT_RUN = -2  # the token of a step the loop did not run
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """The rows of a decode chunk, on the device.
+
+    Attributes:
+        token: [B] int32 each row's last token, the next input.
+        lengths: [B] int32 valid cached tokens of each row.
+        history: [B, H] int32 the row's tokens (prompt, then new ones), -1 after them.
+        prompt: [B] int32 prompt length.
+        count: [B] int32 new tokens so far (the sampling key's step).
+        max_new: [B] int32 the most new tokens of the row.
+        delta: [B] int32 a new token's position minus its index in the row.
+        seeds: [B] int32 the sampling seed of each row.
+        done: [B] bool rows that take no more tokens (padding rows, other groups, finished).
+        cache: the cache arrays by input name, [B, heads, rows, head_size].
+    """
+
+    token: jax.Array
+    lengths: jax.Array
+    history: jax.Array
+    prompt: jax.Array
+    count: jax.Array
+    max_new: jax.Array
+    delta: jax.Array
+    seeds: jax.Array
+    done: jax.Array
+    cache: dict[str, jax.Array]
+
+
+@dataclasses.dataclass
+class Decoder:
+    """The compiled decode chunks of a context, one per (cache branch, padded rows, mask)."""
+
+    steps: Steps
+    select: Any
+    eos: tuple[int, ...]
+    pad: int
+    size: int  # decode_steps: the most steps of one chunk
+    logprobs: bool
+    axes: int  # position_ids axes: 0 (none), 1, or 3 (M-RoPE)
+    functions: dict[tuple, StoredJit] = dataclasses.field(default_factory=dict)
+
+    def __call__(
+        self, state: DecodeState, given: dict[str, Any], limit: int, rows: int | None
+    ) -> tuple[DecodeState, np.ndarray]:
+        """Runs up to ``limit`` (at most ``size``) steps; ``rows``: a padded grow cache's rows.
+
+        Returns the state after the chunk (its cache donated from ``state``) and the host array
+        [size, B, 2 or 3] int32 of the steps.
+        """
+        ctx = self.steps.ctx
+        mode = self.steps.mode
+        length = _self_rows(ctx, state.cache)
+        branch = mode.branch(length)
+        self.steps.shapes.add((1, length, branch) + ((rows,) if rows is not None else ()))
+        at = (branch, rows)
+        fn = self.functions.get(at)
+        if fn is None:
+            key = self.steps.key(
+                "decode",
+                branch,
+                rows,
+                repr(ctx.options),
+                tuple(ctx.processors),
+                self.pad,
+                self.axes,
+                tuple(sorted(given)),
+            )
+            run = self._function(branch, rows)
+            options = jit_options(ctx.jit_options)
+            fn = StoredJit(run, key, donate_argnums=(2,), **options)
+            self.functions[at] = fn
+        embed_params = ctx.embed.params if ctx.embed is not None else {}
+        signature = (
+            tuple((k, np.shape(v), np.dtype(v.dtype)) for k, v in given.items()),
+            tuple((k, np.shape(v)) for k, v in state.cache.items()),
+            np.shape(state.history),
+        )
+        limit = np.int32(min(limit, self.size))
+        state, out = fn(signature, ctx.model.params, embed_params, state, given, limit)
+        return state, np.asarray(out)
+
+    def _function(self, branch: bool, rows: int | None):
+        step = self.steps.function(branch, rows)
+        mode, select = self.steps.mode, self.select
+        names = {i.name for i in self.steps.ctx.model.inputs}
+        eos = np.asarray(self.eos or (-1,), np.int32)
+        size, pad, axes, logprobs = self.size, self.pad, self.axes, self.logprobs
+        ctx = self.steps.ctx
+
+        def run(params, embed_params, state: DecodeState, given, limit):
+            batch = state.token.shape[0]
+            cache_rows = rows if rows is not None else _self_rows(ctx, state.cache)
+            width = 3 if logprobs else 2
+            out = jnp.full((size, batch, width), NOT_RUN, jnp.int32)
+            index = jnp.arange(batch)
+
+            def more(carry):
+                i, s, _ = carry
+                return (i < limit) & ~jnp.all(s.done)
+
+            def one(carry):
+                i, s, out = carry
+                live = ~s.done  # [B]
+                feed = {"tokens": jnp.where(live, s.token, pad)[:, None].astype(jnp.int32)}
+                if "attention_mask" in names:
+                    feed["attention_mask"] = mode.mask(s.lengths, 1, cache_rows, xp=jnp)
+                if axes:
+                    positions = (s.lengths + jnp.where(live, s.delta, 0))[:, None]  # [B, 1]
+                    if axes == 3:
+                        positions = jnp.broadcast_to(positions, (3, batch, 1))
+                    feed["position_ids"] = positions.astype(jnp.int32)
+                feed |= given
+                zeros = jnp.zeros(batch, jnp.int32)
+                logits, cache = step(params, embed_params, s.cache, feed, s.lengths, zeros)
+                views = Rows(s.history, s.prompt, s.prompt + s.count, s.prompt + s.max_new)
+                chosen = select(logits, s.seeds, s.count, views, ())
+                bits = chosen[:, 1] if logprobs else None
+                chosen = chosen[:, 0] if logprobs else chosen
+                ends = jnp.isin(chosen, eos) & live
+                kept = live & ~ends
+                at = s.prompt + s.count
+                # [B, H]: a kept token goes after the row's tokens; other rows write out of range
+                at = jnp.where(kept, at, s.history.shape[1])
+                history = s.history.at[index, at].set(chosen, mode="drop")
+                count = s.count + kept.astype(jnp.int32)
+                done = s.done | ends | (kept & (count >= s.max_new))
+                row = [jnp.where(live, chosen, -1), done.astype(jnp.int32)]
+                if logprobs:
+                    row.append(bits)
+                out = out.at[i].set(jnp.stack(row, axis=-1))
+                lengths = mode.advance(s.lengths, live.astype(jnp.int32), 1).astype(jnp.int32)
+                s = dataclasses.replace(
+                    s,
+                    token=jnp.where(kept, chosen, s.token),
+                    lengths=lengths,
+                    history=history,
+                    count=count,
+                    done=done,
+                    cache=cache,
+                )
+                return i + 1, s, out
+
+            _, state, out = jax.lax.while_loop(more, one, (jnp.int32(0), state, out))
+            return state, out
+
+        return run
+
+
+def _self_rows(ctx, cache: dict[str, jax.Array]) -> int:
+    entry = next(e for e in ctx.cache.entries if not e.cross)
+    return int(cache[entry.input].shape[2])

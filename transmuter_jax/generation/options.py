@@ -1,0 +1,177 @@
+"""The generation options: a frozen, validated dataclass with transformers' names and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+DECODE_STEPS = 16  # new tokens per dispatch of the decode program (see docs/generation.md)
+
+
+def _ids(value: Any) -> tuple[int, ...] | None:
+    """A token id or a list of them as a tuple (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return (int(value),)
+    return tuple(int(v) for v in value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What generation reads of transformers 4.57 ``GenerationConfig``, with its defaults, and
+    this engine's own options (``token_logprobs``, ``decode_steps``).
+
+    Lists are stored as tuples (eos_token_id always a tuple, empty for none), so an Options is
+    hashable and its repr is stable across processes.
+    """
+
+    max_length: int | None = 20
+    max_new_tokens: int | None = None
+    min_length: int = 0
+    min_new_tokens: int | None = None
+    do_sample: bool = False
+    num_beams: int = 1
+    early_stopping: bool | str = False
+    length_penalty: float = 1.0
+    num_return_sequences: int = 1
+    temperature: float | None = 1.0
+    top_k: int | None = 50
+    top_p: float | None = 1.0
+    min_tokens_to_keep: int = 1
+    repetition_penalty: float | None = 1.0
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] | None = None
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: tuple[int, ...] | None = None
+    suppress_tokens: tuple[int, ...] | None = None
+    begin_suppress_tokens: tuple[int, ...] | None = None
+    renormalize_logits: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    decoder_start_token_id: int | None = None
+    token_logprobs: bool = False
+    decode_steps: int = DECODE_STEPS
+
+    def __post_init__(self):
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        fix("eos_token_id", _ids(self.eos_token_id) or ())
+        for name in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens"):
+            fix(name, _ids(getattr(self, name)))
+        if self.bad_words_ids is not None:
+            fix("bad_words_ids", tuple(tuple(int(t) for t in w) for w in self.bad_words_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def positive_int(name: str, value: Any, zero: bool = False) -> None:
+            low = 0 if zero else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "a non-negative" if zero else "a positive"
+                raise ValueError(f"{name} must be {kind} integer, got {value!r}")
+
+        positive_int("num_beams", self.num_beams)
+        positive_int("decode_steps", self.decode_steps)
+        positive_int("num_return_sequences", self.num_return_sequences)
+        positive_int("min_tokens_to_keep", self.min_tokens_to_keep)
+        positive_int("no_repeat_ngram_size", self.no_repeat_ngram_size, zero=True)
+        positive_int("min_length", self.min_length, zero=True)
+        for name in ("max_new_tokens", "min_new_tokens", "max_length"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name), zero=True)
+        penalty = self.repetition_penalty
+        if penalty is not None and not (isinstance(penalty, int | float) and penalty > 0):
+            raise ValueError(f"repetition_penalty must be a positive number, got {penalty!r}")
+        if not isinstance(self.length_penalty, int | float) or math.isnan(self.length_penalty):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(
+                f"num_return_sequences {self.num_return_sequences} is more than num_beams "
+                f"{self.num_beams}"
+            )
+        if self.do_sample:
+            t = self.temperature
+            if t is not None and not (isinstance(t, int | float) and t > 0):
+                raise ValueError(f"temperature must be positive when sampling, got {t!r}")
+            p = self.top_p
+            if p is not None and not (isinstance(p, int | float) and 0 < p <= 1):
+                raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+            if self.top_k is not None:
+                positive_int("top_k", self.top_k, zero=True)
+
+    def check_supported(self, vocab: int | None) -> None:
+        """Raises ValueError for what generation cannot do: options this engine does not
+        support, and token ids outside a vocabulary of ``vocab`` tokens."""
+        if self.num_return_sequences > 1:
+            raise ValueError("num_return_sequences above 1 is not supported: one result per prompt")
+        if self.num_beams > 1 and self.do_sample:
+            raise ValueError(
+                "beam search with sampling (do_sample with num_beams > 1) is not supported"
+            )
+        for words in self.bad_words_ids or ():
+            if len(words) != 1:
+                raise ValueError(
+                    f"bad_words_ids of more than one token are not supported: {list(words)}"
+                )
+        if vocab is None:
+            return
+        if self.num_beams > vocab:
+            raise ValueError(f"num_beams {self.num_beams} is more than the vocabulary of {vocab}")
+        for words in self.bad_words_ids or ():
+            if not 0 <= words[0] < vocab:
+                raise ValueError(
+                    f"bad_words_ids entry {list(words)} is outside the vocabulary of {vocab}"
+                )
+        for name in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
+            for token in getattr(self, name) or ():
+                if not 0 <= token < vocab:
+                    raise ValueError(f"{name} entry {token} is outside the vocabulary of {vocab}")
+        for name in ("forced_bos_token_id", "decoder_start_token_id"):
+            token = getattr(self, name)
+            if token is not None and not 0 <= token < vocab:
+                raise ValueError(f"{name} {token} is outside the vocabulary of {vocab}")
+
+    def replace(self, **changes: Any) -> Options:
+        """A copy with ``changes`` (checked as the constructor checks them)."""
+        check_names(changes)
+        return dataclasses.replace(self, **changes)
+
+
+NAMES = tuple(f.name for f in dataclasses.fields(Options))
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Options)}
+
+
+def check_names(options: Mapping[str, Any]) -> None:
+    """Raises ValueError naming each unknown option and the nearest valid name."""
+    for name in options:
+        if name not in NAMES:
+            near = difflib.get_close_matches(name, NAMES, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"unknown generation option {name!r}{hint}")
+
+
+def merge(repo_config: Mapping, file: Mapping, options: Mapping[str, Any]) -> Options:
+    """transformers' defaults, then generation_config.json, then ``options``.
+
+    As GenerationConfig.update: an option given as None replaces the file's value. Without a
+    generation_config.json, the token ids come from config.json (from_model_config). Fields of
+    the file that generation does not read are ignored.
+    """
+    check_names(options)
+    if not file:
+        text = repo_config.get("text_config", {})
+        text = text if isinstance(text, Mapping) else {}
+        file = {k: repo_config.get(k, text.get(k)) for k in TOKEN_IDS}
+    merged = {k: v for k, v in file.items() if k in NAMES and k != "decode_steps"}
+    merged.update(options)
+    if merged.get("eos_token_id") is None:
+        merged["eos_token_id"] = ()
+    return Options(**merged)
