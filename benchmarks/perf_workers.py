@@ -6,7 +6,8 @@ JOB_JSON keys: peer ("jax", "ort", "genai" or "torch"), folder, file (the ONNX f
 folder), prompt (token ids), batch, new (tokens per row), eos (ids suppressed until then),
 kv_heads and head_size (from config.json), repeats, threads, launch (time.time() when the parent
 started this process), first_only (stop at the first token of the first call: the cold start),
-warmup (optional: tokens of the first call otherwise, 8),
+warmup (optional: tokens of the first call otherwise, 8), decode_steps (optional, jax: new
+tokens per dispatch; the library's default otherwise),
 ort_profile (optional: onnxruntime's profiler writes a file with this prefix), spinning
 (optional, ort: whether its idle threads spin, onnxruntime's default true).
 
@@ -102,6 +103,8 @@ class _Clock:
             "decode_s": decode,
             "new": len(self.marks),
             "tokens_per_s": batch * (len(self.marks) - 1) / decode if decode > 0 else None,
+            # the whole call, prompt included: all new tokens over the time to the last one
+            "call_tokens_per_s": batch * len(self.marks) / (self.marks[-1] - self.start),
             "tokens": self.tokens,
         }
 
@@ -129,6 +132,8 @@ def _jax(job: dict, timings: dict):
     timings["rss_mib"]["load"] = _status_kib("VmRSS") / 1024
     start = time.perf_counter()
     options = dict(max_new_tokens=job["new"], min_new_tokens=job["new"], do_sample=False)
+    if job.get("decode_steps"):
+        options["decode_steps"] = job["decode_steps"]
     ctx = generation.context(job["folder"], model, **options)
     ctx = generation.compile(ctx, job["batch"])
     timings["context_s"] = time.perf_counter() - start
@@ -158,6 +163,7 @@ def _jax(job: dict, timings: dict):
         live = sum(a.nbytes for a in jax.live_arrays())
         return {
             "compiled_shapes": ctx.compiled.shapes,
+            "decode_steps": ctx.options.decode_steps if generation.on_device(ctx) else 1,
             "params_mib": params / 2**20,
             "live_arrays_mib": live / 2**20,
         }
