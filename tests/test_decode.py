@@ -218,3 +218,29 @@ def test_a_stream_closed_mid_chunk_stops_and_frees_the_cache():
 def _live_bytes() -> int:
     gc.collect()
     return sum(a.nbytes for a in jax.live_arrays())
+
+
+@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum"])
+def test_rows_past_the_position_limit_are_refused_or_clamped(name, workdir):
+    """The genai export's rotary cache has as many rows as max_position_embeddings (256)."""
+    ctx = generation.compile(context(name, workdir, max_new_tokens=10**8, eos_token_id=[]), 1)
+    assert ctx.position_limit == 256
+    prompt = case(name, "greedy")["prompts"][0]
+    with pytest.raises(
+        ValueError, match=f"asks for 100000000 new ones.*at most {256 - len(prompt)}"
+    ):
+        generation.generate(ctx, [prompt], [0])
+    out = generation.generate(ctx, [prompt], [0], clamp=True)
+    assert len(out[0]) == 256 - len(prompt)
+
+
+def test_the_pipeline_clamps_to_the_positions_left():
+    from transmuter_jax import text
+
+    pipe = text.generation(FIXTURES / "llama-optimum", eos_token_id=[])
+    options = dict(max_new_tokens=10**8, token_logprobs=True)
+    result = pipe.generate(["The quiet river"], chat=False, **options)[0]
+    prompt = len(pipe.prompt_ids("The quiet river", chat=False))
+    assert len(result.token_ids) == 256 - prompt
+    assert result.finish_reason == "length"
+    assert np.isfinite(result.logprobs).all()

@@ -148,7 +148,7 @@ def test_bad_input_gets_clear_errors(workdir):
         generation.generate(ctx, [[1], [2]], [0])
     with pytest.raises(ValueError, match="3 prompts but the context is compiled for batches of 2"):
         generation.generate(ctx, [[1], [2], [3]], [0, 0, 0])
-    with pytest.raises(ValueError, match="more than the cache holds"):
+    with pytest.raises(ValueError, match="more than the model.s 256 positions"):
         generation.generate(ctx, [[1] * 300], [0])
     with pytest.raises(ValueError, match="batch_size"):
         generation.compile(ctx, 0)

@@ -7,6 +7,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import hub
 from ..onnx.model import Model
 from ..onnx.trace import value_sources
@@ -55,6 +57,22 @@ class Context:
         return self.options.eos_token_id
 
     @property
+    def position_limit(self) -> int | None:
+        """The most tokens a row can hold (prompt and new ones): config.json's
+        max_position_embeddings (or max_target_positions, n_positions), or the rows of a rotary
+        cache in the graph, whichever is smaller; None when neither says."""
+        limits = []
+        text = self.config.get("text_config", self.config)
+        for key in ("max_position_embeddings", "max_target_positions", "n_positions"):
+            if isinstance(text.get(key), int) and text[key] > 0:
+                limits.append(int(text[key]))
+                break
+        rotary = _rotary_rows(self.model)
+        if rotary:
+            limits.append(rotary)
+        return min(limits) if limits else None
+
+    @property
     def vocab_size(self) -> int | None:
         """The vocabulary size: the logits' last dimension, else config.json's."""
         logits = next((o for o in self.model.outputs if o.name == "logits"), None)
@@ -62,6 +80,19 @@ class Context:
             return logits.shape[-1]
         text = self.config.get("text_config", self.config)
         return text.get("vocab_size") or self.config.get("vocab_size")
+
+
+def _rotary_rows(model: Model) -> int | None:
+    """The rows of the rotary cos caches of GroupQueryAttention / RotaryEmbedding nodes."""
+    rows = []
+    for node in model._graph.proto.node:
+        at = {"GroupQueryAttention": 7, "RotaryEmbedding": 2}.get(node.op_type)
+        if at is None or len(node.input) <= at or not node.input[at]:
+            continue
+        value = model.params.get(node.input[at], model._graph.constants.get(node.input[at]))
+        if value is not None and len(np.shape(value)) == 2:
+            rows.append(int(np.shape(value)[0]))
+    return min(rows) if rows else None
 
 
 def cache_mode(model: Model) -> str:

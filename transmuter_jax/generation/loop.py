@@ -152,6 +152,8 @@ def generate(
     seeds: Sequence[int],
     inputs: Mapping[str, Any] | None = None,
     on_token: OnToken | None = None,
+    *,
+    clamp: bool = False,
 ) -> list[list[int]]:
     """Generates tokens after each prompt.
 
@@ -165,6 +167,8 @@ def generate(
         on_token: called after each step with "token" [rows] int32 (-1: no new token) and
             "finished" [rows] bool (and "logprob" or, in beam search, "score"); in order, one
             call per step, delivered as each decode chunk returns.
+        clamp: give a row no more new tokens than the model has positions left for
+            (``ctx.position_limit``); without it, a row that would run past them is refused.
 
     Returns:
         The new tokens of each row, without the eos token; with the option token_logprobs,
@@ -173,19 +177,11 @@ def generate(
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
     _validate(ctx, prompts, seeds, inputs)
-    run = _Run.start(ctx, prompts, seeds, inputs, on_token)
+    run = _Run.start(ctx, prompts, seeds, inputs, on_token, clamp)
     for group in run.groups():
         state = run.prefill(group)
         run.decode(group, state)
     return run.strategy.results(run)
-
-
-def _limit(ctx: Context) -> int | None:
-    text = ctx.config.get("text_config", ctx.config)
-    for key in ("max_position_embeddings", "max_target_positions", "n_positions"):
-        if text.get(key):
-            return int(text[key])
-    return None
 
 
 def _validate(ctx: Context, prompts, seeds, inputs) -> None:
@@ -200,14 +196,14 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
     for i, seed in enumerate(seeds):
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
             raise ValueError(f"seed {i} must be an integer, got {seed!r}")
-    vocab, limit = ctx.vocab_size, _limit(ctx)
+    vocab, limit = ctx.vocab_size, ctx.position_limit
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < (vocab or 2**31)]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary of {vocab}: {bad}")
         if limit is not None and len(prompt) > limit:
             raise ValueError(
-                f"prompt {i} has {len(prompt)} tokens, more than the cache holds ({limit})"
+                f"prompt {i} has {len(prompt)} tokens, more than the model's {limit} positions"
             )
     features = inputs.get("image_features")
     if features is not None and ctx.image_token is not None:
@@ -226,8 +222,10 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
             )
 
 
-def _rows(ctx: Context, prompts, seeds, inputs) -> list[_Row]:
-    rows, features = [], 0
+def _rows(ctx: Context, prompts, seeds, inputs, clamp: bool) -> list[_Row]:
+    """The rows of a call, padded to the batch; raises ValueError for a row that would run past
+    the model's positions (unless ``clamp``: then it gets the tokens that fit)."""
+    rows, features, limit = [], 0, ctx.position_limit
     positions = inputs.get("position_ids") or [None] * len(prompts)
     for prompt, seed, given in zip(prompts, seeds, positions, strict=True):
         prompt = [int(t) for t in prompt]
@@ -238,6 +236,14 @@ def _rows(ctx: Context, prompts, seeds, inputs) -> list[_Row]:
             row.delta = int(row.positions.max()) + 1 - len(prompt)
         if ctx.image_token is not None:
             features += sum(1 for t in prompt if t == ctx.image_token)
+        room = None if limit is None else max(limit - len(prompt) - max(row.delta, 0), 0)
+        if room is not None and row.max_new > room:
+            if not clamp:
+                raise ValueError(
+                    f"prompt {len(rows)} has {len(prompt)} tokens and asks for {row.max_new} "
+                    f"new ones, more than the model's {limit} positions: ask for at most {room}"
+                )
+            row.max_new = room
         row.done = not prompt or row.max_new == 0
         rows.append(row)
     while len(rows) < ctx.batch_size:
@@ -269,6 +275,11 @@ class _Step:
     image_mask: np.ndarray  # [B, S] image tokens to replace with features
     image_rows: np.ndarray  # [B, S] the feature row of each image token
 
+    def taking(self) -> np.ndarray:
+        """The rows that take a token after this step: those it fed their prompt's last
+        tokens, or a new token."""
+        return np.flatnonzero((self.real > 0) & (self.remaining <= self.real))
+
 
 @dataclasses.dataclass
 class _Run:
@@ -284,10 +295,10 @@ class _Run:
     members: np.ndarray = None  # [B] bool rows of the group that runs now
 
     @classmethod
-    def start(cls, ctx, prompts, seeds, inputs, on_token) -> _Run:
+    def start(cls, ctx, prompts, seeds, inputs, on_token, clamp) -> _Run:
         features = inputs.get("image_features")
         features = None if features is None else np.asarray(features)
-        rows = _rows(ctx, prompts, seeds, inputs)
+        rows = _rows(ctx, prompts, seeds, inputs, clamp)
         given = _given(ctx, inputs)
         if ctx.options.num_beams > 1:
             strategy = BeamSearch(ctx, rows, len(prompts))
@@ -416,6 +427,8 @@ class _Run:
             return
         n = self.n
         event = {"token": token[:n], "finished": np.array([r.done for r in self.rows[:n]])}
+        if logprob is None and self.ctx.options.token_logprobs:  # a step of prompts only
+            logprob = np.full(len(token), np.nan, np.float32)
         if logprob is not None:
             event["logprob"] = np.where(token[:n] >= 0, logprob[:n], np.nan)
         self.on_token(event | more)
@@ -481,12 +494,16 @@ class Sampler:
     def select(self, run: _Run, logits, step: _Step) -> None:
         """Gives each row that finished its prompt, or is generating, its selected token."""
         ctx, rows = run.ctx, run.rows
-        counts = np.array([len(r.generated) for r in rows], np.int32)
-        out = np.asarray(
-            ctx.compiled.select(logits, _seeds(rows), counts, run.views(), run.states())
-        )
-        chosen, logprob = (out[:, 0], out[:, 1].view(np.float32)) if out.ndim == 2 else (out, None)
         token = np.full(len(rows), -1, np.int32)
+        chosen = logprob = None
+        if any(run.members[i] and not rows[i].done for i in step.taking()):
+            counts = np.array([len(r.generated) for r in rows], np.int32)
+            views, states = run.views(), run.states()
+            out = np.asarray(ctx.compiled.select(logits, _seeds(rows), counts, views, states))
+            chosen, logprob = (
+                (out[:, 0], out[:, 1].view(np.float32)) if out.ndim == 2 else (out, None)
+            )
+        # else a step of prompts only: nothing to select
         for i, row in enumerate(rows):
             if not run.members[i] or row.done:
                 continue

@@ -112,13 +112,15 @@ class Runner:
         ctx = self.context(len(prompts), options)
         base = secrets.randbits(31) if seed is None else int(seed)
         seeds = [base + i for i in range(len(prompts))]
-        out = gen.generate(ctx, prompts, seeds, inputs, on_token)
+        out = gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
         results = []
         for prompt, tokens in zip(prompts, out, strict=True):
             logprobs = None
             if ctx.options.token_logprobs:
                 tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
             limit = gen.new_tokens(ctx, len(prompt))
+            if ctx.position_limit is not None:  # generate gave it the tokens that fit
+                limit = min(limit, max(ctx.position_limit - len(prompt), 0))
             reason = "length" if len(tokens) >= limit else "eos"
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             results.append(Result(text, list(tokens), logprobs, reason))
