@@ -356,6 +356,7 @@ def main(job: dict) -> dict:
     best = max(runs, key=lambda r: r["tokens_per_s"] or 0)
     result.update(
         tokens_per_s=best["tokens_per_s"],
+        call_tokens_per_s=max(r["call_tokens_per_s"] for r in runs),
         ttft_s=min(r["ttft_s"] for r in runs),
         runs_tokens_per_s=[r["tokens_per_s"] for r in runs],
         new=best["new"],
