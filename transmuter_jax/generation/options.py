@@ -10,6 +10,23 @@ from typing import Any
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 DECODE_STEPS = 16  # new tokens per dispatch of the decode program (see docs/generation.md)
+# transformers 4.57 GenerationConfig fields that change the tokens and that this engine does not
+# run, with the values that leave generation unchanged.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "stop_strings": (None,),
+    "max_time": (None,),
+    "encoder_repetition_penalty": (None, 1.0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "token_healing": (None, False),
+    "guidance_scale": (None, 1, 1.0),
+    "watermarking_config": (None,),
+    "penalty_alpha": (None, 0, 0.0),
+    "dola_layers": (None,),
+    "diversity_penalty": (None, 0, 0.0),
+    "num_beam_groups": (None, 1),
+    "constraints": (None,),
+    "force_words_ids": (None,),
+}
 
 
 def _ids(value: Any) -> tuple[int, ...] | None:
@@ -19,6 +36,28 @@ def _ids(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, int):
         return (int(value),)
     return tuple(int(v) for v in value)
+
+
+def _sequence_bias(value: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """sequence_bias as transformers takes it ({(ids...): bias} or [[ids, bias], ...]) as a
+    tuple of (ids, bias) pairs in the given order."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    out = []
+    for pair in pairs:
+        try:
+            ids, bias = pair
+            ids = (int(ids),) if isinstance(ids, int) else tuple(int(t) for t in ids)
+            bias = float(bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"sequence_bias entries are [token ids, bias], got {pair!r}") from None
+        if not ids or min(ids) < 0 or math.isnan(bias):
+            raise ValueError(
+                f"sequence_bias entry {pair!r}: ids must be non-negative, bias a number"
+            )
+        out.append((ids, bias))
+    if not out:
+        raise ValueError("sequence_bias must not be empty")
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +81,6 @@ class Options:
     temperature: float | None = 1.0
     top_k: int | None = 50
     top_p: float | None = 1.0
-    min_tokens_to_keep: int = 1
     repetition_penalty: float | None = 1.0
     no_repeat_ngram_size: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] | None = None
@@ -51,6 +89,13 @@ class Options:
     suppress_tokens: tuple[int, ...] | None = None
     begin_suppress_tokens: tuple[int, ...] | None = None
     renormalize_logits: bool = False
+    min_p: float | None = None
+    typical_p: float | None = 1.0
+    epsilon_cutoff: float | None = 0.0
+    eta_cutoff: float | None = 0.0
+    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] | None = None
+    exponential_decay_length_penalty: tuple[int, float] | None = None
+    remove_invalid_values: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -65,6 +110,16 @@ class Options:
             fix(name, _ids(getattr(self, name)))
         if self.bad_words_ids is not None:
             fix("bad_words_ids", tuple(tuple(int(t) for t in w) for w in self.bad_words_ids))
+        if self.sequence_bias is not None:
+            fix("sequence_bias", _sequence_bias(self.sequence_bias))
+        decay = self.exponential_decay_length_penalty
+        if decay is not None:
+            if isinstance(decay, str) or len(decay) != 2:
+                raise ValueError(
+                    "exponential_decay_length_penalty must be (start index, decay factor), "
+                    f"got {decay!r}"
+                )
+            fix("exponential_decay_length_penalty", (int(decay[0]), float(decay[1])))
         self._validate()
 
     def _validate(self) -> None:
@@ -77,7 +132,6 @@ class Options:
         positive_int("num_beams", self.num_beams)
         positive_int("decode_steps", self.decode_steps)
         positive_int("num_return_sequences", self.num_return_sequences)
-        positive_int("min_tokens_to_keep", self.min_tokens_to_keep)
         positive_int("no_repeat_ngram_size", self.no_repeat_ngram_size, zero=True)
         positive_int("min_length", self.min_length, zero=True)
         for name in ("max_new_tokens", "min_new_tokens", "max_length"):
@@ -97,6 +151,17 @@ class Options:
                 f"num_return_sequences {self.num_return_sequences} is more than num_beams "
                 f"{self.num_beams}"
             )
+        for words in self.bad_words_ids or ():
+            if not words or min(words) < 0:
+                raise ValueError(f"bad_words_ids entries must be non-empty lists of ids: {words}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.typical_p is not None and not 0 < self.typical_p <= 1:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p!r}")
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.do_sample:
             t = self.temperature
             if t is not None and not (isinstance(t, int | float) and t > 0):
@@ -116,19 +181,19 @@ class Options:
             raise ValueError(
                 "beam search with sampling (do_sample with num_beams > 1) is not supported"
             )
-        for words in self.bad_words_ids or ():
-            if len(words) != 1:
-                raise ValueError(
-                    f"bad_words_ids of more than one token are not supported: {list(words)}"
-                )
         if vocab is None:
             return
         if self.num_beams > vocab:
             raise ValueError(f"num_beams {self.num_beams} is more than the vocabulary of {vocab}")
         for words in self.bad_words_ids or ():
-            if not 0 <= words[0] < vocab:
+            if max(words) >= vocab:
                 raise ValueError(
                     f"bad_words_ids entry {list(words)} is outside the vocabulary of {vocab}"
+                )
+        for ids, _ in self.sequence_bias or ():
+            if max(ids) >= vocab:
+                raise ValueError(
+                    f"sequence_bias entry {list(ids)} is outside the vocabulary of {vocab}"
                 )
         for name in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
             for token in getattr(self, name) or ():
@@ -149,9 +214,18 @@ NAMES = tuple(f.name for f in dataclasses.fields(Options))
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Options)}
 
 
+def _harmless(name: str, value: Any) -> bool:
+    """Whether an unsupported option's value leaves generation unchanged."""
+    return value is None or any(value == v for v in UNSUPPORTED[name])
+
+
 def check_names(options: Mapping[str, Any]) -> None:
     """Raises ValueError naming each unknown option and the nearest valid name."""
     for name in options:
+        if name in UNSUPPORTED:
+            if not _harmless(name, options[name]):
+                raise ValueError(f"the generation option {name!r} is not supported")
+            continue
         if name not in NAMES:
             near = difflib.get_close_matches(name, NAMES, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
@@ -166,6 +240,13 @@ def merge(repo_config: Mapping, file: Mapping, options: Mapping[str, Any]) -> Op
     the file that generation does not read are ignored.
     """
     check_names(options)
+    for name in UNSUPPORTED:
+        if name in file and name not in options and not _harmless(name, file[name]):
+            raise ValueError(
+                f"generation_config.json sets {name}={file[name]!r}, which is not supported; "
+                f"pass {name}=None to generate without it"
+            )
+    options = {k: v for k, v in options.items() if k not in UNSUPPORTED}
     if not file:
         text = repo_config.get("text_config", {})
         text = text if isinstance(text, Mapping) else {}

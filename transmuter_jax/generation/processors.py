@@ -24,17 +24,21 @@ from .options import Options
 
 LOWEST = float(np.finfo(np.float32).min)
 
-# transformers' order, before the task's processors.
+# transformers' order, before the task's processors (the warpers come after them: select.py).
 ORDER = (
+    "sequence_bias",
     "repetition_penalty",
     "no_repeat_ngram_size",
     "bad_words",
     "min_length",
     "forced_bos_token_id",
     "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
     "suppress_tokens",
     "begin_suppress_tokens",
 )
+HIGHEST = float(np.finfo(np.float32).max)
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +63,9 @@ def from_options(options: Options) -> list[Any]:
     """The built-in processors that ``options`` switch on, in transformers' order."""
     eos = options.eos_token_id
     on = {
+        "sequence_bias": options.sequence_bias is not None,
+        "remove_invalid_values": options.remove_invalid_values is True,
+        "exponential_decay_length_penalty": options.exponential_decay_length_penalty is not None,
         "repetition_penalty": options.repetition_penalty not in (None, 1.0),
         "no_repeat_ngram_size": (options.no_repeat_ngram_size or 0) > 0,
         "bad_words": options.bad_words_ids is not None,
@@ -77,7 +84,7 @@ def static_masks(options: Options, vocab: int) -> dict[str, np.ndarray]:
     eos = set(options.eos_token_id)
     bad = np.zeros(vocab, bool)
     for words in options.bad_words_ids or ():
-        if words[0] not in eos:  # transformers never bans an eos token as a bad word
+        if len(words) == 1 and words[0] not in eos:  # transformers never bans a lone eos token
             bad[words[0]] = True
     suppress = np.zeros(vocab, bool)
     suppress[list(options.suppress_tokens or [])] = True
@@ -121,6 +128,52 @@ def _no_repeat(scores: jax.Array, rows: Rows, n: int) -> jax.Array:
     return _remove(scores, banned)
 
 
+def _after(rows: Rows, prefix: Sequence[int]) -> jax.Array:
+    """[B] whether each row's tokens end with ``prefix`` (empty: every row)."""
+    history, length = rows.history, rows.length
+    match = jnp.ones(history.shape[0], bool)
+    for k, token in enumerate(prefix):  # prefix[k] at position length - len(prefix) + k
+        at = jnp.clip(length - len(prefix) + k, 0, history.shape[1] - 1)
+        match &= jnp.take_along_axis(history, at[:, None], axis=1)[:, 0] == token
+    return match & (length >= len(prefix) + 1)  # transformers: the sequence fits the row
+
+
+def _sequence_bias(scores: jax.Array, rows: Rows, pairs) -> jax.Array:
+    """Adds each (ids, bias) to the score of its last id where the row ends with the others."""
+    single = np.zeros(scores.shape[-1], np.float32)
+    for ids, bias in pairs:
+        if len(ids) == 1:
+            single[ids[0]] += bias
+    bias = jnp.broadcast_to(jnp.asarray(single), scores.shape)
+    for ids, value in pairs:
+        if len(ids) > 1:
+            hit = jnp.where(_after(rows, ids[:-1]), jnp.float32(value), jnp.float32(0))
+            bias = bias.at[:, ids[-1]].add(hit)
+    return scores + bias
+
+
+def _banned_sequences(scores: jax.Array, rows: Rows, sequences) -> jax.Array:
+    """Bans the last id of each multi-token bad word where the row ends with its other ids."""
+    for ids in sequences:
+        if len(ids) > 1:
+            column = jnp.where(_after(rows, ids[:-1]), LOWEST, scores[:, ids[-1]])
+            scores = scores.at[:, ids[-1]].set(column)
+    return scores
+
+
+def _decay(scores: jax.Array, rows: Rows, options: Options) -> jax.Array:
+    """exponential_decay_length_penalty: raises the eos scores after start + the prompt."""
+    start, factor = options.exponential_decay_length_penalty
+    eos = jnp.asarray(list(options.eos_token_id), jnp.int32)
+    if eos.size == 0:
+        return scores
+    past = rows.length - (start + rows.prompt)  # [B]
+    grow = jnp.power(jnp.float32(factor), past.astype(jnp.float32)) - 1
+    columns = scores[:, eos]
+    raised = columns + jnp.abs(columns) * grow[:, None]
+    return scores.at[:, eos].set(jnp.where((past > 0)[:, None], raised, columns))
+
+
 def apply_builtin(
     name: str,
     scores: jax.Array,
@@ -137,8 +190,17 @@ def apply_builtin(
         return jnp.where(_seen(rows.history, vocab), penalized, scores)
     if name == "no_repeat_ngram_size":
         return _no_repeat(scores, rows, int(options.no_repeat_ngram_size))
-    if name in ("bad_words", "suppress_tokens"):
+    if name == "sequence_bias":
+        return _sequence_bias(scores, rows, options.sequence_bias)
+    if name == "bad_words":
+        scores = _remove(scores, masks[name][None, :])
+        return _banned_sequences(scores, rows, options.bad_words_ids)
+    if name == "suppress_tokens":
         return _remove(scores, masks[name][None, :])
+    if name == "remove_invalid_values":
+        return jnp.clip(jnp.where(jnp.isnan(scores), 0.0, scores), LOWEST, HIGHEST)
+    if name == "exponential_decay_length_penalty":
+        return _decay(scores, rows, options)
     if name == "min_length":
         if (options.min_new_tokens or 0) > 0:
             short = rows.length - rows.prompt < int(options.min_new_tokens)

@@ -58,9 +58,48 @@ def _top_p(scores: jax.Array, p: float, keep: int) -> jax.Array:
     return jnp.where(removed, LOWEST, scores)
 
 
+def _best(scores: jax.Array, keep: int) -> jax.Array:
+    """[B, V] whether a token is among the ``keep`` best of its row."""
+    kth = jax.lax.top_k(scores, min(keep, scores.shape[-1]))[0][..., -1:]
+    return scores >= kth
+
+
+def _min_p(scores: jax.Array, p: float, keep: int) -> jax.Array:
+    # drop tokens less probable than p times the most probable one
+    probs = jax.nn.softmax(scores, axis=-1)
+    drop = probs < p * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(drop & ~_best(scores, keep), LOWEST, scores)
+
+
+def _typical(scores: jax.Array, mass: float, keep: int) -> jax.Array:
+    # locally typical sampling: keep the tokens whose surprise is closest to the entropy until
+    # their probability reaches ``mass`` (the token that crosses it included)
+    logp = jax.nn.log_softmax(scores, axis=-1)
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1, keepdims=True)
+    distance = jnp.abs(-logp - entropy)
+    order = jnp.argsort(distance, axis=-1, stable=True)
+    ascending = jnp.take_along_axis(distance, order, axis=-1)
+    cumulative = jnp.cumsum(
+        jax.nn.softmax(jnp.take_along_axis(scores, order, axis=-1), axis=-1), axis=-1
+    )
+    last = jnp.minimum(jnp.sum(cumulative < mass, axis=-1), scores.shape[-1] - 1)
+    drop = ascending > jnp.take_along_axis(ascending, last[:, None], axis=-1)
+    drop = drop.at[..., :keep].set(False)
+    rows = jnp.arange(scores.shape[0])[:, None]
+    removed = jnp.zeros_like(drop).at[rows, order].set(drop)
+    return jnp.where(removed, LOWEST, scores)
+
+
+def _epsilon(scores: jax.Array, epsilon: jax.Array, keep: int) -> jax.Array:
+    # drop tokens of probability below epsilon (a number, or [B, 1])
+    drop = jax.nn.softmax(scores, axis=-1) < epsilon
+    return jnp.where(drop & ~_best(scores, keep), LOWEST, scores)
+
+
 def warp(scores: jax.Array, options: Options) -> jax.Array:
-    """Temperature, top-k and top-p, as transformers applies them when sampling."""
-    keep = int(options.min_tokens_to_keep or 1)
+    """The sampling warpers in transformers' order: temperature, top-k, top-p, min-p,
+    typical-p, epsilon and eta cutoffs."""
+    keep = 1  # transformers 4.57 keeps one token when sampling (it reads no min_tokens_to_keep)
     if options.num_beams > 1:  # transformers keeps a non-eos token for each beam
         keep = len(options.eos_token_id) + 1 if options.eos_token_id else 2
     temperature = options.temperature
@@ -70,6 +109,17 @@ def warp(scores: jax.Array, options: Options) -> jax.Array:
         scores = _top_k(scores, int(options.top_k), keep)
     if options.top_p is not None and options.top_p < 1.0:
         scores = _top_p(scores, float(options.top_p), keep)
+    if options.min_p is not None:
+        scores = _min_p(scores, float(options.min_p), keep)
+    if options.typical_p is not None and options.typical_p < 1.0:
+        scores = _typical(scores, float(options.typical_p), keep)
+    if options.epsilon_cutoff is not None and 0 < options.epsilon_cutoff < 1:
+        scores = _epsilon(scores, jnp.float32(options.epsilon_cutoff), keep)
+    if options.eta_cutoff is not None and 0 < options.eta_cutoff < 1:
+        eta = jnp.float32(options.eta_cutoff)
+        probs = jax.nn.softmax(scores, axis=-1)
+        entropy = -jnp.sum(probs * jax.nn.log_softmax(scores, axis=-1), axis=-1, keepdims=True)
+        scores = _epsilon(scores, jnp.minimum(eta, jnp.sqrt(eta) * jnp.exp(-entropy)), keep)
     return scores
 
 
@@ -83,7 +133,7 @@ def processed(
 ) -> jax.Array:
     """The scores a step selects from: processors, then the sampling warpers, then
     renormalize_logits (transformers' LogitNormalization is always last)."""
-    scores = process(logits.astype(jnp.float32), rows, processors, states, options, masks)
+    scores = process(jnp.asarray(logits, jnp.float32), rows, processors, states, options, masks)
     if options.do_sample:
         scores = warp(scores, options)
     if options.renormalize_logits:

@@ -1,0 +1,92 @@
+"""generation.Options: transformers' names and defaults, validation, unsupported fields."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from generation_cases import FIXTURES, case, context
+
+from transmuter_jax import generation
+from transmuter_jax.generation.options import DEFAULTS, merge
+
+
+def test_defaults_are_generation_config_defaults_where_transformers_has_them():
+    ref = json.loads((FIXTURES / "processors" / "cases.json").read_text())
+    assert ref  # the vectors' options all load
+    assert DEFAULTS["top_k"] == 50 and DEFAULTS["typical_p"] == 1.0 and DEFAULTS["min_p"] is None
+    assert DEFAULTS["max_length"] == 20 and DEFAULTS["eos_token_id"] == ()
+    assert "min_tokens_to_keep" not in DEFAULTS  # transformers' generate reads no such option
+
+
+@pytest.mark.parametrize(
+    ("file", "options", "message"),
+    [
+        ({"guidance_scale": 1.5}, {}, "guidance_scale=1.5, which is not supported"),
+        ({"num_beam_groups": 2, "diversity_penalty": 0.5}, {}, "not supported"),
+        ({"watermarking_config": {"bias": 2.0}}, {}, "watermarking_config"),
+        ({}, {"diversity_penalty": 1.0}, "'diversity_penalty' is not supported"),
+        ({}, {"top_k": -2, "do_sample": True}, "top_k must be a non-negative integer"),
+        ({}, {"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({}, {"typical_p": 0.0}, r"typical_p must be in \(0, 1\]"),
+        ({}, {"eta_cutoff": 1.0}, r"eta_cutoff must be in \[0, 1\)"),
+        ({}, {"sequence_bias": []}, "sequence_bias must not be empty"),
+        ({}, {"sequence_bias": [[[-1], 1.0]]}, "ids must be non-negative"),
+        ({}, {"exponential_decay_length_penalty": (3,)}, "start index, decay factor"),
+        ({}, {"num_beams": True}, "num_beams must be a positive integer"),
+    ],
+)
+def test_bad_or_unsupported_options_are_named(file, options, message):
+    with pytest.raises(ValueError, match=message):
+        merge({}, file, options)
+
+
+def test_harmless_values_of_unsupported_fields_load_and_the_caller_can_clear_one():
+    file = {"guidance_scale": 1.0, "diversity_penalty": 0.0, "use_cache": True, "max_time": None}
+    assert merge({}, file, {}).top_k == 50
+    assert merge({}, {"stop_strings": ["x"]}, {"stop_strings": None}).top_k == 50
+
+
+def test_sequence_bias_takes_transformers_forms():
+    as_list = merge({}, {}, {"sequence_bias": [[[5], 2.0], [[9, 10], -3]]}).sequence_bias
+    as_dict = merge({}, {}, {"sequence_bias": {(5,): 2.0, (9, 10): -3.0}}).sequence_bias
+    assert as_list == as_dict == (((5,), 2.0), ((9, 10), -3.0))
+    hash(merge({}, {}, {"sequence_bias": [[[5], 2.0]], "bad_words_ids": [[1, 2]]}))
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path):
+    for options, name in (
+        ({"sequence_bias": [[[3, 900], 1.0]]}, "sequence_bias"),
+        ({"bad_words_ids": [[3, 900]]}, "bad_words_ids"),
+        ({"forced_bos_token_id": 900}, "forced_bos_token_id"),
+    ):
+        with pytest.raises(ValueError, match=f"{name}.*outside the vocabulary"):
+            context("llama-optimum", tmp_path, **options)
+
+
+NEW = dict(
+    sequence_bias=[[[11], 1.5], [[40, 7], -2.0]],
+    bad_words_ids=[[12, 40], [7, 33, 21]],
+    exponential_decay_length_penalty=(4, 1.4),
+    remove_invalid_values=True,
+)
+WARPERS = dict(do_sample=True, min_p=0.05, typical_p=0.9, epsilon_cutoff=0.001, eta_cutoff=0.002)
+
+
+@pytest.mark.parametrize("options", [NEW, dict(NEW, **WARPERS)], ids=["greedy", "sample"])
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
+def test_the_new_processors_run_in_the_chunks_with_the_tokens_of_steps(name, options, tmp_path):
+    the_case = case(name, "batch")
+    out = {}
+    for steps in (1, 4):
+        ctx = context(name, tmp_path, max_new_tokens=16, decode_steps=steps, **options)
+        ctx = generation.compile(ctx, len(the_case["prompts"]))
+        assert generation.on_device(ctx) == (steps > 1)
+        out[steps] = generation.generate(ctx, the_case["prompts"], [3, 4, 5, 6])
+    assert out[1] == out[4]
+    assert out[1] != the_case["tokens"]  # the options changed something
+    for row in out[1]:  # a banned pair never completes
+        pairs = set(zip(row, row[1:], strict=False))
+        assert (12, 40) not in pairs
+    assert all(np.asarray(row).min() >= 0 for row in out[1] if row)
