@@ -49,7 +49,8 @@ def test_a_second_process_compiles_nothing_new(tmp_path):
     folder = tmp_path / "jax-cache"
     first = _run(str(folder))
     assert first["folder"] == str(folder)
-    assert first["misses"] > 3  # the steps, the selection and small helper programs
+    # The step programs at least: what this package compiles inside compile_cache.scope().
+    assert first["misses"] >= first["stored"]["exported"] >= 2
     second = _run(str(folder))
     assert second["misses"] == 0
     assert second["hits"] >= first["misses"]

@@ -24,5 +24,3 @@ __all__ = [
     "load",
 ]
 __version__ = "0.1.0"
-
-compile_cache.configure()
