@@ -3,6 +3,7 @@
 from . import compile_cache
 from .onnx import (
     DynamicShapeError,
+    GraphError,
     InputError,
     Model,
     ModelFileError,
@@ -15,6 +16,7 @@ from .onnx import (
 __all__ = [
     "compile_cache",
     "DynamicShapeError",
+    "GraphError",
     "InputError",
     "Model",
     "ModelFileError",

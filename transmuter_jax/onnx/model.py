@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -29,7 +30,7 @@ from . import (
 )
 from .compiler import jit_options
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
-from .errors import InputError, ModelFileError
+from .errors import GraphError, InputError, ModelFileError, TransmuterError, UnsupportedOpError
 from .registry import registered
 from .trace import (
     Graph,
@@ -188,7 +189,9 @@ def load(onnx_file: str | os.PathLike, *, outputs: Sequence[str] | None = None) 
         The model, whose weights are on the default JAX device.
     """
     compile_cache.configure()
-    return Model(os.fspath(onnx_file), outputs=outputs)
+    path = os.fspath(onnx_file)
+    with _graph_errors(path, "load"):
+        return Model(path, outputs=outputs)
 
 
 class Model:
@@ -218,7 +221,7 @@ class Model:
         if outputs is not None:
             unknown = [o for o in outputs if o not in available]
             if unknown:
-                raise ValueError(f"{path!r} has no outputs {unknown}; it has {available}")
+                raise InputError(f"{path!r} has no outputs {unknown}; it has {available}")
             kept = [o for o in graph.output if o.name in set(outputs)]
             del graph.output[:]
             graph.output.extend(kept)
@@ -300,7 +303,7 @@ class Model:
         if fn is None:
             start = time.perf_counter()
             function = partial(self._function, dict(static))
-            with compile_cache.scope():
+            with compile_cache.scope(), _graph_errors(self.path, "trace"):
                 lowered = jax.jit(function, **jit_options()).lower(self.params, dynamic)
                 traced = time.perf_counter()
                 fn = lowered.compile()
@@ -499,3 +502,25 @@ def _check_together(model: Model, values: Mapping[str, Any]) -> None:
                 f"{table!r} it indexes (the vocabulary, for token ids): its values must lie in "
                 f"[{first}, {rows})"
             )
+
+
+@contextlib.contextmanager
+def _graph_errors(path: str, doing: str):
+    """Raises what goes wrong inside as this package's errors (GraphError, UnsupportedOpError)."""
+    try:
+        yield
+    except TransmuterError:
+        raise
+    except NotImplementedError as error:
+        raise UnsupportedOpError(f"cannot {doing} {path!r}: {_describe(error)}") from error
+    except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as error:
+        raise GraphError(
+            f"cannot {doing} {path!r}: the graph is malformed or an op gets inputs it cannot "
+            f"take: {_describe(error)}"
+        ) from error
+
+
+def _describe(error: BaseException) -> str:
+    notes = "; ".join(getattr(error, "__notes__", ()))
+    text = f"{type(error).__name__}: {error}"
+    return f"{text} ({notes})" if notes else text
