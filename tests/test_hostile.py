@@ -81,6 +81,46 @@ def _embedding(vocab: int = 10) -> onnx.ModelProto:
     return _model(nodes, inputs, outputs, [numpy_helper.from_array(table, "table")])
 
 
+def _shaped() -> onnx.ModelProto:
+    """y = reshape(x, (batch, -1)) @ W, plus or minus one by the flag (an If); z = y * 2."""
+    w = np.arange(60, dtype=np.float32).reshape(12, 5) / 60
+    branch = {
+        name: helper.make_graph(
+            [helper.make_node(op, ["y0", "one"], [name])],
+            name,
+            [],
+            [helper.make_empty_tensor_value_info(name)],
+        )
+        for name, op in (("then", "Add"), ("else", "Sub"))
+    }
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["b"]),
+        helper.make_node("Concat", ["b", "minus_one"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["x2"]),
+        helper.make_node("MatMul", ["x2", "W"], ["y0"]),
+        helper.make_node(
+            "If", ["flag"], ["y"], then_branch=branch["then"], else_branch=branch["else"]
+        ),
+        helper.make_node("Add", ["y", "y"], ["z"]),
+    ]
+    inits = [
+        numpy_helper.from_array(w, "W"),
+        numpy_helper.from_array(np.ones(5, np.float32), "one"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4]),
+        helper.make_tensor_value_info("flag", TensorProto.BOOL, [1]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5]),
+        helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 5]),
+    ]
+    return _model(nodes, inputs, outputs, inits)
+
+
 def _feed(batch=2, seq=3, past=1, total=None, past_batch=None, ids=None) -> dict:
     total = seq + past if total is None else total
     return {
@@ -500,17 +540,22 @@ def _mutate(model: onnx.ModelProto, kind: str, a: int, b: int) -> bytes:
             "flip byte",
         ]
     ),
+    base=st.sampled_from([_embedding, _shaped]),
     a=st.integers(0, 10_000),
     b=st.integers(0, 10_000),
 )
-def test_a_mutated_model_gives_a_result_or_this_packages_error(tmp_path, kind, a, b):
+def test_a_mutated_model_gives_a_result_or_this_packages_error(tmp_path, kind, base, a, b):
     path = tmp_path / "mutated.onnx"
-    path.write_bytes(_mutate(_embedding(), kind, a, b))
+    path.write_bytes(_mutate(base(), kind, a, b))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             model = tj.load(path)
-            feed = {k: v for k, v in _feed(batch=1, seq=2, past=1).items()}
+            feed = {
+                **_feed(batch=1, seq=2, past=1),
+                "x": np.ones((1, 3, 4), np.float32),
+                "flag": np.array([True]),
+            }
             feed = {i.name: feed.get(i.name, np.zeros(1, np.float32)) for i in model.inputs}
             out = model(feed)
         except tj.TransmuterError:
