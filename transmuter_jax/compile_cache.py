@@ -167,13 +167,16 @@ def scope() -> Iterator[None]:
                 return
         from jax._src import config
 
-        saved = {name: getattr(jax_cache, name) for name in _JAX_STATE}
+        mutex = getattr(jax_cache, "_cache_initialized_mutex", None) or contextlib.nullcontext()
+        with mutex:
+            saved = {name: getattr(jax_cache, name) for name in _JAX_STATE}
         _local.depth = 1
         cache.owner = threading.get_ident()
         try:
-            jax_cache._cache = cache
-            jax_cache._cache_initialized = jax_cache._cache_checked = True
-            jax_cache._cache_used = True
+            with mutex:
+                jax_cache._cache = cache
+                jax_cache._cache_initialized = jax_cache._cache_checked = True
+                jax_cache._cache_used = True
             with (
                 config.compilation_cache_dir(folder),
                 config.persistent_cache_min_compile_time_secs(0.0),
@@ -182,8 +185,9 @@ def scope() -> Iterator[None]:
                 yield
         finally:
             cache.owner = None
-            for name, value in saved.items():
-                setattr(jax_cache, name, value)
+            with mutex:
+                for name, value in saved.items():
+                    setattr(jax_cache, name, value)
             _local.depth = 0
 
 
