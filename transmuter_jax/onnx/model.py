@@ -440,15 +440,15 @@ def _index_limits(graph: onnx.GraphProto) -> dict[str, tuple[int, str]]:
 
 def _check_opsets(opsets: Mapping[str, int], path: str) -> None:
     """Warns about an opset newer than every implementation of its domain."""
-    newest: dict[str, int] = {"": onnx.defs.onnx_opset_version()}
+    newest: dict[str, int] = {}
     for spec in registered():
         newest[spec.domain] = max(newest.get(spec.domain, 0), spec.since)
     for domain, version in sorted(opsets.items()):
         if domain in newest and version > newest[domain]:
             warnings.warn(
                 f"{path!r} imports opset {version} of {domain or 'ai.onnx'}, newer than any this "
-                f"library knows ({newest[domain]}): ops that changed since then run as they were "
-                "then, which may compute something else",
+                f"library implements ({newest[domain]}): ops that changed since then run as they "
+                "were then, which may compute something else",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -488,7 +488,7 @@ def _check_together(model: Model, values: Mapping[str, Any]) -> None:
                 f"sequence ({shapes[main][1]}) plus the past ({past[2]}) = {total}: it must cover "
                 "the past and the new tokens, no more"
             )
-    for name, (rows, table) in model._index_limits.items():
+    for name, (rows, table) in getattr(model, "_index_limits", {}).items():
         value = values.get(name)
         if value is None or isinstance(value, jax.Array) or np.size(value) == 0:
             continue  # values on the device are not read back to check them
