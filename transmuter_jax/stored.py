@@ -242,16 +242,20 @@ def _store_works() -> bool:
 
 
 def _write(path: Path, data: bytes) -> None:
-    """Writes ``data`` atomically; then trims the folder to MAX_BYTES. Failures are ignored: the
-    store only saves time."""
+    """Writes ``data`` atomically; then trims the folder to MAX_BYTES. A failure warns once and
+    is otherwise ignored: the store only saves time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as file:
             file.write(data)
         os.replace(file.name, path)
         _trim(path.parent)
-    except OSError:
-        pass
+    except OSError as error:
+        compile_cache.warn_once(
+            "store write",
+            f"transmuter_jax cannot keep lowered programs in {path.parent} ({error}), so each new "
+            f"process traces them again; set {compile_cache.ENV} to a writable folder",
+        )
 
 
 def _trim(where: Path) -> None:
