@@ -141,8 +141,13 @@ def embedding(tmp_path) -> tj.Model:
 
 
 @pytest.mark.parametrize("bad", [VOCAB, -600])
-def test_token_ids_outside_the_vocabulary_are_refused(bad):
-    model = tj.load(LLAMA / "model.onnx")
+@pytest.mark.parametrize(
+    "file",
+    [LLAMA / "model.onnx", FIXTURES / "marian-optimum" / "decoder_model_merged.onnx"],
+    ids=["genai", "merged decoder (embedding inside If)"],
+)
+def test_token_ids_outside_the_vocabulary_are_refused(bad, file):
+    model = tj.load(file)
     inputs = example_inputs(model, batch=1, length=3)
     inputs["input_ids"] = np.array([[1, bad, 2]], np.int64)
     with pytest.raises(

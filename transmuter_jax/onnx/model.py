@@ -39,6 +39,7 @@ from .trace import (
     prune,
     run_nodes,
     static_dependencies,
+    subgraphs,
 )
 
 # Initializers at most this large (elements) stay numpy constants when integer or bool, so shape
@@ -416,7 +417,23 @@ def _index_limits(graph: onnx.GraphProto) -> dict[str, tuple[int, str]]:
     dims = {t.name: tuple(t.dims) for t in graph.initializer}
     sources = {i.name: i.name for i in graph.input if i.name not in dims}
     limits: dict[str, tuple[int, str]] = {}
+    _find_indexing(graph, dims, sources, limits)
+    return limits
+
+
+def _find_indexing(
+    graph: onnx.GraphProto,
+    dims: dict[str, tuple[int, ...]],
+    sources: dict[str, str],
+    limits: dict[str, tuple[int, str]],
+) -> None:
+    """Adds to ``limits`` the tables that the values of ``sources`` index in ``graph``."""
     for node in graph.node:
+        for sub in subgraphs(node):  # If branches and Loop bodies read the outer values too
+            shadowed = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            inner = {k: v for k, v in sources.items() if k not in shadowed}
+            inner_dims = {**dims, **{t.name: tuple(t.dims) for t in sub.initializer}}
+            _find_indexing(sub, inner_dims, inner, limits)
         domain = node.domain if node.domain not in ("", "ai.onnx") else ""
         if domain == "" and node.op_type in _SAME_VALUES and node.input:
             source = sources.get(node.input[0])
@@ -433,9 +450,8 @@ def _index_limits(graph: onnx.GraphProto) -> dict[str, tuple[int, str]]:
         names = {"axis"} if gather else {"gather_axis"}
         axis = next((a.i for a in node.attribute if a.name in names), 0)
         if -len(shape) <= axis < len(shape):
-            rows = shape[axis]
-            limits[source] = min(limits.get(source, (rows, node.input[0])), (rows, node.input[0]))
-    return limits
+            found = (shape[axis], node.input[0])
+            limits[source] = min(limits.get(source, found), found)
 
 
 def _check_opsets(opsets: Mapping[str, int], path: str) -> None:
