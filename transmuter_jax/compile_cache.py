@@ -80,7 +80,8 @@ def directory() -> str | None:
 
 
 def enable(path: str | os.PathLike | None = None) -> str:
-    """Keeps this package's compiled programs in ``path`` (default: ``<cache folder>/jax``).
+    """Keeps this package's compiled programs in ``path`` (default: ``<cache folder>/jax``),
+    unless the caller set ``jax_compilation_cache_dir``: that one is used then.
 
     Returns:
         The folder.
@@ -115,6 +116,9 @@ def configure() -> str | None:
         if setting is not None and setting.strip().lower() in OFF:
             disable()
             return None
+        if jax.config.jax_compilation_cache_dir is not None:
+            disable()  # the caller's cache is used as it is (see scope)
+            return directory()
         try:
             enable(setting or None)
         except OSError as error:  # a read-only home: run without the cache rather than fail
