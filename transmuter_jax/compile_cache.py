@@ -29,6 +29,9 @@ ENV = "TRANSMUTER_JAX_COMPILE_CACHE"
 OFF = ("0", "off", "false", "no")
 MAX_BYTES = 2 << 30  # least recently used entries go beyond this
 MAGIC = b"transmuter_jax-entry-1\0"
+# Before the names of this package's entries: plain JAX (and older versions of this package)
+# neither read them nor are read by it, even in a shared folder.
+PREFIX = "tj1-"
 
 _lock = threading.RLock()
 _state: dict = {"configured": False, "folder": None, "cache": None}
@@ -54,7 +57,7 @@ def unseal(key: str, data: bytes) -> tuple[bytes | None, str]:
     """The payload of a stored entry of ``key``, or None and what is wrong with it."""
     data = bytes(data)
     if not data.startswith(MAGIC):
-        return None, "it is not an entry of this package (damaged, or written by another version)"
+        return None, "it lacks the header of this package's entries (damaged or truncated)"
     at = len(MAGIC)
     size = int.from_bytes(data[at : at + 4], "big")
     name = data[at + 4 : at + 4 + size]
@@ -252,12 +255,12 @@ class _VerifiedCache:
     def get(self, key: str) -> bytes | None:
         if not self._ours():
             return None
-        data = self._base.get(key)
+        data = self._base.get(PREFIX + key)
         if data is None:
             return None
         payload, problem = unseal(key, data)
         if payload is None:
-            path = Path(self.folder) / f"{key}-cache"
+            path = Path(self.folder) / f"{PREFIX}{key}-cache"
             warn_once(
                 "entry",
                 f"compiled program {path} does not match its key: {problem}; compiling it again "
@@ -269,7 +272,7 @@ class _VerifiedCache:
 
     def put(self, key: str, value: bytes) -> None:
         if self._ours():
-            self._base.put(key, seal(key, value))
+            self._base.put(PREFIX + key, seal(key, value))
 
     def clear(self) -> None:
         pass

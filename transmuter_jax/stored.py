@@ -33,7 +33,9 @@ import onnx
 from . import compile_cache
 
 MAX_BYTES = 256 << 20  # oldest programs go beyond this
-SUFFIX = ".jaxexport"
+# The files hold their key (see compile_cache.seal); older versions' files end in .jaxexport
+# alone, so the two never read each other's, and the old ones go first when the folder is full.
+SUFFIX = ".tj1.jaxexport"
 # Environment variables that change what a traced program computes.
 ENVIRONMENT = (
     "TRANSMUTER_JAX_KERNELS",
@@ -260,7 +262,7 @@ def _write(path: Path, data: bytes) -> None:
 
 def _trim(where: Path) -> None:
     entries = []
-    for path in where.glob("*" + SUFFIX):
+    for path in where.glob("*.jaxexport"):
         try:
             stat = path.stat()
         except OSError:
