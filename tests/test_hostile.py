@@ -326,6 +326,13 @@ def _render(template: str) -> str:
             "more than the limit of 10,000,000",
         ),
         ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError (too deep"),
+        ("{{ messages|tojson(indent=9999999) }}", "calls tojson with an argument of more than"),
+        ("{{ ('\t' * 1000000).expandtabs(1000) }}", "a string (with expandtabs) of 1,001,000,000"),
+        (
+            "{% set big = 'a' * 9000000 %}{% set ns = namespace(l=[]) %}{% for i in range(5) %}"
+            "{% set ns.l = ns.l + [big] %}{% endfor %}{{ ns.l|join }}",
+            "builds a string (with join) of 45,000,000 items",
+        ),
     ],
 )
 def test_a_hostile_chat_template_fails_fast_with_a_clear_error(template, words):
@@ -341,6 +348,19 @@ def test_a_chat_template_that_runs_too_long_is_stopped(monkeypatch):
     template = "{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}"
     with pytest.raises(chat.ChatTemplateLimitError, match=r"it took more than 0\.2 s"):
         _render(template + "{{ f(40) }}")
+
+
+def test_a_long_message_renders():
+    content = "<think>" + "word " * 1_000_000 + "</think>answer"  # 5 MB
+    template = (
+        "{% for m in messages %}{% if m.content.startswith('<think>') %}"
+        "{{ m.content.split('</think>')[-1]|trim }}|{{ m.content|replace('word', 'w')|length }}"
+        "|{{ (m.content ~ m.role)|length }}|{{ m.content|tojson|length }}{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": content}]
+    text = chat.render(template, messages, add_generation_prompt=False, special_tokens={})
+    size = len(content)
+    assert text == f"answer|{size - 3_000_000}|{size + 4}|{size + 2}"
 
 
 def test_ordinary_templates_still_render():

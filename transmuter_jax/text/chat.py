@@ -10,8 +10,9 @@ variables (`list.append`, ...) with `jinja2.exceptions.SecurityError`.
 
 A render is also limited, so that a hostile template fails fast with `ChatTemplateLimitError`
 instead of hanging or filling the memory: at most `MAX_STEPS` loop iterations and calls, at most
-`TIME_LIMIT` seconds, and no string or list (nor the output) longer than `MAX_CHARS`, checked
-before the operators `*`, `**`, `+`, `%` and `~`, and around every filter and method call.
+`TIME_LIMIT` seconds, and no string or list (nor the output) longer than `MAX_CHARS`: checked
+before the operators `*`, `**`, `+`, `%` and `~` and the calls that build long strings
+(`replace`, `join`, `expandtabs`, padding to a width), and after every other filter and call.
 """
 
 from __future__ import annotations
@@ -114,28 +115,43 @@ def _size(value: Any) -> int:
 
 # A width or precision of eight digits or more in a format string: "%99999999d", "{:>99999999}".
 _WIDE_FORMAT = re.compile(r"%[-+ #0]*\d{8,}|%[-+ #0]*\d*\.\d{8,}|\{[^{}]*:[^{}]*\d{8,}[^{}]*\}")
+_INDENT_LIMIT = 1000  # the widest indent tojson and indent may take
 
 
-def _check_call(value: Any, args: tuple, kwargs: dict) -> None:
-    """Refuses a call on the string or list ``value`` that would build one past MAX_CHARS."""
-    if not isinstance(value, str | list | tuple):
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_call(value: Any, name: str, args: tuple, kwargs: dict) -> None:
+    """Refuses a call ``name`` on the string ``value`` (a method, a filter or ``%``) that would
+    build one past MAX_CHARS; what other calls build is checked after them."""
+    if not isinstance(value, str):
         return
-    values = (*args, *kwargs.values())
-    if isinstance(value, str):
-        if any(isinstance(a, int) and not isinstance(a, bool) and a > MAX_CHARS for a in values):
-            _too_long(max(a for a in values if isinstance(a, int)), "a string")
-        if _WIDE_FORMAT.search(value):
-            raise ChatTemplateLimitError(f"it formats a value to a width of {MAX_CHARS:,} or more")
-    pieces = [a for a in values if isinstance(a, str | list | tuple)]
-    # replace, join and the like build at most len(value) * (1 + longest argument) items.
-    if pieces:
-        _too_long(len(value) * (1 + max(len(p) for p in pieces)), "a string or list")
+    given = (*args, *kwargs.values())
+    if any(_integer(a) and a > MAX_CHARS for a in given):
+        _too_long(max(a for a in given if _integer(a)), "a string")
+    if name in ("%", "format", "format_map") and _WIDE_FORMAT.search(value):
+        raise ChatTemplateLimitError(f"it formats a value to a width of {MAX_CHARS:,} or more")
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str):
+        old, new = args[0], args[1]
+        times = value.count(old) if old else len(value) + 1
+        _too_long(len(value) + times * max(0, _size(new) - len(old)), "a string (with replace)")
+    elif name == "expandtabs":
+        width = args[0] if args else kwargs.get("tabsize", 8)
+        if _integer(width):
+            _too_long(len(value) + value.count("\t") * width, "a string (with expandtabs)")
+    elif name in ("indent", "tojson", "wordwrap"):
+        for width in given:
+            if _integer(width) and width > _INDENT_LIMIT or _size(width) > _INDENT_LIMIT:
+                raise ChatTemplateLimitError(
+                    f"it calls {name} with an argument of more than {_INDENT_LIMIT} (characters)"
+                )
 
 
 def _check_join(joiner: Any, items: Any) -> None:
     if isinstance(items, list | tuple):
         total = sum(_size(i) for i in items) + len(items) * _size(joiner)
-        _too_long(total, "a string")
+        _too_long(total, "a string (with join)")
 
 
 def _limited_filter(name: str, fn: Any) -> Any:
@@ -145,10 +161,13 @@ def _limited_filter(name: str, fn: Any) -> Any:
     def limited(*args: Any, **kwargs: Any) -> Any:
         _step()
         # The value a filter works on follows the context, eval context or environment.
-        values = [a for a in args if not isinstance(a, jinja2.runtime.Context | jinja2.Environment)]
-        values = [a for a in values if not isinstance(a, nodes.EvalContext)]
+        skip = (jinja2.runtime.Context, jinja2.Environment, nodes.EvalContext)
+        values = [a for a in args if not isinstance(a, skip)]
         if values:
-            _check_call(values[0], tuple(values[1:]), kwargs)
+            if name == "tojson":  # its value is data, not a string; its indent is checked
+                _check_call("", name, tuple(values[1:]), kwargs)
+            else:
+                _check_call(values[0], name, tuple(values[1:]), kwargs)
             if name == "join":
                 _check_join(values[1] if len(values) > 1 else kwargs.get("d", ""), values[0])
         result = fn(*args, **kwargs)
@@ -203,16 +222,17 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
                     )
         elif operator == "+" and _size(left) and _size(right):
             _too_long(_size(left) + _size(right), "a string or list (with +)")
-        elif operator == "%" and isinstance(left, str):
-            _check_call(left, right if isinstance(right, tuple) else (right,), {})
+        elif operator == "%":
+            _check_call(left, "%", right if isinstance(right, tuple) else (right,), {})
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         _step()
         # A bound method, or the sandbox's wrapper of one (str.format).
-        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
-        _check_call(owner, args, kwargs)
-        if getattr(__obj, "__name__", "") == "join" and args:
+        method = getattr(__obj, "__wrapped__", __obj)
+        owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+        _check_call(owner, name, args, kwargs)
+        if name == "join" and isinstance(owner, str) and args:
             _check_join(owner, args[0])
         result = super().call(__context, __obj, *args, **kwargs)
         _too_long(_size(result), "a value (a call)")
