@@ -3,6 +3,7 @@
 from . import compile_cache
 from .onnx import (
     DynamicShapeError,
+    GraphError,
     InputError,
     Model,
     ModelFileError,
@@ -15,6 +16,7 @@ from .onnx import (
 __all__ = [
     "compile_cache",
     "DynamicShapeError",
+    "GraphError",
     "InputError",
     "Model",
     "ModelFileError",
@@ -24,5 +26,3 @@ __all__ = [
     "load",
 ]
 __version__ = "0.1.0"
-
-compile_cache.configure()

@@ -97,12 +97,25 @@ def folder(repo: str | os.PathLike, patterns: Sequence[str] | None = None) -> st
 
 
 def read_json(repo: str | os.PathLike, name: str) -> dict[str, Any]:
-    """The JSON file ``name`` of ``repo``, or {} when it has none."""
+    """The JSON file ``name`` of ``repo``, or {} when it has none.
+
+    Raises:
+        ModelFileError: the file is not valid JSON, or not a JSON object.
+    """
     path = os.path.join(folder(repo, [name]), name)
     if not os.path.exists(path):
         return {}
-    with open(path) as file:
-        return json.load(file)
+    try:
+        with open(path, encoding="utf-8") as file:
+            value = json.load(file)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelFileError(f"{path!r} is not valid JSON: {error}; fix or delete it") from error
+    if not isinstance(value, dict):
+        raise ModelFileError(
+            f"{path!r} must hold a JSON object ({{...}}), not a {type(value).__name__}; "
+            "fix or delete it"
+        )
+    return value
 
 
 def files(repo: str | os.PathLike, *, dtype: str | None = None, file: str | None = None) -> Files:
@@ -255,17 +268,34 @@ def _genai(repo: str, root: str, config_path: str, rank: int, decoder: str | Non
     except (OSError, ValueError, AttributeError) as error:
         raise ModelFileError(f"{repo!r}: cannot read {config_path}: {error}") from error
     directory = posixpath.dirname(config_path)
+    if not isinstance(model, dict):
+        raise ModelFileError(f"{repo!r}: {config_path} has a 'model' that is not an object")
 
     def named(section: str) -> str | None:
         entry = model.get(section)
         filename = entry.get("filename") if isinstance(entry, dict) else None
-        return posixpath.join(directory, filename) if filename else None
+        if not filename:
+            return None
+        return _inside(repo, config_path, f"model.{section}.filename", directory, filename)
 
     decoder = decoder or named("decoder") or posixpath.join(directory, "model.onnx")
     precision = _precision(decoder)
     return _Variant(
         "genai", directory, decoder, named("encoder"), named("embedding"), precision, rank
     )
+
+
+def _inside(repo: str, config_path: str, field: str, directory: str, filename: object) -> str:
+    """``filename`` of ``config_path``, relative to the repository; refused if it leaves it."""
+    if not isinstance(filename, str):
+        raise ModelFileError(f"{repo!r}: {field} of {config_path} must be a file name")
+    path = posixpath.normpath(posixpath.join(directory, filename.replace("\\", "/")))
+    if posixpath.isabs(filename) or os.path.isabs(filename) or path.split("/")[0] == "..":
+        raise ModelFileError(
+            f"{repo!r}: {field} of {config_path} is {filename!r}, which lies outside the model's "
+            "folder; refusing to load it (name a file inside the folder)"
+        )
+    return path
 
 
 def _layouts(directory: str, names: Sequence[str]) -> tuple[dict[str, dict[str, str]], list[str]]:

@@ -9,6 +9,9 @@ and onnx, the backend, the environment variables that change tracing, the ONNX g
 weights: their shapes and dtypes), what the caller says the function closes over, and the shapes
 and dtypes of the arguments. A new process reads the program back and lowers only a call to it,
 which the persistent cache then finds compiled. The store is on when the compilation cache is.
+
+Each file holds its key and a digest of the program; a file whose key, digest or arguments do
+not match the call is traced again and replaced, with one warning.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import onnx
 from . import compile_cache
 
 MAX_BYTES = 256 << 20  # oldest programs go beyond this
-SUFFIX = ".jaxexport"
+# The files hold their key (see compile_cache.seal); older versions' files end in .jaxexport
+# alone, so the two never read each other's, and the old ones go first when the folder is full.
+SUFFIX = ".tj1.jaxexport"
 # Environment variables that change what a traced program computes.
 ENVIRONMENT = (
     "TRANSMUTER_JAX_KERNELS",
@@ -45,6 +50,7 @@ counts = {"exported": 0, "read": 0}
 
 def folder() -> Path | None:
     """Where lowered programs are kept: beside the compiled ones, or None when the cache is off."""
+    compile_cache.configure()
     cache = compile_cache.directory()
     return None if cache is None else Path(cache) / "lowered"
 
@@ -134,9 +140,10 @@ class StoredJit:
         program = self._programs.get(signature)
         if program is not None:
             return program(*args)
-        program = self._program(args)
+        with compile_cache.scope():
+            program = self._program(args)
+            result = program(*args)  # compiles
         self._programs[signature] = program
-        result = program(*args)  # compiles
         release_heap()
         return result
 
@@ -144,9 +151,12 @@ class StoredJit:
         where = folder()
         if self._key is None or where is None:
             return self._jit()
+        if not _store_works():
+            return self._jit()
         tree, specs = _abstract(args)
-        path = where / (_key(self._key, tree, specs) + SUFFIX)
-        exported = _read(path)
+        key = _key(self._key, tree, specs)
+        path = where / (key + SUFFIX)
+        exported = _read(path, key, specs)
         if exported is not None:
             counts["read"] += 1
         else:
@@ -159,7 +169,7 @@ class StoredJit:
                 data = exported.serialize()
             except Exception:  # noqa: BLE001 - what jax.export cannot store runs as plain jit
                 return self._jit()
-            _write(path, data)
+            _write(path, compile_cache.seal(key, bytes(data)))
             counts["exported"] += 1
         return jax.jit(exported.call, donate_argnums=self._donate, **self._options)
 
@@ -185,7 +195,9 @@ def release_heap() -> None:
         trim(0)
 
 
-def _read(path: Path):
+def _read(path: Path, key: str, specs: list[jax.ShapeDtypeStruct]):
+    """The program stored at ``path`` for ``key``; None when there is none, or (with one warning)
+    when the file is damaged or holds another program: it is then traced again and replaced."""
     try:
         data = path.read_bytes()
     except OSError:
@@ -194,28 +206,63 @@ def _read(path: Path):
         os.utime(path)  # recently used: kept longest
     except OSError:
         pass
+    payload, problem = compile_cache.unseal(key, data)
+    exported = None
+    if payload is not None:
+        try:
+            exported = jax.export.deserialize(bytearray(payload))
+        except Exception as error:  # noqa: BLE001 - a damaged or foreign file
+            problem = f"it cannot be read back ({type(error).__name__}: {error})"
+    if exported is not None:
+        want = [(tuple(s.shape), np.dtype(s.dtype)) for s in specs]
+        have = [(tuple(a.shape), np.dtype(a.dtype)) for a in exported.in_avals]
+        if have != want:
+            problem = "its arguments are not those of the call"
+            exported = None
+    if exported is None:
+        compile_cache.warn_once(
+            "stored",
+            f"stored program {path} does not match its key: {problem}; tracing it again and "
+            "replacing it",
+        )
+    return exported
+
+
+@functools.cache
+def _store_works() -> bool:
+    """Whether jax.export can store programs here (it needs flatbuffers); warns once if not."""
     try:
-        return jax.export.deserialize(bytearray(data))
-    except Exception:  # noqa: BLE001 - a damaged or foreign file: trace again and replace it
-        return None
+        import flatbuffers  # noqa: F401
+    except ImportError:
+        compile_cache.warn_once(
+            "flatbuffers",
+            "transmuter_jax keeps no lowered programs on disk, so each new process traces its "
+            "programs again: jax.export needs the package flatbuffers (pip install flatbuffers)",
+        )
+        return False
+    return True
 
 
 def _write(path: Path, data: bytes) -> None:
-    """Writes ``data`` atomically; then trims the folder to MAX_BYTES. Failures are ignored: the
-    store only saves time."""
+    """Writes ``data`` atomically; then trims the folder to MAX_BYTES. A failure warns once and
+    is otherwise ignored: the store only saves time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as file:
             file.write(data)
         os.replace(file.name, path)
         _trim(path.parent)
-    except OSError:
-        pass
+    except OSError as error:
+        compile_cache.warn_once(
+            "store write",
+            f"transmuter_jax cannot keep lowered programs in {path.parent} ({error}), so each new "
+            f"process traces them again; set {compile_cache.ENV} to a writable folder",
+        )
 
 
 def _trim(where: Path) -> None:
     entries = []
-    for path in where.glob("*" + SUFFIX):
+    for path in where.glob("*.jaxexport"):
         try:
             stat = path.stat()
         except OSError:

@@ -2,6 +2,7 @@
 
 from .errors import (
     DynamicShapeError,
+    GraphError,
     InputError,
     ModelFileError,
     TransmuterError,
@@ -12,6 +13,7 @@ from .model import CompileStat, Model, ValueInfo, load
 __all__ = [
     "CompileStat",
     "DynamicShapeError",
+    "GraphError",
     "InputError",
     "Model",
     "ModelFileError",

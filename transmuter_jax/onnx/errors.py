@@ -21,3 +21,7 @@ class DynamicShapeError(TransmuterError, ValueError):
 
 class InputError(TransmuterError, ValueError):
     """An input of the model is missing, unknown or of the wrong type or shape."""
+
+
+class GraphError(TransmuterError, ValueError):
+    """The graph is malformed, or an op of it gets inputs or attributes it cannot take."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 import os
 import time
+import warnings
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +22,7 @@ import onnx.inliner
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
-from .. import kernels
+from .. import compile_cache, kernels
 from . import (
     inline,
     ops,  # noqa: F401  (registers the op implementations)
@@ -27,8 +30,17 @@ from . import (
 )
 from .compiler import jit_options
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
-from .errors import InputError, ModelFileError
-from .trace import Graph, check_supported, prune, run_nodes, static_dependencies
+from .errors import GraphError, InputError, ModelFileError, TransmuterError, UnsupportedOpError
+from .registry import registered
+from .trace import (
+    Graph,
+    check_produced,
+    check_supported,
+    prune,
+    run_nodes,
+    static_dependencies,
+    subgraphs,
+)
 
 # Initializers at most this large (elements) stay numpy constants when integer or bool, so shape
 # arithmetic on them folds at trace time; larger ones, and floats above STATIC_FLOAT, are weights.
@@ -38,6 +50,10 @@ STATIC_FLOAT = 16
 STATIC_INPUT = 8
 # Files at least this large have their inline initializers read in place, not parsed.
 INLINE_FILE_BYTES = 16 << 20
+# No tensor has more elements (2**48: 1 PiB of bytes); more is a corrupt file.
+MAX_ELEMENTS = 1 << 48
+# Ops whose output holds the values of their first input, as an index flows through them.
+_SAME_VALUES = {"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten"}
 
 
 class ValueInfo(NamedTuple):
@@ -73,6 +89,8 @@ def _read_onnx(path: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The model, and its large inline initializers read in place (by name; see :mod:`.inline`)."""
     if not os.path.isfile(path):
         raise ModelFileError(f"no ONNX file at {path!r}")
+    if os.path.getsize(path) == 0:
+        raise ModelFileError(f"{path!r} is empty (0 bytes), not an ONNX model; download it again")
     if os.path.getsize(path) >= INLINE_FILE_BYTES:
         try:
             found = inline.read(path)
@@ -81,9 +99,12 @@ def _read_onnx(path: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         if found is not None:
             return found.proto, found.arrays
     try:
-        return onnx.load(path, load_external_data=False), {}
+        proto = onnx.load(path, load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError) as error:
         raise ModelFileError(f"{path!r} is not a readable ONNX model: {error}") from error
+    if not proto.graph.output:
+        raise ModelFileError(f"{path!r} is not an ONNX model: its graph has no outputs")
+    return proto, {}
 
 
 def _external_array(tensor: TensorProto, folder: str, path: str) -> np.ndarray:
@@ -101,10 +122,10 @@ def _external_array(tensor: TensorProto, folder: str, path: str) -> np.ndarray:
     if not os.path.isfile(file):
         raise ModelFileError(f"external data {location!r} of tensor {tensor.name!r} is missing")
     dtype = np_dtype(tensor.data_type)
-    shape = tuple(tensor.dims)
-    count = int(np.prod(shape, dtype=np.int64))
-    offset = int(info.get("offset", 0))
-    length = int(info.get("length", count * dtype.itemsize))
+    shape = _dims(tensor, path)
+    count = math.prod(shape)
+    offset = _byte_field(info, "offset", 0, tensor, path)
+    length = _byte_field(info, "length", count * dtype.itemsize, tensor, path)
     if length != count * dtype.itemsize or offset + length > os.path.getsize(file):
         raise ModelFileError(
             f"external data {location!r} of tensor {tensor.name!r} is truncated or corrupt "
@@ -115,9 +136,38 @@ def _external_array(tensor: TensorProto, folder: str, path: str) -> np.ndarray:
     return np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
+def _dims(tensor: TensorProto, path: str) -> tuple[int, ...]:
+    """The shape of ``tensor``, refused when a dim is negative or the size is absurd."""
+    shape = tuple(int(d) for d in tensor.dims)
+    if any(d < 0 for d in shape) or math.prod(shape) > MAX_ELEMENTS:
+        raise ModelFileError(
+            f"tensor {tensor.name!r} of {path!r} has dims {list(shape)}, which give no valid size "
+            f"(negative, or more than {MAX_ELEMENTS:,} elements): the file is corrupt"
+        )
+    return shape
+
+
+def _byte_field(info: dict, name: str, default: int, tensor: TensorProto, path: str) -> int:
+    """The external-data field ``name`` (offset or length): a non-negative integer."""
+    text = info.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ModelFileError(
+            f"external data of tensor {tensor.name!r} of {path!r} has {name} {text!r}; it must "
+            "be a non-negative integer (bytes): the file is corrupt"
+        )
+    return value
+
+
 def _tensor_array(tensor: TensorProto, folder: str, path: str) -> np.ndarray:
     if tensor.data_location == TensorProto.EXTERNAL:
         return _external_array(tensor, folder, path)
+    _dims(tensor, path)
     try:
         return numpy_helper.to_array(tensor)
     except Exception as error:  # noqa: BLE001 - any decoding failure is a corrupt file
@@ -139,7 +189,10 @@ def load(onnx_file: str | os.PathLike, *, outputs: Sequence[str] | None = None) 
     Returns:
         The model, whose weights are on the default JAX device.
     """
-    return Model(os.fspath(onnx_file), outputs=outputs)
+    compile_cache.configure()
+    path = os.fspath(onnx_file)
+    with _graph_errors(path, "load"):
+        return Model(path, outputs=outputs)
 
 
 class Model:
@@ -169,7 +222,7 @@ class Model:
         if outputs is not None:
             unknown = [o for o in outputs if o not in available]
             if unknown:
-                raise ValueError(f"{path!r} has no outputs {unknown}; it has {available}")
+                raise InputError(f"{path!r} has no outputs {unknown}; it has {available}")
             kept = [o for o in graph.output if o.name in set(outputs)]
             del graph.output[:]
             graph.output.extend(kept)
@@ -177,6 +230,7 @@ class Model:
             del graph.node[:]
             graph.node.extend(nodes)
 
+        limits = _index_limits(graph)
         constants: dict[str, np.ndarray] = {}
         params: dict[str, jax.Array] = {}
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original.
@@ -202,6 +256,9 @@ class Model:
         self.params = params
         self._graph = Graph(graph, opsets, path, constants)
         check_supported(self._graph)
+        check_produced(self._graph, set(params))
+        _check_opsets(opsets, path)
+        self._index_limits = {n: v for n, v in limits.items() if n in {i.name for i in self.inputs}}
         small = {
             i.name
             for i in self.inputs
@@ -247,9 +304,10 @@ class Model:
         if fn is None:
             start = time.perf_counter()
             function = partial(self._function, dict(static))
-            lowered = jax.jit(function, **jit_options()).lower(self.params, dynamic)
-            traced = time.perf_counter()
-            fn = lowered.compile()
+            with compile_cache.scope(), _graph_errors(self.path, "trace"):
+                lowered = jax.jit(function, **jit_options()).lower(self.params, dynamic)
+                traced = time.perf_counter()
+                fn = lowered.compile()
             self.compile_stats.append(
                 CompileStat(key, traced - start, time.perf_counter() - traced)
             )
@@ -299,18 +357,20 @@ class Model:
         if unknown:
             names = [i.name for i in self.inputs]
             raise InputError(f"{self.path!r} has no inputs {unknown}; its inputs are {names}")
+        missing = [i for i in self.inputs if i.name not in inputs]
+        if missing:
+            names = ", ".join(repr(i.name) for i in missing)
+            expected = "; ".join(f"{i.dtype} of shape {_shape_text(i.shape)}" for i in missing)
+            plural = "s" if len(missing) > 1 else ""
+            raise InputError(f"missing input{plural} {names} of {self.path!r}: expected {expected}")
         dynamic, static = {}, {}
         for info in self.inputs:
-            if info.name not in inputs:
-                raise InputError(
-                    f"missing input {info.name!r} of {self.path!r}: "
-                    f"expected {info.dtype} of shape {_shape_text(info.shape)}"
-                )
             value = _check_input(info, inputs[info.name], self.path)
             if info.name in self.static_inputs:
                 static[info.name] = np.asarray(value)
             else:
                 dynamic[info.name] = value
+        _check_together(self, {**dynamic, **static})
         return dynamic, static
 
 
@@ -349,3 +409,134 @@ def _check_input(info: ValueInfo, value: Any, path: str):
             raise InputError(f"input {info.name!r} of {path!r} has values that overflow {target}")
         array = array.astype(target)
     return array
+
+
+def _index_limits(graph: onnx.GraphProto) -> dict[str, tuple[int, str]]:
+    """For each graph input that indexes a table initializer through Gather (the token ids of an
+    embedding), the number of rows of the table and its name."""
+    dims = {t.name: tuple(t.dims) for t in graph.initializer}
+    sources = {i.name: i.name for i in graph.input if i.name not in dims}
+    limits: dict[str, tuple[int, str]] = {}
+    _find_indexing(graph, dims, sources, limits)
+    return limits
+
+
+def _find_indexing(
+    graph: onnx.GraphProto,
+    dims: dict[str, tuple[int, ...]],
+    sources: dict[str, str],
+    limits: dict[str, tuple[int, str]],
+) -> None:
+    """Adds to ``limits`` the tables that the values of ``sources`` index in ``graph``."""
+    for node in graph.node:
+        for sub in subgraphs(node):  # If branches and Loop bodies read the outer values too
+            shadowed = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            inner = {k: v for k, v in sources.items() if k not in shadowed}
+            inner_dims = {**dims, **{t.name: tuple(t.dims) for t in sub.initializer}}
+            _find_indexing(sub, inner_dims, inner, limits)
+        domain = node.domain if node.domain not in ("", "ai.onnx") else ""
+        if domain == "" and node.op_type in _SAME_VALUES and node.input:
+            source = sources.get(node.input[0])
+            if source is not None:
+                sources[node.output[0]] = source
+            continue
+        gather = domain == "" and node.op_type == "Gather"
+        quantized = domain == "com.microsoft" and node.op_type == "GatherBlockQuantized"
+        if not (gather or quantized) or len(node.input) < 2:
+            continue
+        source, shape = sources.get(node.input[1]), dims.get(node.input[0])
+        if source is None or not shape:
+            continue
+        names = {"axis"} if gather else {"gather_axis"}
+        axis = next((a.i for a in node.attribute if a.name in names), 0)
+        if -len(shape) <= axis < len(shape):
+            found = (shape[axis], node.input[0])
+            limits[source] = min(limits.get(source, found), found)
+
+
+def _check_opsets(opsets: Mapping[str, int], path: str) -> None:
+    """Warns about an opset newer than every implementation of its domain."""
+    newest: dict[str, int] = {}
+    for spec in registered():
+        newest[spec.domain] = max(newest.get(spec.domain, 0), spec.since)
+    for domain, version in sorted(opsets.items()):
+        if domain in newest and version > newest[domain]:
+            warnings.warn(
+                f"{path!r} imports opset {version} of {domain or 'ai.onnx'}, newer than any this "
+                f"library implements ({newest[domain]}): ops that changed since then run as they "
+                "were then, which may compute something else",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+
+def _check_together(model: Model, values: Mapping[str, Any]) -> None:
+    """Checks what the inputs must agree on: the batch, the mask's length, the token ids."""
+    path = model.path
+    main = next((n for n in ("input_ids", "inputs_embeds") if n in values), None)
+    shapes = {n: tuple(np.shape(v)) for n, v in values.items()}
+    declared = {i.name: i.shape for i in model.inputs}
+    if main is not None and shapes[main] and isinstance((declared[main] or (0,))[0], str):
+        batch_name, batch = declared[main][0], shapes[main][0]
+        for name, shape in shapes.items():
+            dims = declared.get(name) or ()
+            if dims and dims[0] == batch_name and shape and shape[0] != batch:
+                raise InputError(
+                    f"input {name!r} of {path!r} has batch {shape[0]}, but {main!r} has batch "
+                    f"{batch}: give every input the same batch (dim 0)"
+                )
+    past = next(
+        (
+            shapes[n]
+            for n in sorted(shapes)
+            if n.startswith(("past_key_values.", "past."))
+            and ".encoder." not in n
+            and len(shapes[n]) == 4
+        ),
+        None,
+    )
+    mask = shapes.get("attention_mask")
+    if main is not None and past is not None and mask is not None and len(mask) == 2:
+        total = shapes[main][1] + past[2]
+        if mask[1] > total:
+            raise InputError(
+                f"input 'attention_mask' of {path!r} has {mask[1]} columns, more than the "
+                f"sequence ({shapes[main][1]}) plus the past ({past[2]}) = {total}: it must cover "
+                "the past and the new tokens, no more"
+            )
+    for name, (rows, table) in getattr(model, "_index_limits", {}).items():
+        value = values.get(name)
+        if value is None or isinstance(value, jax.Array) or np.size(value) == 0:
+            continue  # values on the device are not read back to check them
+        # Gather counts negative indices from the end; a negative token id is a mistake.
+        first = 0 if "input_ids" in name else -rows
+        low, high = int(np.min(value)), int(np.max(value))
+        if low < first or high >= rows:
+            bad = high if high >= rows else low
+            raise InputError(
+                f"input {name!r} of {path!r} holds {bad}, outside the {rows} rows of the table "
+                f"{table!r} it indexes (the vocabulary, for token ids): its values must lie in "
+                f"[{first}, {rows})"
+            )
+
+
+@contextlib.contextmanager
+def _graph_errors(path: str, doing: str):
+    """Raises what goes wrong inside as this package's errors (GraphError, UnsupportedOpError)."""
+    try:
+        yield
+    except TransmuterError:
+        raise
+    except NotImplementedError as error:
+        raise UnsupportedOpError(f"cannot {doing} {path!r}: {_describe(error)}") from error
+    except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as error:
+        raise GraphError(
+            f"cannot {doing} {path!r}: the graph is malformed or an op gets inputs it cannot "
+            f"take: {_describe(error)}"
+        ) from error
+
+
+def _describe(error: BaseException) -> str:
+    notes = "; ".join(getattr(error, "__notes__", ()))
+    text = f"{type(error).__name__}: {error}"
+    return f"{text} ({notes})" if notes else text

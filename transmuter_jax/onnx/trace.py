@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from onnx import AttributeProto, GraphProto, NodeProto, helper, numpy_helper
 
-from .errors import DynamicShapeError, UnsupportedOpError
+from .errors import DynamicShapeError, ModelFileError, UnsupportedOpError
 from .fold import in_program
 from .registry import OpSpec, canonical_domain, lookup
 
@@ -121,6 +121,30 @@ def check_supported(graph: Graph) -> None:
         graph.spec(node)
         for proto in subgraphs(node):
             check_supported(graph.sub(proto))
+
+
+def check_produced(graph: Graph, outer: Iterable[str] = ()) -> None:
+    """Raises ModelFileError for the first value that a node (or the graph's outputs) reads
+    and that no input, initializer or earlier node produces; ``outer``: names known around it."""
+    known = set(outer) | set(graph.constants)
+    known |= {i.name for i in graph.proto.input} | {t.name for t in graph.proto.initializer}
+    for node in graph.proto.node:
+        missing = [name for name in node.input if name and name not in known]
+        if missing:
+            raise ModelFileError(
+                f"{node_label(node)} of {graph.file} reads {', '.join(map(repr, missing))}, which "
+                "no input, initializer or earlier node of the graph produces: the file is damaged "
+                "or its graph is not in order (re-export it)"
+            )
+        for proto in subgraphs(node):
+            check_produced(graph.sub(proto), known)
+        known.update(name for name in node.output if name)
+    missing = [o.name for o in graph.proto.output if o.name not in known]
+    if missing:
+        raise ModelFileError(
+            f"the graph outputs {', '.join(map(repr, missing))} of {graph.file} are produced by "
+            "no node, input or initializer: the file is damaged (re-export it)"
+        )
 
 
 def run_nodes(graph: Graph, scope: Scope) -> None:

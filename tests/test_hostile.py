@@ -1,0 +1,588 @@
+"""Hostile inputs, each in the form of a probe of issue 14, with the exact outcome each must get.
+
+The probes that a process's state could hide (the program store, the compilation cache, import
+side effects) run in a fresh process each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+import transmuter_jax as tj
+from transmuter_jax import hub
+from transmuter_jax.testing import example_inputs
+from transmuter_jax.text import chat
+
+ROOT = Path(__file__).parent.parent
+FIXTURES = Path(__file__).parent / "fixtures"
+LLAMA = FIXTURES / "llama-genai-fp32"
+VOCAB = 512  # vocab_size of LLAMA's config.json
+
+
+def _python(code: str, tmp_path: Path, **env: str) -> dict:
+    """Runs ``code`` in a fresh process; returns the JSON object of its last line."""
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **env)
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", textwrap.dedent(code), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["stderr"] = out.stderr
+    return result
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=21) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+def _embedding(vocab: int = 10) -> onnx.ModelProto:
+    """y = table[input_ids] * 2, with ``input_ids`` (batch, seq) and ``past`` (batch, 1, past, 2),
+    ``attention_mask`` (batch, total) summed into ``m``."""
+    table = np.arange(vocab * 4, dtype=np.float32).reshape(vocab, 4)
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["e"], name="embed"),
+        helper.make_node("Add", ["e", "e"], ["y"], name="twice"),
+        helper.make_node("ReduceSum", ["attention_mask"], ["m"], keepdims=0, name="mask_sum"),
+        helper.make_node("Identity", ["past_key_values.0.key"], ["present"], name="keep"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
+        helper.make_tensor_value_info(
+            "past_key_values.0.key", TensorProto.FLOAT, ["batch", 1, "past", 2]
+        ),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4]),
+        helper.make_tensor_value_info("m", TensorProto.INT64, []),
+        helper.make_tensor_value_info("present", TensorProto.FLOAT, ["batch", 1, "past", 2]),
+    ]
+    return _model(nodes, inputs, outputs, [numpy_helper.from_array(table, "table")])
+
+
+def _shaped() -> onnx.ModelProto:
+    """y = reshape(x, (batch, -1)) @ W, plus or minus one by the flag (an If); z = y * 2."""
+    w = np.arange(60, dtype=np.float32).reshape(12, 5) / 60
+    branch = {
+        name: helper.make_graph(
+            [helper.make_node(op, ["y0", "one"], [name])],
+            name,
+            [],
+            [helper.make_empty_tensor_value_info(name)],
+        )
+        for name, op in (("then", "Add"), ("else", "Sub"))
+    }
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["b"]),
+        helper.make_node("Concat", ["b", "minus_one"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["x2"]),
+        helper.make_node("MatMul", ["x2", "W"], ["y0"]),
+        helper.make_node(
+            "If", ["flag"], ["y"], then_branch=branch["then"], else_branch=branch["else"]
+        ),
+        helper.make_node("Add", ["y", "y"], ["z"]),
+    ]
+    inits = [
+        numpy_helper.from_array(w, "W"),
+        numpy_helper.from_array(np.ones(5, np.float32), "one"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4]),
+        helper.make_tensor_value_info("flag", TensorProto.BOOL, [1]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5]),
+        helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 5]),
+    ]
+    return _model(nodes, inputs, outputs, inits)
+
+
+def _feed(batch=2, seq=3, past=1, total=None, past_batch=None, ids=None) -> dict:
+    total = seq + past if total is None else total
+    return {
+        "input_ids": np.zeros((batch, seq), np.int64) if ids is None else np.asarray(ids),
+        "attention_mask": np.ones((batch, total), np.int64),
+        "past_key_values.0.key": np.zeros((past_batch or batch, 1, past, 2), np.float32),
+    }
+
+
+@pytest.fixture
+def embedding(tmp_path) -> tj.Model:
+    path = tmp_path / "embedding.onnx"
+    onnx.save(_embedding(), path)
+    return tj.load(path)
+
+
+# Probe 5: token ids outside the vocabulary.
+
+
+@pytest.mark.parametrize("bad", [VOCAB, -600])
+@pytest.mark.parametrize(
+    "file",
+    [LLAMA / "model.onnx", FIXTURES / "marian-optimum" / "decoder_model_merged.onnx"],
+    ids=["genai", "merged decoder (embedding inside If)"],
+)
+def test_token_ids_outside_the_vocabulary_are_refused(bad, file):
+    model = tj.load(file)
+    inputs = example_inputs(model, batch=1, length=3)
+    inputs["input_ids"] = np.array([[1, bad, 2]], np.int64)
+    with pytest.raises(
+        tj.InputError, match=rf"'input_ids'.* holds {bad}, outside the {VOCAB} rows"
+    ):
+        model(inputs)
+
+
+def test_token_ids_inside_the_vocabulary_run(embedding):
+    out = embedding(_feed(ids=[[0, 9, 3], [1, 2, 3]]))
+    np.testing.assert_array_equal(np.asarray(out["y"])[0, 1], np.arange(36, 40) * 2)
+
+
+# Probe 7: genai_config.json naming a decoder outside the folder.
+
+
+@pytest.mark.parametrize(
+    "decoder", ["../../outside/model.onnx", "/etc/model.onnx", "a/../../x.onnx"]
+)
+def test_genai_config_naming_a_file_outside_the_folder_is_refused(tmp_path, decoder):
+    root = tmp_path / "repo"
+    root.mkdir()
+    (root / "genai_config.json").write_text(
+        json.dumps({"model": {"decoder": {"filename": decoder}}})
+    )
+    (root / "model.onnx").write_text("x")
+    with pytest.raises(tj.ModelFileError, match="outside the model's folder; refusing to load it"):
+        hub.files(root)
+
+
+# Probe 8: the program store without flatbuffers says so, once.
+
+
+def test_the_store_without_flatbuffers_warns_once_and_runs(tmp_path):
+    out = _python(
+        """
+        import json, sys, warnings
+        sys.modules["flatbuffers"] = None  # as if it were not installed
+        import numpy as np
+        from transmuter_jax import compile_cache, stored
+        compile_cache.enable(sys.argv[1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = stored.StoredJit(lambda x: x + 1, ("plus one",))("s", np.arange(3.0))
+            b = stored.StoredJit(lambda x: x * 2, ("twice",))("s", np.arange(3.0))
+        print(json.dumps({
+            "values": [np.asarray(a).tolist(), np.asarray(b).tolist()],
+            "warnings": [str(w.message) for w in caught],
+            "counts": stored.counts,
+        }))
+        """,
+        tmp_path,
+    )
+    assert out["values"] == [[1.0, 2.0, 3.0], [0.0, 2.0, 4.0]]
+    assert len(out["warnings"]) == 1
+    assert "needs the package flatbuffers" in out["warnings"][0]
+    assert out["counts"] == {"exported": 0, "read": 0}
+    assert not list(tmp_path.glob("lowered/*"))
+
+
+# Probe 9: a stored program (or a compiled one) under the wrong key.
+
+STORE = """
+import json, sys, warnings
+import numpy as np
+import transmuter_jax as tj
+from transmuter_jax import compile_cache, stored
+compile_cache.enable(sys.argv[1])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    a = stored.StoredJit(lambda x: x + 1, ("plus one",))("s", np.arange(3.0))
+    b = stored.StoredJit(lambda x: x * 2, ("twice",))("s", np.arange(4.0))
+print(json.dumps({
+    "values": [np.asarray(a).tolist(), np.asarray(b).tolist()],
+    "warnings": [str(w.message) for w in caught],
+    "counts": stored.counts,
+}))
+"""
+
+
+def test_a_stored_program_under_the_wrong_key_is_traced_again_and_replaced(tmp_path):
+    first = _python(STORE, tmp_path)
+    assert first["counts"] == {"exported": 2, "read": 0}
+    files = sorted((tmp_path / "lowered").glob("*.jaxexport"))
+    assert len(files) == 2
+    contents = [f.read_bytes() for f in files]
+    files[0].write_bytes(contents[1])  # each a valid program, under the other's name
+    files[1].write_bytes(contents[0])
+    second = _python(STORE, tmp_path)
+    assert second["values"] == first["values"] == [[1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
+    assert second["counts"] == {"exported": 2, "read": 0}
+    problems = [w for w in second["warnings"] if "does not match its key" in w]
+    assert len(problems) == 1 and "stored program" in problems[0]
+    assert sorted(f.read_bytes() for f in files) == sorted(contents)  # replaced by the right ones
+    assert files[0].read_bytes() == contents[0]
+    third = _python(STORE, tmp_path)
+    assert third["counts"] == {"exported": 0, "read": 2}
+    assert not [w for w in third["warnings"] if "does not match" in w]
+
+
+COMPILED = """
+import json, sys, warnings
+import numpy as np
+import transmuter_jax as tj
+from jax import monitoring
+counts = {}
+monitoring.register_event_listener(
+    lambda name, **kw: counts.__setitem__(name, counts.get(name, 0) + 1))
+tj.compile_cache.enable(sys.argv[1])
+model = tj.load(sys.argv[1] + "/../embedding.onnx")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ys = [np.asarray(model({
+        "input_ids": np.ones((1, n), np.int64),
+        "attention_mask": np.ones((1, n), np.int64),
+        "past_key_values.0.key": np.zeros((1, 1, 0, 2), np.float32),
+    })["y"]).sum().item() for n in (2, 3)]
+print(json.dumps({
+    "ys": ys,
+    "warnings": [str(w.message) for w in caught],
+    "hits": counts.get("/jax/compilation_cache/cache_hits", 0),
+    "misses": counts.get("/jax/compilation_cache/cache_misses", 0),
+}))
+"""
+
+
+def test_a_compiled_program_under_the_wrong_key_is_compiled_again_and_replaced(tmp_path):
+    onnx.save(_embedding(), tmp_path / "embedding.onnx")
+    cache = tmp_path / "cache"
+    first = _python(COMPILED, cache)
+    assert first["misses"] == 2
+    files = sorted(cache.glob("*-cache"))
+    assert len(files) == 2
+    contents = [f.read_bytes() for f in files]
+    files[0].write_bytes(contents[1])
+    files[1].write_bytes(contents[0][:-100])  # truncated
+    second = _python(COMPILED, cache)
+    assert second["ys"] == first["ys"] == [88.0, 132.0]  # 2 * (4 + 5 + 6 + 7) per token
+    assert (second["hits"], second["misses"]) == (0, 2)
+    problems = [w for w in second["warnings"] if "does not match its key" in w]
+    assert len(problems) == 1 and "compiled program" in problems[0]
+    third = _python(COMPILED, cache)
+    assert (third["hits"], third["misses"]) == (2, 0)
+
+
+# Probe 10: hostile chat templates.
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _render(template: str) -> str:
+    return chat.render(template, MESSAGES, add_generation_prompt=False, special_tokens={})
+
+
+@pytest.mark.parametrize(
+    ("template", "words"),
+    [
+        ("{{ 'a' * 3000000000 }}", "builds a string or list (with *) of 3,000,000,000 items"),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "ran more than 1,000,000 loop iterations and calls",
+        ),
+        ("{{ 10 ** 100000000 }}", "an integer of more than 65,536 bits"),
+        ("{{ 'a'|center(3000000000) }}", "builds a string of 3,000,000,000 items"),
+        ("{{ 'a'.ljust(3000000000) }}", "builds a string of 3,000,000,000 items"),
+        ("{{ '%3000000000d' % 1 }}", "formats a value to a width of 10,000,000 or more"),
+        ("{{ '{:>3000000000}'.format(1) }}", "formats a value to a width of 10,000,000 or more"),
+        (
+            "{% set ns = namespace(s='a') %}{% for i in range(60) %}"
+            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "builds a string (with ~) of 16,777,216 items",
+        ),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+            "{% set ns.s = ns.s|replace('a', 'aa') %}{% endfor %}",
+            "more than the limit of 10,000,000",
+        ),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError (too deep"),
+        ("{{ messages|tojson(indent=9999999) }}", "calls tojson with an argument of more than"),
+        ("{{ ('\t' * 1000000).expandtabs(1000) }}", "a string (with expandtabs) of 1,001,000,000"),
+        (
+            "{% set big = 'a' * 9000000 %}{% set ns = namespace(l=[]) %}{% for i in range(5) %}"
+            "{% set ns.l = ns.l + [big] %}{% endfor %}{{ ns.l|join }}",
+            "builds a string (with join) of 45,000,000 items",
+        ),
+    ],
+)
+def test_a_hostile_chat_template_fails_fast_with_a_clear_error(template, words):
+    with pytest.raises(chat.ChatTemplateLimitError) as error:
+        _render(template)
+    assert "chat template exceeds a limit of a render: " in str(error.value)
+    assert words in str(error.value)
+
+
+def test_a_chat_template_that_runs_too_long_is_stopped(monkeypatch):
+    monkeypatch.setattr(chat, "TIME_LIMIT", 0.2)
+    monkeypatch.setattr(chat, "MAX_STEPS", 10**12)
+    template = "{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}"
+    with pytest.raises(chat.ChatTemplateLimitError, match=r"it took more than 0\.2 s"):
+        _render(template + "{{ f(40) }}")
+
+
+def test_a_long_message_renders():
+    content = "<think>" + "word " * 1_000_000 + "</think>answer"  # 5 MB
+    template = (
+        "{% for m in messages %}{% if m.content.startswith('<think>') %}"
+        "{{ m.content.split('</think>')[-1]|trim }}|{{ m.content|replace('word', 'w')|length }}"
+        "|{{ (m.content ~ m.role)|length }}|{{ m.content|tojson|length }}{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": content}]
+    text = chat.render(template, messages, add_generation_prompt=False, special_tokens={})
+    size = len(content)
+    assert text == f"answer|{size - 3_000_000}|{size + 4}|{size + 2}"
+
+
+def test_ordinary_templates_still_render():
+    template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if loop.last %}!{% endif %}"
+        "{% endfor %}{{ (['ab'] * 3)|join(',') }} {{ '%05d' % 3 }} {{ '{:>4}'.format(1) }}"
+        "{{ 'x' ~ 'y' }}{{ [1] + [2] }}{{ 2 ** 10 }}{{ 'a' * 3 }}"
+    )
+    assert _render(template) == "user: hi!ab,ab,ab 00003    1xy[1, 2]1024aaa"
+
+
+# Probe 11: importing the package changes no global JAX configuration, and loading a model does
+# not collect the caller's programs.
+
+IMPORT = """
+import json, sys, warnings
+import jax, numpy as np
+before = {k: repr(v) for k, v in jax.config.values.items()}
+import transmuter_jax as tj
+after_import = {k: repr(v) for k, v in jax.config.values.items()}
+model = tj.load(sys.argv[1] + "/embedding.onnx")
+model({
+    "input_ids": np.ones((1, 2), np.int64),
+    "attention_mask": np.ones((1, 2), np.int64),
+    "past_key_values.0.key": np.zeros((1, 1, 0, 2), np.float32),
+})
+jax.jit(lambda x: jax.numpy.sin(x) * 3)(np.arange(7.0))  # the caller's own program
+after_load = {k: repr(v) for k, v in jax.config.values.items()}
+print(json.dumps({
+    "import": {k: [before[k], after_import[k]] for k in before if before[k] != after_import[k]},
+    "load": {k: [before[k], after_load[k]] for k in before if before[k] != after_load[k]},
+    "folder": tj.compile_cache.directory(),
+}))
+"""
+
+
+def test_import_changes_no_jax_config_and_the_callers_programs_stay_out(tmp_path):
+    onnx.save(_embedding(), tmp_path / "embedding.onnx")
+    cache = tmp_path / "cache"
+    out = _python(IMPORT, tmp_path, TRANSMUTER_JAX_COMPILE_CACHE=str(cache))
+    assert out["import"] == {}
+    assert out["load"] == {}
+    assert out["folder"] == str(cache)
+    entries = sorted(p.name for p in cache.glob("*-cache"))
+    assert len(entries) == 1 and entries[0].startswith("tj1-jit__function-")  # the model's only
+
+
+def test_a_cache_folder_the_caller_set_is_kept(tmp_path):
+    onnx.save(_embedding(), tmp_path / "embedding.onnx")
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    code = f"import jax; jax.config.update('jax_compilation_cache_dir', {str(theirs)!r})\n"
+    out = _python(code + IMPORT, tmp_path, TRANSMUTER_JAX_COMPILE_CACHE=str(mine))
+    assert out["folder"] == str(theirs)
+    assert not list(mine.glob("*-cache"))
+
+
+# Probe 12: errors that name what is wrong.
+
+
+def test_a_node_input_that_no_node_produces_is_named(tmp_path):
+    model = _embedding()
+    model.graph.node[1].input[1] = "ghost"
+    onnx.save(model, tmp_path / "m.onnx")
+    words = r"node 'twice' \(Add\) of .* reads 'ghost', which no input, initializer or earlier"
+    with pytest.raises(tj.ModelFileError, match=words):
+        tj.load(tmp_path / "m.onnx")
+
+
+def _external(tmp_path, **fields: str) -> Path:
+    table = numpy_helper.from_array(np.ones((10, 4), np.float32), "table")
+    (tmp_path / "w.bin").write_bytes(np.ones((10, 4), np.float32).tobytes())
+    table.ClearField("raw_data")
+    table.data_location = TensorProto.EXTERNAL
+    for key, value in {"location": "w.bin", **fields}.items():
+        entry = table.external_data.add()
+        entry.key, entry.value = key, value
+    model = _embedding()
+    model.graph.ClearField("initializer")
+    model.graph.initializer.append(table)
+    onnx.save(model, tmp_path / "m.onnx")
+    return tmp_path / "m.onnx"
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"offset": "-8"}, "has offset '-8'; it must be a non-negative integer"),
+        ({"offset": "eight"}, "has offset 'eight'; it must be a non-negative integer"),
+        ({"length": "-1"}, "has length '-1'; it must be a non-negative integer"),
+    ],
+)
+def test_a_bad_external_data_offset_is_named(tmp_path, fields, words):
+    with pytest.raises(tj.ModelFileError, match=words):
+        tj.load(_external(tmp_path, **fields))
+
+
+def test_dims_whose_product_wraps_are_refused(tmp_path):
+    path = _external(tmp_path)
+    model = onnx.load(path, load_external_data=False)
+    del model.graph.initializer[0].dims[:]
+    model.graph.initializer[0].dims.extend([2**32, 2**32])  # 2**64 elements wrap to 0 in int64
+    onnx.save(model, path)
+    with pytest.raises(tj.ModelFileError, match=r"dims \[4294967296, 4294967296\], which give no"):
+        tj.load(path)
+
+
+@pytest.mark.parametrize("content", ["{not json", '"a string"', "[1, 2]"])
+def test_malformed_json_config_names_the_file(tmp_path, content):
+    (tmp_path / "generation_config.json").write_text(content)
+    words = r"generation_config\.json.*(not valid JSON|must hold a JSON object)"
+    with pytest.raises(tj.ModelFileError, match=words):
+        hub.read_json(tmp_path, "generation_config.json")
+
+
+def test_a_batch_mismatch_between_input_ids_and_the_past_is_named(embedding):
+    with pytest.raises(
+        tj.InputError, match=r"'past_key_values.0.key' .* has batch 3, but 'input_ids' has batch 2"
+    ):
+        embedding(_feed(batch=2, past_batch=3))
+
+
+def test_an_empty_onnx_file_is_refused(tmp_path):
+    (tmp_path / "model.onnx").write_bytes(b"")
+    with pytest.raises(tj.ModelFileError, match=r"is empty \(0 bytes\)"):
+        tj.load(tmp_path / "model.onnx")
+
+
+def test_all_missing_inputs_are_named_at_once(embedding):
+    with pytest.raises(
+        tj.InputError, match=r"missing inputs 'attention_mask', 'past_key_values.0.key' of"
+    ):
+        embedding({"input_ids": np.zeros((1, 1), np.int64)})
+
+
+# Probe 13: what must be refused.
+
+
+def test_an_attention_mask_longer_than_the_sequence_and_the_past_is_refused(embedding):
+    embedding(_feed(seq=3, past=2, total=5))
+    with pytest.raises(tj.InputError, match=r"has 6 columns, more than the sequence \(3\) plus"):
+        embedding(_feed(seq=3, past=2, total=6))
+
+
+def test_an_opset_newer_than_any_implementation_warns(tmp_path):
+    model = _embedding()
+    model.opset_import[0].version = 99
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.warns(RuntimeWarning, match="imports opset 99 of ai.onnx, newer than any"):
+        tj.load(tmp_path / "m.onnx")
+
+
+# Property: a mutated small model loads and runs, or raises one of this package's errors.
+
+_OPS = ["Add", "Relu", "Nonexistent", "Reshape", "MatMul", "Gather", "Identity"]
+
+
+def _mutate(model: onnx.ModelProto, kind: str, a: int, b: int) -> bytes:
+    graph = model.graph
+    nodes = graph.node
+    if kind == "drop node":
+        del nodes[a % len(nodes)]
+    elif kind == "rename input":
+        node = nodes[a % len(nodes)]
+        names = [n for n in node.input] + ["ghost", "table", "input_ids", ""]
+        node.input[b % len(node.input)] = names[(a + b) % len(names)]
+    elif kind == "op type":
+        nodes[a % len(nodes)].op_type = _OPS[b % len(_OPS)]
+    elif kind == "opset":
+        model.opset_import[0].version = [1, 6, 11, 13, 21, 99][b % 6]
+    elif kind == "dims":
+        table = graph.initializer[0]
+        del table.dims[:]
+        table.dims.extend([[10, 4], [4, 10], [40], [-1, 4], [2**40, 2**40], [0, 4]][b % 6])
+    elif kind == "attribute":
+        node = nodes[a % len(nodes)]
+        node.attribute.append(helper.make_attribute("axis", b - 3))
+    data = model.SerializeToString()
+    if kind == "truncate":
+        data = data[: a % len(data)]
+    elif kind == "flip byte":
+        data = bytearray(data)
+        data[a % len(data)] ^= 1 + b % 255
+        data = bytes(data)
+    return data
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    kind=st.sampled_from(
+        [
+            "drop node",
+            "rename input",
+            "op type",
+            "opset",
+            "dims",
+            "attribute",
+            "truncate",
+            "flip byte",
+        ]
+    ),
+    base=st.sampled_from([_embedding, _shaped]),
+    a=st.integers(0, 10_000),
+    b=st.integers(0, 10_000),
+)
+def test_a_mutated_model_gives_a_result_or_this_packages_error(tmp_path, kind, base, a, b):
+    path = tmp_path / "mutated.onnx"
+    path.write_bytes(_mutate(base(), kind, a, b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = tj.load(path)
+            feed = {
+                **_feed(batch=1, seq=2, past=1),
+                "x": np.ones((1, 3, 4), np.float32),
+                "flag": np.array([True]),
+            }
+            feed = {i.name: feed.get(i.name, np.zeros(1, np.float32)) for i in model.inputs}
+            out = model(feed)
+        except tj.TransmuterError:
+            return
+    assert set(out) == {o.name for o in model.outputs}
