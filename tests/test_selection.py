@@ -59,7 +59,6 @@ def test_nan_is_the_quiet_nan_and_lists_work_element_wise():
         (dict(do_sample=True, temperature=0.0), "temperature"),
         (dict(do_sample=True, top_k=-1), "top_k"),
         (dict(bad_words_ids=[[600]]), "outside the vocabulary"),
-        (dict(bad_words_ids=[[3, 4]]), "more than one token"),
         (dict(suppress_tokens=[9999]), "outside the vocabulary"),
     ],
 )

@@ -147,6 +147,11 @@ class StoredJit:
         release_heap()
         return result
 
+    @property
+    def function(self) -> Callable:
+        """The function it compiles (to call inside another traced program)."""
+        return self._fn
+
     def _program(self, args: tuple):
         where = folder()
         if self._key is None or where is None:
@@ -177,6 +182,16 @@ class StoredJit:
         if self._plain is None:
             self._plain = jax.jit(self._fn, donate_argnums=self._donate, **self._options)
         return self._plain
+
+
+class AutoStoredJit(StoredJit):
+    """A :class:`StoredJit` called with its arguments only: the signature is their shapes and
+    dtypes (for small argument lists, such as the selection's)."""
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten(args)
+        signature = (tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        return super().__call__(signature, *args)
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from ..onnx import compiler
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.ops._util import write_rows
+from ..stored import AutoStoredJit
 
 SEQ = 2  # the sequence axis of a cache array
 
@@ -335,4 +336,5 @@ def reorder_function(layout: CacheLayout, **jit_options: Any):
         cross = {e.input for e in layout.entries if e.cross}
         return {k: v if k in cross else jnp.take(v, order, axis=0) for k, v in arrays.items()}
 
-    return jax.jit(reorder, donate_argnums=(0,), **compiler.jit_options(jit_options))
+    key = ("reorder", layout)
+    return AutoStoredJit(reorder, key, donate_argnums=(0,), **compiler.jit_options(jit_options))

@@ -108,7 +108,7 @@ class Decoder:
 
     def _function(self, branch: bool, rows: int | None):
         step = self.steps.function(branch, rows)
-        mode, select = self.steps.mode, self.select
+        mode, select = self.steps.mode, self.select.function  # traced into the chunk
         names = {i.name for i in self.steps.ctx.model.inputs}
         eos = np.asarray(self.eos or (-1,), np.int32)
         size, pad, axes, logprobs = self.size, self.pad, self.axes, self.logprobs

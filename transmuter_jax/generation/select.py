@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..stored import AutoStoredJit
 from .options import Options
 from .processors import LOWEST, Rows, process
 
@@ -174,7 +175,7 @@ def selection(
         bits = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.int32)
         return jnp.stack([tokens, bits], axis=-1)
 
-    return jax.jit(select, **jit_options)
+    return AutoStoredJit(select, _key("select", options, processors), **jit_options)
 
 
 def beam_selection(
@@ -212,4 +213,12 @@ def beam_selection(
             axis=-1,
         )
 
-    return jax.jit(select, **jit_options)
+    return AutoStoredJit(select, _key("beam", options, processors), **jit_options)
+
+
+def _key(kind: str, options: Options, processors: Sequence[Any]) -> tuple | None:
+    """What a selection computes beyond its arguments' shapes; None (not stored) with a task's
+    own processors, which have no stable name."""
+    if not all(isinstance(p, str) for p in processors):
+        return None
+    return (kind, repr(options), tuple(processors))
