@@ -104,3 +104,13 @@ def test_bad_prompts_and_models_are_named(llama, marian):
         text.text_to_text(FIXTURES / "llama-optimum")
     with pytest.raises(TypeError, match="list of strings"):
         marian([1, 2])
+
+
+@pytest.mark.parametrize("num_beams", [2, 3, 4])
+@pytest.mark.parametrize("pipe_name", ["llama", "marian"])
+def test_beam_search_streams_the_text_it_returns(request, pipe_name, num_beams):
+    pipe = request.getfixturevalue(pipe_name)
+    fixture = "llama-optimum" if pipe_name == "llama" else "marian-optimum"
+    for source in case(fixture, "text")["texts"]:
+        whole = pipe(source, num_beams=num_beams, max_new_tokens=12)
+        assert "".join(pipe.stream(source, num_beams=num_beams, max_new_tokens=12)) == whole

@@ -135,27 +135,32 @@ class Runner:
     ) -> Iterator[str]:
         """Generates after one prompt, yielding text pieces as tokens come.
 
-        Generation runs in a worker thread; closing the iterator (or Ctrl-C while waiting on it)
-        stops it after the current step.
+        The pieces join to the text :meth:`run` gives. With beam search the leading beam can
+        change at any step, so nothing is final before the search ends: the whole text comes as
+        one piece then. Generation runs in a worker thread; closing the iterator (or Ctrl-C while
+        waiting on it) stops it after the current step.
         """
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
         text = tokenizer.streamer(skip_special_tokens=True)
+        beams = int(self.context(1, options).options["num_beams"]) > 1
         done = object()
 
         def on_token(event: dict[str, np.ndarray]) -> None:
             if cancel.is_set():
                 raise _Cancelled
             token = int(event["token"][0])
-            if token >= 0:
+            if token >= 0 and not beams:
                 piece = text.push([token])
                 if piece:
                     pieces.put(piece)
 
         def work() -> None:
             try:
-                self.run(tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token)
-                rest = text.finish()
+                result = self.run(
+                    tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token
+                )[0]
+                rest = result.text if beams else text.finish()
                 if rest:
                     pieces.put(rest)
                 pieces.put(done)
