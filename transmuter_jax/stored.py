@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,14 @@ ENVIRONMENT = (
 CUSTOM_CALLS = ("tj_gemm_f32", "tj_matmul_nbits")
 # Programs this process traced and stored ("exported"), and read back instead ("read").
 counts = {"exported": 0, "read": 0}
+# Called as listener("start", 0.0) before this process traces a program that is not stored, and
+# listener("done", seconds) once that program is compiled (the command line reports first runs).
+compile_listeners: list[Callable[[str, float], None]] = []
+
+
+def _tell(event: str, seconds: float = 0.0) -> None:
+    for listener in list(compile_listeners):
+        listener(event, seconds)
 
 
 def folder() -> Path | None:
@@ -134,15 +143,19 @@ class StoredJit:
         program = self._programs.get(signature)
         if program is not None:
             return program(*args)
+        start, read = time.perf_counter(), counts["read"]
         program = self._program(args)
         self._programs[signature] = program
         result = program(*args)  # compiles
         release_heap()
+        if counts["read"] == read:
+            _tell("done", time.perf_counter() - start)
         return result
 
     def _program(self, args: tuple):
         where = folder()
         if self._key is None or where is None:
+            _tell("start")
             return self._jit()
         tree, specs = _abstract(args)
         path = where / (_key(self._key, tree, specs) + SUFFIX)
@@ -150,6 +163,7 @@ class StoredJit:
         if exported is not None:
             counts["read"] += 1
         else:
+            _tell("start")
             checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in CUSTOM_CALLS]
             export = jax.export.export(
                 jax.jit(self._fn), platforms=[jax.default_backend()], disabled_checks=checks
