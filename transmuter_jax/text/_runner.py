@@ -55,8 +55,26 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+class WrongTask(ValueError):
+    """The model belongs to the other text task (a decoder-only model given to text_to_text, or
+    an encoder-decoder given to generation).
+
+    Attributes:
+        task: the task that runs it: "generation" or "text_to_text".
+    """
+
+    def __init__(self, message: str, task: str):
+        super().__init__(message)
+        self.task = task
+
+
 class Runner:
-    """A decoder with compiled contexts per (batch, options); all share one set of steps."""
+    """A decoder with compiled contexts per (batch, options); all share one set of steps.
+
+    Attributes:
+        defaults: the options a call starts from: transformers' defaults, generation_config.json,
+            then the pipeline's options.
+    """
 
     def __init__(
         self,
@@ -72,7 +90,8 @@ class Runner:
         self._contexts: OrderedDict[tuple, gen.Context] = OrderedDict()
         self._steps: Any = None
         # the options are checked now, so a bad one fails at construction
-        gen.context(folder, model, given=self.given, embed=embed, **self.options)
+        base = gen.context(folder, model, given=self.given, embed=embed, **self.options)
+        self.defaults = dict(base.options)
 
     def context(self, batch: int, options: Mapping[str, Any]) -> gen.Context:
         """The compiled context for ``batch`` prompts and the defaults updated by ``options``."""
