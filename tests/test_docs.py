@@ -14,6 +14,7 @@ runs them. An HTML comment just before a fence (blank lines between are fine) ma
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import re
 import subprocess
@@ -178,3 +179,17 @@ def test_without_onnxruntime_the_comparison_says_how_to_install_it(monkeypatch):
     )
     assert out.returncode == 1
     assert "pip install 'transmuter_jax[ort]'" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("script", ["run_fixture.py", "text_to_text.py"])
+def test_the_fixture_examples_run(script):
+    out = subprocess.run(
+        [sys.executable, f"examples/{script}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
