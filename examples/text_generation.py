@@ -33,8 +33,9 @@ def main(model: str | None) -> None:
         token_logprobs=True,
     )[0]  # fmt: skip
     print(result.text)
+    mean = sum(result.logprobs) / max(len(result.logprobs), 1)
     print(f"{len(result.token_ids)} tokens, finish reason {result.finish_reason}, "
-          f"mean log-probability {sum(result.logprobs) / len(result.logprobs):.2f}")  # fmt: skip
+          f"mean log-probability {mean:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def test_the_fixture_examples_run(script):
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)),  # this checkout's package
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
