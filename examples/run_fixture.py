@@ -1,6 +1,6 @@
 """Load a fixture decoder, run a prompt step and a decode step, and compare with onnxruntime.
 
-Usage: python examples/run_fixture.py [PATH.onnx]
+Usage: python examples/run_fixture.py [PATH.onnx]   (needs pip install 'transmuter_jax[ort]')
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ DEFAULT = os.path.join(HERE, "..", "tests", "fixtures", "llama-genai-fp32", "mod
 
 
 def main(path: str) -> None:
+    try:
+        import onnxruntime  # noqa: F401
+    except ModuleNotFoundError:
+        sys.exit(
+            "examples/run_fixture.py compares with onnxruntime, which is not installed: "
+            "pip install 'transmuter_jax[ort]' (in a checkout: pip install -e '.[ort]')"
+        )
     model = tj.load(path)
     print(f"loaded {os.path.relpath(path)}: {len(model.params)} weight arrays")
     for info in model.inputs[:4]:

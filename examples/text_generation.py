@@ -13,7 +13,8 @@ from transmuter_jax import text
 
 def main(model: str | None) -> None:
     pipe = text.generation(model, max_new_tokens=48)
-    print(pipe("What is the capital of France?", chat=True))
+    # A string is a user message in the chat template when the model has one (chat=False: not).
+    print(pipe("What is the capital of France?"))
 
     messages = [
         {"role": "system", "content": "You answer in one short sentence."},
@@ -23,17 +24,18 @@ def main(model: str | None) -> None:
         print(piece, end="", flush=True)
     print()
 
-    answers = pipe(["Name a fruit.", "Name a color.", "Name a planet."], chat=True)
+    answers = pipe(["Name a fruit.", "Name a color.", "Name a planet."])
     for answer in answers:
         print("-", answer)
 
     result = pipe.generate(
-        ["Write a haiku about the sea."], chat=True, do_sample=True, temperature=0.8, seed=1,
+        ["Write a haiku about the sea."], do_sample=True, temperature=0.8, seed=1,
         token_logprobs=True,
     )[0]  # fmt: skip
     print(result.text)
+    mean = sum(result.logprobs) / max(len(result.logprobs), 1)
     print(f"{len(result.token_ids)} tokens, finish reason {result.finish_reason}, "
-          f"mean log-probability {sum(result.logprobs) / len(result.logprobs):.2f}")  # fmt: skip
+          f"mean log-probability {mean:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""The command line on fixtures: arguments, stdin, JSON, errors, Ctrl-C."""
+"""The command line on fixtures: arguments, stdin, JSON, errors, warnings, beam streaming."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,13 +17,13 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 MODEL = str(FIXTURES / "llama-genai-fp32")
 
 
-def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def _cli(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "transmuter_jax", *args],
         input=stdin,
         capture_output=True,
         text=True,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
         timeout=300,
     )
 
@@ -45,7 +46,11 @@ def test_generate_streams_to_stdout_and_json_has_tokens():
         (["generate", str(FIXTURES / "processors"), "hi"], "has no decoder"),
         (["generate", MODEL, "hi", "--num-beams", "0"], "num_beams"),
         (["generate", MODEL, "-"], "empty"),
-        (["translate", MODEL, "hi"], "has no encoder"),
+        (
+            ["translate", MODEL, "hi"],
+            "has no encoder (a decoder-only model): use 'transmuter-jax generate",
+        ),
+        (["generate", str(FIXTURES / "marian-optimum"), "hi"], "use 'transmuter-jax translate"),
     ],
 )
 def test_errors_are_one_clear_line(args, message):
@@ -82,3 +87,83 @@ def test_options_map_to_transformers_names():
     }
     greedy = cli.parser().parse_args(["generate", "p", "--max-new-tokens", "3"])
     assert cli._options(greedy) == {"max_new_tokens": 3}
+
+
+def test_usage_errors_exit_2():
+    out = _cli("generate", MODEL, "hi", "--no-such-option")
+    assert out.returncode == 2
+    assert "unrecognized arguments: --no-such-option" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", MODEL, "--dtype", "int4", "Hi"],
+        ["generate", "--dtype", "int4", MODEL, "Hi"],
+        ["generate", MODEL, "Hi", "--dtype", "int4"],
+        ["generate", MODEL, "--dtype", "int4", "--", "Hi"],
+    ],
+)
+def test_options_may_stand_anywhere(argv):
+    args = cli.parse(argv)
+    assert args.args == [MODEL, "Hi"] and args.dtype == "int4"
+
+
+def test_a_prompt_after_dashes_may_start_with_a_dash():
+    assert cli.parse(["generate", MODEL, "--", "-5 degrees"]).args == [MODEL, "-5 degrees"]
+
+
+def test_temperature_0_is_greedy_and_warns_about_what_it_ignores():
+    warnings = []
+    args = cli.parse(["generate", "p", "--temperature", "0", "--top-k", "5"])
+    assert cli._options(args, warnings.append) == {"do_sample": False}
+    assert warnings == ["--temperature 0 is greedy decoding: --top-k ignored"]
+    assert cli._options(cli.parse(["generate", "p", "--temperature", "0"]), warnings.append) == {
+        "do_sample": False
+    }
+    assert len(warnings) == 1
+
+
+@pytest.fixture(scope="module")
+def greedy_record():
+    out = _cli("generate", MODEL, "hello world", "--max-new-tokens", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_options_between_model_and_prompt_and_temperature_0_in_a_run(greedy_record):
+    out = _cli(
+        "generate", "--json", MODEL, "--temperature", "0", "--max-new-tokens", "8", "hello world"
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["token_ids"] == greedy_record["token_ids"]
+    assert "transmuter-jax: warning" not in out.stderr
+
+
+def test_seed_without_sampling_warns(capsys):
+    args = ["generate", MODEL, "hello world", "--max-new-tokens", "2", "--seed", "3"]
+    assert cli.main(args) == 0
+    assert "warning: --seed only matters when sampling" in capsys.readouterr().err
+    assert cli.main([*args, "--sample"]) == 0
+    assert "transmuter-jax: warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_beams", ["2", "3", "4"])
+def test_beam_search_streams_the_json_text(num_beams):
+    args = ["generate", MODEL, "the little fox", "--max-new-tokens", "10", "--num-beams", num_beams]
+    record = _cli(*args, "--json")
+    assert record.returncode == 0, record.stderr
+    streamed = _cli(*args)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == json.loads(record.stdout)["text"] + "\n"
+
+
+def test_a_first_run_says_it_compiles_and_a_cached_run_is_quiet(tmp_path):
+    args = ["generate", MODEL, "hello world", "--max-new-tokens", "3"]
+    cold = _cli(*args, TRANSMUTER_JAX_COMPILE_CACHE=str(tmp_path))
+    assert cold.returncode == 0, cold.stderr
+    assert "transmuter-jax: compiling" in cold.stderr
+    assert re.search(r"transmuter-jax: compiled \d+ programs? in \d+\.\d s", cold.stderr)
+    warm = _cli(*args, TRANSMUTER_JAX_COMPILE_CACHE=str(tmp_path))
+    assert warm.returncode == 0, warm.stderr
+    assert warm.stdout == cold.stdout and "transmuter-jax: compil" not in warm.stderr

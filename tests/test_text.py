@@ -104,3 +104,44 @@ def test_bad_prompts_and_models_are_named(llama, marian):
         text.text_to_text(FIXTURES / "llama-optimum")
     with pytest.raises(TypeError, match="list of strings"):
         marian([1, 2])
+
+
+@pytest.mark.parametrize("num_beams", [2, 3, 4])
+@pytest.mark.parametrize("pipe_name", ["llama", "marian"])
+def test_beam_search_streams_the_text_it_returns(request, pipe_name, num_beams):
+    pipe = request.getfixturevalue(pipe_name)
+    fixture = "llama-optimum" if pipe_name == "llama" else "marian-optimum"
+    for source in case(fixture, "text")["texts"]:
+        whole = pipe(source, num_beams=num_beams, max_new_tokens=12)
+        assert "".join(pipe.stream(source, num_beams=num_beams, max_new_tokens=12)) == whole
+
+
+CHATML = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def test_a_string_goes_through_the_chat_template_when_there_is_one(llama):
+    templated = text.generation(FIXTURES / "llama-optimum", chat_template=CHATML)
+    as_message = templated.prompt_ids([{"role": "user", "content": "The quiet river"}])
+    assert templated.prompt_ids("The quiet river") == as_message
+    assert templated.prompt_ids("The quiet river", chat=True) == as_message
+    plain = llama.tokenizer.encode("The quiet river", add_special_tokens=True)
+    assert templated.prompt_ids("The quiet river", chat=False) == plain != as_message
+    assert llama.prompt_ids("The quiet river") == plain  # no template: the text as it is
+    assert templated("The quiet river", max_new_tokens=4) == templated(
+        [{"role": "user", "content": "The quiet river"}], max_new_tokens=4
+    )
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("export", ["genai-fp32"])
+def test_the_default_models_first_call_answers(default_model, export):
+    pipe = text.generation(default_model / export)
+    assert pipe.has_chat_template
+    answer = pipe("What is the capital of France?")
+    assert answer == pipe("What is the capital of France?", chat=True)
+    assert "Paris" in answer
+    whole = pipe("Name a fruit.", num_beams=4, max_new_tokens=16)
+    assert "".join(pipe.stream("Name a fruit.", num_beams=4, max_new_tokens=16)) == whole

@@ -18,6 +18,12 @@ from typing import Any
 PROG = "transmuter-jax"
 
 
+DEFAULTS_NOTE = (
+    "Generation options left out take the values of the model's generation_config.json, else "
+    "transformers' defaults."
+)
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", help="variant of the ONNX files: fp32 (default), q4, int4, fp16, ..."
@@ -27,15 +33,36 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("generation")
-    group.add_argument("--max-new-tokens", type=int, help="most tokens to generate (default 256)")
-    group.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    group.add_argument("--temperature", type=float, help="sampling temperature (implies --sample)")
-    group.add_argument("--top-k", type=int, help="sample from the k best tokens (implies --sample)")
-    group.add_argument("--top-p", type=float, help="nucleus sampling mass (implies --sample)")
-    group.add_argument("--seed", type=int, help="sampling seed (default: random)")
-    group.add_argument("--num-beams", type=int, help="beam search with this many beams")
-    group.add_argument("--repetition-penalty", type=float, help="transformers' repetition_penalty")
+    group = parser.add_argument_group("generation", DEFAULTS_NOTE)
+    group.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens to generate "
+                       "(default: generation_config.json's max_new_tokens, or its max_length "
+                       "minus the prompt when not 20, else 256)")  # fmt: skip
+    group.add_argument("--sample", action="store_true", help="sample instead of greedy decoding "
+                       "(default: generation_config.json's do_sample, else greedy)")  # fmt: skip
+    group.add_argument("--temperature", type=float, metavar="T", help="sampling temperature "
+                       "(implies --sample; 0 means greedy decoding; default 1.0)")  # fmt: skip
+    group.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="sample from the K best tokens (implies --sample; default 50)",
+    )
+    group.add_argument(
+        "--top-p",
+        type=float,
+        metavar="P",
+        help="nucleus sampling mass (implies --sample; default 1.0)",
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        metavar="S",
+        help="sampling seed (default: random; only sampling uses it)",
+    )
+    group.add_argument("--num-beams", type=int, metavar="K", help="beam search with K beams "
+                       "(default 1); the answer prints when the search ends")  # fmt: skip
+    group.add_argument("--repetition-penalty", type=float, metavar="R",
+                       help="transformers' repetition_penalty (default 1.0)")  # fmt: skip
 
 
 def _add_chat_options(parser: argparse.ArgumentParser) -> None:
@@ -48,19 +75,20 @@ def _add_chat_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", help="a system message before the conversation")
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser of the command line."""
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     main = argparse.ArgumentParser(
         prog=PROG,
         description="Run Hugging Face ONNX language models as compiled JAX programs. MODEL is a "
         "folder or a hub id; without it, the default model (SmolLM2-135M-Instruct, prepared "
         "offline on first use). 'default-int4' and 'default-optimum' name its other exports.",
+        epilog="Exit status: 0 done, 1 an error, 2 a usage error, 130 interrupted.",
     )
     commands = main.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = commands.add_parser(
         "generate", help="stream the answer to a prompt", description="Stream the answer to "
-        "PROMPT to stdout. PROMPT '-' reads it from stdin.",
+        "PROMPT to stdout. PROMPT '-' reads it from stdin. With a chat template, the prompt is "
+        "one user message in it. Options may come before, between or after MODEL and PROMPT.",
     )  # fmt: skip
     gen.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, "
@@ -72,7 +100,7 @@ def parser() -> argparse.ArgumentParser:
     chat = commands.add_parser(
         "chat", help="an interactive conversation", description="Talk with the model; the "
         "conversation keeps its history. Type a message per line; /reset clears the history, "
-        "/exit or end of input ends. Ctrl-C stops an answer.",
+        "/exit, /quit or end of input ends. Ctrl-C stops an answer.",
     )  # fmt: skip
     chat.add_argument("model", nargs="?", metavar="MODEL")
     chat.add_argument("--system", help="a system message before the conversation")
@@ -97,15 +125,52 @@ def parser() -> argparse.ArgumentParser:
         "($TRANSMUTER_JAX_CACHE, else ~/.cache/transmuter_jax). Skips what is there.",
     )  # fmt: skip
     prep.add_argument("--verbose", "-v", action="store_true", help="show tracebacks")
-    return main
+    return main, {"generate": gen, "chat": chat, "translate": tr, "prepare": prep}
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of the command line."""
+    return _build()[0]
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The parsed arguments; options may stand anywhere among generate's MODEL and PROMPT.
+
+    A usage error exits with status 2, as argparse does.
+    """
+    main, commands = _build()
+    args, extra = main.parse_known_args(argv)
+    unknown, after_dashes = [], False
+    for item in extra:
+        if item == "--" and not after_dashes:
+            after_dashes = True
+        elif args.command == "generate" and (after_dashes or item == "-" or item[:1] != "-"):
+            args.args.append(item)
+        else:
+            unknown.append(item)
+    if unknown:
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def _warn(message: str) -> None:
+    print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _options(args: argparse.Namespace, warn=_warn) -> dict[str, Any]:
+    """The generation options of the command line, with transformers' names."""
     options: dict[str, Any] = {}
     if args.max_new_tokens is not None:
         options["max_new_tokens"] = args.max_new_tokens
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-    if args.sample or any(v is not None for v in sampling.values()):
+    if args.temperature == 0:  # greedy, as llm, ollama and the OpenAI API read it
+        given = {"--sample": args.sample, "--top-k": args.top_k is not None}
+        given["--top-p"] = args.top_p is not None
+        ignored = [name for name, present in given.items() if present]
+        if ignored:
+            warn(f"--temperature 0 is greedy decoding: {', '.join(ignored)} ignored")
+        options["do_sample"] = False
+    elif args.sample or any(v is not None for v in sampling.values()):
         options["do_sample"] = True
         options.update({k: v for k, v in sampling.items() if v is not None})
     if args.num_beams is not None:
@@ -113,6 +178,58 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty
     return options
+
+
+def _check_seed(args: argparse.Namespace, options: dict[str, Any], defaults: dict) -> None:
+    """Warns when --seed is given but nothing samples."""
+    if args.seed is not None and not options.get("do_sample", defaults.get("do_sample")):
+        _warn("--seed only matters when sampling (--sample, --temperature, --top-k, --top-p); "
+              "greedy decoding and beam search ignore it")  # fmt: skip
+
+
+class _CompileNotice:
+    """Says on stderr when this process compiles programs (a first run), and for how long."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self.told = 0, 0.0, False
+
+    def __call__(self, event: str, seconds: float) -> None:
+        if event == "start" and not self.told:
+            self.told = True
+            print(f"{PROG}: compiling (a first run with these shapes; later runs load the "
+                  "programs from the compile cache) ...", file=sys.stderr, flush=True)  # fmt: skip
+        elif event == "done":
+            self.count += 1
+            self.seconds += seconds
+
+    def report(self) -> None:
+        """Says how long the compiling since the last report took, if there was any."""
+        if self.count:
+            plural = "s" if self.count > 1 else ""
+            print(f"{PROG}: compiled {self.count} program{plural} in {self.seconds:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self.count, self.seconds, self.told = 0, 0.0, False
+
+
+def _pipeline(task: str, model: str | None, args: argparse.Namespace):
+    """The pipeline of ``task`` ("generation" or "text_to_text"), with the command to use when
+    the model is of the other kind."""
+    from . import text
+
+    make = text.generation if task == "generation" else text.text_to_text
+    start = time.perf_counter()
+    try:
+        pipe = make(model, dtype=args.dtype, file=args.file)
+    except text.WrongTask as error:
+        name = model or "the default model"
+        if error.task == "generation":
+            raise ValueError(f"{name} has no encoder (a decoder-only model): use "
+                             f"'{PROG} generate MODEL PROMPT'") from None  # fmt: skip
+        raise ValueError(f"{name} is an encoder-decoder model: use "
+                         f"'{PROG} translate MODEL TEXT'") from None  # fmt: skip
+    _say(args, f"loaded {pipe.files.decoder} ({pipe.files.family}) in "
+         f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    return pipe
 
 
 def _read(text: str) -> str:
@@ -134,25 +251,23 @@ def _messages(system: str | None, prompt: str) -> list[dict[str, str]]:
     return [*head, {"role": "user", "content": prompt}]
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from . import text
-
+def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     if len(args.args) > 2:
         raise ValueError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments")
     model, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
     prompt = _read(prompt)
-    start = time.perf_counter()
-    pipe = text.generation(model, dtype=args.dtype, file=args.file)
-    _say(args, f"loaded {pipe.files.decoder} ({pipe.files.family}) in "
-         f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    pipe = _pipeline("generation", model, args)
     options = _options(args)
-    use_template = args.chat_template and pipe.tokenizer.chat_template is not None
-    source: Any = _messages(args.system, prompt) if use_template else prompt
-    if args.system and not use_template:
+    _check_seed(args, options, pipe.defaults)
+    if args.system and not (args.chat_template and pipe.has_chat_template):
         raise ValueError("--system needs the chat template")
+    source: Any = _messages(args.system, prompt) if args.system else prompt
+    chat = None if args.chat_template else False  # None: the template when the model has one
     start = time.perf_counter()
     if args.json:
-        result = pipe.generate([source], seed=args.seed, token_logprobs=True, **options)[0]
+        result = pipe.generate([source], chat=chat, seed=args.seed, token_logprobs=True,
+                               **options)[0]  # fmt: skip
+        notice.report()
         record = {
             "model": pipe.files.folder,
             "prompt": prompt,
@@ -164,27 +279,29 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(record, ensure_ascii=False))
         return 0
     count = 0
-    for piece in pipe.stream(source, seed=args.seed, **options):
+    for piece in pipe.stream(source, chat=chat, seed=args.seed, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
         count += 1
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    notice.report()
     _say(args, f"{count} pieces in {time.perf_counter() - start:.1f} s "
          f"(compiled shapes: {pipe.compiled_shapes})")  # fmt: skip
     return 0
 
 
-def _chat(args: argparse.Namespace) -> int:
-    from . import text
-
-    pipe = text.generation(args.model, dtype=args.dtype, file=args.file)
-    if pipe.tokenizer.chat_template is None:
-        raise ValueError(f"{pipe.files.folder} has no chat template: use generate")
+def _chat(args: argparse.Namespace, notice: _CompileNotice) -> int:
+    pipe = _pipeline("generation", args.model, args)
+    if not pipe.has_chat_template:
+        raise ValueError(f"{pipe.files.folder} has no chat template: use '{PROG} generate'")
     options = _options(args)
+    _check_seed(args, options, pipe.defaults)
     interactive = sys.stdin.isatty()
     history: list[dict[str, str]] = _messages(args.system, "")[:-1]
     if interactive:
-        print("Chat with the model: /reset clears the history, /exit ends.", file=sys.stderr)
+        print("Chat with the model: /reset clears the history, /exit or /quit ends.",
+              file=sys.stderr)  # fmt: skip
     while True:
         try:
             line = input("> " if interactive else "")
@@ -212,17 +329,18 @@ def _chat(args: argparse.Namespace) -> int:
             sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         sys.stdout.flush()
+        notice.report()
         history.append({"role": "assistant", "content": "".join(answer)})
 
 
-def _translate(args: argparse.Namespace) -> int:
-    from . import text
-
-    pipe = text.text_to_text(args.model, dtype=args.dtype, file=args.file)
+def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     source = _read(args.text)
+    pipe = _pipeline("text_to_text", args.model, args)
     options = _options(args)
+    _check_seed(args, options, pipe.defaults)
     if args.json:
         result = pipe.generate([source], seed=args.seed, token_logprobs=True, **options)[0]
+        notice.report()
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "logprobs": result.logprobs, "finish_reason": result.finish_reason},
                          ensure_ascii=False))  # fmt: skip
@@ -231,10 +349,12 @@ def _translate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    notice.report()
     return 0
 
 
-def _prepare(args: argparse.Namespace) -> int:
+def _prepare(args: argparse.Namespace, notice: _CompileNotice) -> int:
     from . import default
 
     folder = default.prepare()
@@ -246,11 +366,18 @@ COMMANDS = {"generate": _generate, "chat": _chat, "translate": _translate, "prep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (0 ok, 1 error, 130 interrupted)."""
-    args = parser().parse_args(argv)
+    """Runs the command line; returns the exit status (0 ok, 1 error, 130 interrupted).
+
+    A usage error exits with status 2 (SystemExit, as argparse does).
+    """
+    args = parse(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from . import stored
+
+    notice = _CompileNotice()
+    stored.compile_listeners.append(notice)
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command](args, notice)
     except KeyboardInterrupt:
         sys.stdout.write("\n")
         print(f"{PROG}: interrupted", file=sys.stderr)
@@ -265,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {error} ({name})" if args.verbose else f"{PROG}: error: {error}",
               file=sys.stderr)  # fmt: skip
         return 1
+    finally:
+        stored.compile_listeners.remove(notice)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,14 @@ ENVIRONMENT = (
 CUSTOM_CALLS = ("tj_gemm_f32", "tj_matmul_nbits")
 # Programs this process traced and stored ("exported"), and read back instead ("read").
 counts = {"exported": 0, "read": 0}
+# Called as listener("start", 0.0) before this process traces a program that is not stored, and
+# listener("done", seconds) once that program is compiled (the command line reports first runs).
+compile_listeners: list[Callable[[str, float], None]] = []
+
+
+def _tell(event: str, seconds: float = 0.0) -> None:
+    for listener in list(compile_listeners):
+        listener(event, seconds)
 
 
 def folder() -> Path | None:
@@ -140,11 +149,14 @@ class StoredJit:
         program = self._programs.get(signature)
         if program is not None:
             return program(*args)
+        start, read = time.perf_counter(), counts["read"]
         with compile_cache.scope():
             program = self._program(args)
             result = program(*args)  # compiles
         self._programs[signature] = program
         release_heap()
+        if counts["read"] == read:
+            _tell("done", time.perf_counter() - start)
         return result
 
     @property
@@ -155,8 +167,10 @@ class StoredJit:
     def _program(self, args: tuple):
         where = folder()
         if self._key is None or where is None:
+            _tell("start")
             return self._jit()
         if not _store_works():
+            _tell("start")
             return self._jit()
         tree, specs = _abstract(args)
         key = _key(self._key, tree, specs)
@@ -165,6 +179,7 @@ class StoredJit:
         if exported is not None:
             counts["read"] += 1
         else:
+            _tell("start")
             checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in CUSTOM_CALLS]
             export = jax.export.export(
                 jax.jit(self._fn), platforms=[jax.default_backend()], disabled_checks=checks

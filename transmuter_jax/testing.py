@@ -142,6 +142,24 @@ def example_inputs(
     return inputs
 
 
+ORT_HINT = "pip install 'transmuter_jax[ort]'"
+
+
+def _onnxruntime():
+    """onnxruntime, or a ModuleNotFoundError that says how to install it."""
+    try:
+        import onnxruntime
+    except ModuleNotFoundError as error:
+        if error.name != "onnxruntime":
+            raise
+        raise ModuleNotFoundError(
+            f"comparing with onnxruntime needs onnxruntime, which is not installed: {ORT_HINT} "
+            "(in a checkout: pip install -e '.[ort]')",
+            name="onnxruntime",
+        ) from None
+    return onnxruntime
+
+
 def compare_with_onnxruntime(
     model: Model,
     inputs: Mapping[str, np.ndarray],
@@ -154,8 +172,11 @@ def compare_with_onnxruntime(
         model: the loaded model.
         inputs: one array per input.
         session_path: the ONNX file onnxruntime runs; ``model.path`` by default.
+
+    Raises:
+        ModuleNotFoundError: onnxruntime is not installed (the message says how to install it).
     """
-    import onnxruntime as ort
+    ort = _onnxruntime()
 
     options = ort.SessionOptions()
     session = ort.InferenceSession(
@@ -187,8 +208,9 @@ def first_divergence(
     """
     import jax.numpy as jnp
     import onnx
-    import onnxruntime as ort
     from onnx import helper
+
+    ort = _onnxruntime()
 
     from .onnx.trace import node_label, run_nodes
 

@@ -3,8 +3,8 @@
 See docs/text.md.
 """
 
-from ._runner import Result
+from ._runner import Result, WrongTask
 from .generation import TextGeneration, generation
 from .text_to_text import TextToText, text_to_text
 
-__all__ = ["Result", "TextGeneration", "TextToText", "generation", "text_to_text"]
+__all__ = ["Result", "TextGeneration", "TextToText", "WrongTask", "generation", "text_to_text"]

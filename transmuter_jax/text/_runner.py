@@ -55,8 +55,26 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+class WrongTask(ValueError):
+    """The model belongs to the other text task (a decoder-only model given to text_to_text, or
+    an encoder-decoder given to generation).
+
+    Attributes:
+        task: the task that runs it: "generation" or "text_to_text".
+    """
+
+    def __init__(self, message: str, task: str):
+        super().__init__(message)
+        self.task = task
+
+
 class Runner:
-    """A decoder with compiled contexts per (batch, options); all share one set of steps."""
+    """A decoder with compiled contexts per (batch, options); all share one set of steps.
+
+    Attributes:
+        defaults: the options a call starts from: transformers' defaults, generation_config.json,
+            then the pipeline's options.
+    """
 
     def __init__(
         self,
@@ -72,7 +90,8 @@ class Runner:
         self._contexts: OrderedDict[tuple, gen.Context] = OrderedDict()
         self._steps: Any = None
         # the options are checked now, so a bad one fails at construction
-        gen.context(folder, model, given=self.given, embed=embed, **self.options)
+        base = gen.context(folder, model, given=self.given, embed=embed, **self.options)
+        self.defaults = dict(base.options)
 
     def context(self, batch: int, options: Mapping[str, Any]) -> gen.Context:
         """The compiled context for ``batch`` prompts and the defaults updated by ``options``."""
@@ -137,27 +156,32 @@ class Runner:
     ) -> Iterator[str]:
         """Generates after one prompt, yielding text pieces as tokens come.
 
-        Generation runs in a worker thread; closing the iterator (or Ctrl-C while waiting on it)
-        stops it after the current step.
+        The pieces join to the text :meth:`run` gives. With beam search the leading beam can
+        change at any step, so nothing is final before the search ends: the whole text comes as
+        one piece then. Generation runs in a worker thread; closing the iterator (or Ctrl-C while
+        waiting on it) stops it after the current step.
         """
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
         text = tokenizer.streamer(skip_special_tokens=True)
+        beams = int(self.context(1, options).options["num_beams"]) > 1
         done = object()
 
         def on_token(event: dict[str, np.ndarray]) -> None:
             if cancel.is_set():
                 raise _Cancelled
             token = int(event["token"][0])
-            if token >= 0:
+            if token >= 0 and not beams:
                 piece = text.push([token])
                 if piece:
                     pieces.put(piece)
 
         def work() -> None:
             try:
-                self.run(tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token)
-                rest = text.finish()
+                result = self.run(
+                    tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token
+                )[0]
+                rest = result.text if beams else text.finish()
                 if rest:
                     pieces.put(rest)
                 pieces.put(done)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ._runner import Result, Runner, load_decoder, prompt_kind, resolve
+from ._runner import Result, Runner, WrongTask, load_decoder, prompt_kind, resolve
 from .tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
@@ -25,8 +25,9 @@ class TextGeneration:
     def __init__(self, repo, *, dtype=None, file=None, chat_template=None, **options):
         self.files = resolve(repo, dtype, file)
         if self.files.encoder is not None:
-            raise ValueError(
-                f"{repo!r} is an encoder-decoder model: use transmuter_jax.text.text_to_text"
+            raise WrongTask(
+                f"{repo!r} is an encoder-decoder model: use transmuter_jax.text.text_to_text",
+                "text_to_text",
             )
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         if chat_template is not None:
@@ -40,15 +41,28 @@ class TextGeneration:
         """How many decoder step shapes have been compiled so far."""
         return self._runner.compiled_shapes
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The options a call starts from: transformers' defaults, generation_config.json, then
+        the pipeline's options."""
+        return dict(self._runner.defaults)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a (default) chat template."""
+        return self.tokenizer.chat_template is not None
+
     def prompt_ids(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
         """The token ids of a prompt.
 
         A list of messages goes through the chat template (with the generation prompt, or
-        continuing a final assistant message), a string is encoded as it is, with the tokenizer's
-        special tokens; ``chat=True`` sends a string through the template as one user message.
+        continuing a final assistant message). A string goes through it as one user message when
+        the model has a chat template, unless ``chat=False``; otherwise (or with ``chat=False``)
+        it is encoded as it is, with the tokenizer's special tokens. ``chat=True`` requires the
+        template.
         """
         kind = prompt_kind(prompt)
-        if kind == "text" and not chat:
+        if kind == "text" and (chat is False or (chat is None and not self.has_chat_template)):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         messages = [{"role": "user", "content": prompt}] if kind == "text" else list(prompt)
         text = self.chat_text(messages)
@@ -76,7 +90,8 @@ class TextGeneration:
 
         Args:
             prompts: strings or chat-message lists.
-            chat: send string prompts through the chat template as user messages.
+            chat: whether string prompts go through the chat template as user messages; None
+                (the default): when the model has one.
             seed: the sampling seed of the first prompt (the next get seed + 1, ...); None: random.
             **options: generation options for this call (max_new_tokens, do_sample, ...).
 
@@ -116,7 +131,8 @@ class TextGeneration:
         """Yields the answer to one prompt in pieces as it is generated.
 
         Pieces never split a multi-byte character, and they join to the text the same call
-        without streaming gives. Closing the iterator stops generation.
+        without streaming gives. With beam search (``num_beams`` above 1) the text is final only
+        when the search ends: it comes then, as one piece. Closing the iterator stops generation.
         """
         ids = self.prompt_ids(prompt, chat=chat)
         return self._runner.stream(self.tokenizer, ids, options, seed=seed)
@@ -137,7 +153,8 @@ def generation(
             "default-optimum") is the default model, SmolLM2-135M-Instruct, prepared on first use.
         dtype: which variant of the ONNX files (such as "fp32", "q4", "int4"); None: fp32.
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
-        chat_template: a Jinja chat template replacing the tokenizer's.
+        chat_template: a Jinja chat template replacing the tokenizer's. With a chat template,
+            string prompts go through it as user messages unless a call says ``chat=False``.
         **options: default generation options, transformers' names (max_new_tokens, do_sample,
             temperature, top_k, top_p, num_beams, repetition_penalty, token_logprobs, ...).
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
-from ._runner import Result, Runner, load_decoder, resolve
+from ._runner import Result, Runner, WrongTask, load_decoder, resolve
 from .tokenizer import Tokenizer
 
 
@@ -28,7 +28,9 @@ class TextToText:
     def __init__(self, repo, *, dtype=None, file=None, **options):
         self.files = resolve(repo, dtype, file)
         if self.files.encoder is None:
-            raise ValueError(f"{repo!r} has no encoder: use transmuter_jax.text.generation")
+            raise WrongTask(
+                f"{repo!r} has no encoder: use transmuter_jax.text.generation", "generation"
+            )
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         self.encoder = load(self.files.encoder)
         decoder, embed = load_decoder(self.files)
@@ -38,6 +40,12 @@ class TextToText:
             raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
         self._runner = Runner(self.files.folder, decoder, embed=embed, given=given, options=options)
         self.options = dict(options)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The options a call starts from: transformers' defaults, generation_config.json, then
+        the pipeline's options."""
+        return dict(self._runner.defaults)
 
     @property
     def compiled_shapes(self) -> int:
@@ -104,7 +112,8 @@ class TextToText:
         return out[0] if single else out
 
     def stream(self, text: str, *, seed: int | None = None, **options: Any) -> Iterator[str]:
-        """Yields the output for one text in pieces as it is generated."""
+        """Yields the output for one text in pieces as it is generated; they join to the text
+        the same call without streaming gives (with beam search, as one piece at the end)."""
         given, _ = self._encode([text])
         prompt = self._start(1, options)
         return self._runner.stream(self.tokenizer, prompt, options, seed=seed, inputs=given)
