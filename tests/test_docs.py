@@ -155,7 +155,7 @@ def test_a_marker_must_precede_an_example(tmp_path):
 
 
 def test_every_generation_option_is_in_the_options_table():
-    from transmuter_jax.generation.context import DEFAULTS
+    from transmuter_jax.generation.options import DEFAULTS
 
     table = (ROOT / "docs" / "options.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)`", table, re.M))

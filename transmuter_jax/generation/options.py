@@ -204,6 +204,10 @@ class Options:
             if token is not None and not 0 <= token < vocab:
                 raise ValueError(f"{name} {token} is outside the vocabulary of {vocab}")
 
+    def as_dict(self) -> dict[str, Any]:
+        """The options by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` (checked as the constructor checks them)."""
         check_names(changes)

@@ -91,7 +91,7 @@ class Runner:
         self._steps: Any = None
         # the options are checked now, so a bad one fails at construction
         base = gen.context(folder, model, given=self.given, embed=embed, **self.options)
-        self.defaults = dict(base.options)
+        self.defaults = base.options.as_dict()
 
     def context(self, batch: int, options: Mapping[str, Any]) -> gen.Context:
         """The compiled context for ``batch`` prompts and the defaults updated by ``options``."""
@@ -159,12 +159,12 @@ class Runner:
         The pieces join to the text :meth:`run` gives. With beam search the leading beam can
         change at any step, so nothing is final before the search ends: the whole text comes as
         one piece then. Generation runs in a worker thread; closing the iterator (or Ctrl-C while
-        waiting on it) stops it after the current step.
+        waiting on it) stops it after the current step or decode chunk.
         """
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
         text = tokenizer.streamer(skip_special_tokens=True)
-        beams = int(self.context(1, options).options["num_beams"]) > 1
+        beams = self.context(1, options).options.num_beams > 1
         done = object()
 
         def on_token(event: dict[str, np.ndarray]) -> None:
