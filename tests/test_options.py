@@ -90,3 +90,61 @@ def test_the_new_processors_run_in_the_chunks_with_the_tokens_of_steps(name, opt
         pairs = set(zip(row, row[1:], strict=False))
         assert (12, 40) not in pairs
     assert all(np.asarray(row).min() >= 0 for row in out[1] if row)
+
+
+@pytest.mark.parametrize("name", ["llama-optimum", "whisper-optimum"])
+def test_top_logprobs_are_the_best_of_the_log_softmax_and_the_same_in_chunks(name, tmp_path):
+    from generation_cases import encoder_inputs
+
+    the_case = case(name, "batch")
+    given, inputs = encoder_inputs(name, the_case, list(range(len(the_case["prompts"]))))
+    out, events = {}, {}
+    for steps in (1, 4):
+        ctx = context(name, tmp_path, given=given, max_new_tokens=9, top_logprobs=3,
+                      decode_steps=steps)  # fmt: skip
+        ctx = generation.compile(ctx, len(the_case["prompts"]))
+        seen = []
+        out[steps] = generation.generate(ctx, the_case["prompts"], [0] * 4, inputs, seen.append)
+        events[steps] = seen
+    tokens = [[t for t, _, _ in row] for row in out[1]]
+    assert tokens == [row[:9] for row in the_case["tokens"]]  # transformers' greedy tokens
+    for a, b in zip(out[1], out[4], strict=True):
+        assert [t for t, _, _ in a] == [t for t, _, _ in b]
+        for (_, lp_a, top_a), (_, lp_b, top_b) in zip(a, b, strict=True):
+            np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+            np.testing.assert_allclose([v for _, v in top_a], [v for _, v in top_b], atol=1e-5)
+    for row in out[1]:
+        for token, logprob, top in row:
+            assert len(top) == 3 and top[0][0] == token  # greedy: the best is the token
+            np.testing.assert_allclose(top[0][1], logprob, atol=1e-6)
+            values = [v for _, v in top]
+            assert values == sorted(values, reverse=True) and np.exp(values).sum() <= 1 + 1e-5
+    last = [e for e in events[4] if (e["token"] >= 0).any()][-1]
+    assert last["top_ids"].shape == (4, 3) and last["top_logprobs"].shape == (4, 3)
+
+
+def test_top_logprobs_with_sampling_match_the_processed_scores(tmp_path):
+    from transmuter_jax.generation.processors import LOWEST, Rows
+    from transmuter_jax.generation.select import selection
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 40)).astype(np.float32) * 2
+    options = generation.Options(do_sample=True, temperature=0.7, top_k=5, top_logprobs=4)
+    select = selection(options, (), {})
+    rows = Rows(np.full((2, 4), -1, np.int32), np.ones(2, np.int32), np.ones(2, np.int32),
+                np.full(2, 9, np.int32))  # fmt: skip
+    out = np.asarray(select(logits, np.array([1, 2], np.int32), np.zeros(2, np.int32), rows, ()))
+    assert out.shape == (2, 2 + 2 * 4)
+    scores = logits / np.float32(0.7)
+    kth = np.sort(scores, axis=1)[:, -5:-4]
+    scores = np.where(scores < kth, LOWEST, scores)
+    peak = scores.max(1, keepdims=True)
+    logp = scores - (peak + np.log(np.exp(scores - peak).sum(1, keepdims=True)))  # log-softmax
+    for b in range(2):
+        pairs = out[b, 2:].reshape(4, 2)
+        best = np.argsort(-logp[b])[:4]
+        assert list(pairs[:, 0]) == list(best)
+        np.testing.assert_allclose(pairs[:, 1].view(np.float32), logp[b, best], atol=1e-5)
+        assert out[b, 0] in best[:5]
+        np.testing.assert_allclose(out[b, 1:2].view(np.float32), logp[b, out[b, 0]], atol=1e-5)

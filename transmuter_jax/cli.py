@@ -93,6 +93,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     gen.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, "
                      "log-probabilities, finish reason")  # fmt: skip
+    gen.add_argument("--top-logprobs", type=int, metavar="K", default=0, help="with --json, the K "
+                     "most probable tokens at each step, with their log-probabilities")  # fmt: skip
     _add_chat_options(gen)
     _add_generation_options(gen)
     _add_model_options(gen)
@@ -265,6 +267,8 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     chat = None if args.chat_template else False  # None: the template when the model has one
     start = time.perf_counter()
     if args.json:
+        if args.top_logprobs:
+            options["top_logprobs"] = args.top_logprobs
         result = pipe.generate([source], chat=chat, seed=args.seed, token_logprobs=True,
                                **options)[0]  # fmt: skip
         notice.report()
@@ -276,6 +280,12 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
             "logprobs": result.logprobs,
             "finish_reason": result.finish_reason,
         }
+        if result.top_logprobs is not None:  # OpenAI-style: per token, the best k with text
+            decode = pipe.tokenizer.decode
+            record["top_logprobs"] = [
+                [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in best]
+                for best in result.top_logprobs
+            ]
         print(json.dumps(record, ensure_ascii=False))
         return 0
     count = 0

@@ -2,8 +2,9 @@
 
 After the prompt, a chunk runs decoder step -> selection -> next input in a ``lax.while_loop``
 that stops after ``limit`` steps or when every row is done, with the cache donated in and out.
-The host gets ONE int32 array per chunk: [steps, B, 2 or 3] (token or -1, finished flag, and
-with token_logprobs the bits of its log-probability); steps the loop did not run hold -2.
+The host gets ONE int32 array per chunk: [steps, B, 2 + W] (token or -1, finished flag, then
+the selection's other columns: the bits of the log-probability and the top_logprobs pairs);
+steps the loop did not run hold -2.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Decoder:
     eos: tuple[int, ...]
     pad: int
     size: int  # decode_steps: the most steps of one chunk
-    logprobs: bool
+    width: int  # columns of the selection's output (1: the token only)
     axes: int  # position_ids axes: 0 (none), 1, or 3 (M-RoPE)
     functions: dict[tuple, StoredJit] = dataclasses.field(default_factory=dict)
 
@@ -72,7 +73,7 @@ class Decoder:
         """Runs up to ``limit`` (at most ``size``) steps; ``rows``: a padded grow cache's rows.
 
         Returns the state after the chunk (its cache donated from ``state``) and the host array
-        [size, B, 2 or 3] int32 of the steps.
+        [size, B, 1 + width] int32 of the steps.
         """
         ctx = self.steps.ctx
         mode = self.steps.mode
@@ -111,14 +112,13 @@ class Decoder:
         mode, select = self.steps.mode, self.select.function  # traced into the chunk
         names = {i.name for i in self.steps.ctx.model.inputs}
         eos = np.asarray(self.eos or (-1,), np.int32)
-        size, pad, axes, logprobs = self.size, self.pad, self.axes, self.logprobs
+        size, pad, axes, width = self.size, self.pad, self.axes, self.width
         ctx = self.steps.ctx
 
         def run(params, embed_params, state: DecodeState, given, limit):
             batch = state.token.shape[0]
             cache_rows = rows if rows is not None else _self_rows(ctx, state.cache)
-            width = 3 if logprobs else 2
-            out = jnp.full((size, batch, width), NOT_RUN, jnp.int32)
+            out = jnp.full((size, batch, width + 1), NOT_RUN, jnp.int32)
             index = jnp.arange(batch)
 
             def more(carry):
@@ -140,9 +140,9 @@ class Decoder:
                 zeros = jnp.zeros(batch, jnp.int32)
                 logits, cache = step(params, embed_params, s.cache, feed, s.lengths, zeros)
                 views = Rows(s.history, s.prompt, s.prompt + s.count, s.prompt + s.max_new)
-                chosen = select(logits, s.seeds, s.count, views, ())
-                bits = chosen[:, 1] if logprobs else None
-                chosen = chosen[:, 0] if logprobs else chosen
+                chosen = select(logits, s.seeds, s.count, views, ())  # [B] or [B, width]
+                more = chosen[:, 1:] if width > 1 else None
+                chosen = chosen[:, 0] if width > 1 else chosen
                 ends = jnp.isin(chosen, eos) & live
                 kept = live & ~ends
                 at = s.prompt + s.count
@@ -151,10 +151,10 @@ class Decoder:
                 history = s.history.at[index, at].set(chosen, mode="drop")
                 count = s.count + kept.astype(jnp.int32)
                 done = s.done | ends | (kept & (count >= s.max_new))
-                row = [jnp.where(live, chosen, -1), done.astype(jnp.int32)]
-                if logprobs:
-                    row.append(bits)
-                out = out.at[i].set(jnp.stack(row, axis=-1))
+                row = jnp.stack([jnp.where(live, chosen, -1), done.astype(jnp.int32)], axis=-1)
+                if more is not None:
+                    row = jnp.concatenate([row, more], axis=-1)
+                out = out.at[i].set(row)
                 lengths = mode.advance(s.lengths, live.astype(jnp.int32), 1).astype(jnp.int32)
                 s = dataclasses.replace(
                     s,

@@ -108,8 +108,9 @@ def _decoder(ctx: Context, steps: Steps, select) -> Decoder | None:
     if options.decode_steps < 2 or options.num_beams > 1 or custom or not steps.mode.on_device:
         return None
     axes = _position_axes(ctx)
+    width = 1 + options.logprobs + 2 * options.top_logprobs  # the selection's columns
     return Decoder(steps, select, options.eos_token_id, _pad(ctx), options.decode_steps,
-                   options.token_logprobs, axes)  # fmt: skip
+                   width, axes)  # fmt: skip
 
 
 def on_device(ctx: Context) -> bool:
@@ -132,6 +133,7 @@ class _Row:
     fed: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     done: bool = False
 
 
@@ -165,14 +167,16 @@ def generate(
             "image_features" [count, hidden] (the features of the image tokens of all rows, in
             order) and "position_ids" (per prompt: positions per axis per token, or empty).
         on_token: called after each step with "token" [rows] int32 (-1: no new token) and
-            "finished" [rows] bool (and "logprob" or, in beam search, "score"); in order, one
-            call per step, delivered as each decode chunk returns.
+            "finished" [rows] bool (and "logprob"; with top_logprobs "top_ids" and
+            "top_logprobs" [rows, k]; in beam search "score"); in order, one call per step,
+            delivered as each decode chunk returns.
         clamp: give a row no more new tokens than the model has positions left for
             (``ctx.position_limit``); without it, a row that would run past them is refused.
 
     Returns:
         The new tokens of each row, without the eos token; with the option token_logprobs,
-        (token, log-probability) pairs.
+        (token, log-probability) pairs; with top_logprobs=k, (token, log-probability, top)
+        triples, ``top`` the k most probable (token, log-probability) pairs, best first.
     """
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
@@ -410,28 +414,34 @@ class _Run:
                 break
             token = out[i, :, 0]
             logprob = out[i, :, 2].view(np.float32) if out.shape[2] > 2 else None
+            top = out[i, :, 3:] if out.shape[2] > 3 else None
             for b in np.flatnonzero(token >= 0):
                 row = rows[b]
-                t = int(token[b])
-                if t not in eos:
-                    row.generated.append(t)
-                    if logprob is not None:
-                        row.logprobs.append(float(logprob[b]))
+                if int(token[b]) not in eos:
+                    _keep(row, int(token[b]), logprob, top, b)
                 row.done = bool(out[i, b, 1])
-            self.emit(token, logprob)
+            self.emit(token, logprob, top)
             state.advance((token >= 0).astype(np.int32), 1)
 
-    def emit(self, token: np.ndarray, logprob: np.ndarray | None, **more: np.ndarray) -> None:
+    def emit(self, token: np.ndarray, logprob: np.ndarray | None, top: np.ndarray | None) -> None:
         """Calls on_token with one step's event of the caller's rows."""
         if self.on_token is None:
             return
-        n = self.n
+        n, options = self.n, self.ctx.options
         event = {"token": token[:n], "finished": np.array([r.done for r in self.rows[:n]])}
-        if logprob is None and self.ctx.options.token_logprobs:  # a step of prompts only
+        if logprob is None and options.logprobs:  # a step of prompts only
             logprob = np.full(len(token), np.nan, np.float32)
         if logprob is not None:
             event["logprob"] = np.where(token[:n] >= 0, logprob[:n], np.nan)
-        self.on_token(event | more)
+        if options.top_logprobs:
+            k = options.top_logprobs
+            if top is None:
+                top = np.zeros((len(token), 2 * k), np.int32)
+            pairs = top[:n].reshape(n, k, 2)
+            event["top_ids"] = np.where(token[:n, None] >= 0, pairs[..., 0], -1)
+            values = pairs[..., 1].copy().view(np.float32)
+            event["top_logprobs"] = np.where(token[:n, None] >= 0, values, np.nan)
+        self.on_token(event)
 
     # -- the host step's arrays -------------------------------------------------------------
 
@@ -495,14 +505,14 @@ class Sampler:
         """Gives each row that finished its prompt, or is generating, its selected token."""
         ctx, rows = run.ctx, run.rows
         token = np.full(len(rows), -1, np.int32)
-        chosen = logprob = None
+        chosen = logprob = top = None
         if any(run.members[i] and not rows[i].done for i in step.taking()):
             counts = np.array([len(r.generated) for r in rows], np.int32)
             views, states = run.views(), run.states()
             out = np.asarray(ctx.compiled.select(logits, _seeds(rows), counts, views, states))
-            chosen, logprob = (
-                (out[:, 0], out[:, 1].view(np.float32)) if out.ndim == 2 else (out, None)
-            )
+            chosen = out[:, 0] if out.ndim == 2 else out
+            logprob = out[:, 1].view(np.float32) if out.ndim == 2 else None
+            top = out[:, 2:] if out.ndim == 2 and out.shape[1] > 2 else None
         # else a step of prompts only: nothing to select
         for i, row in enumerate(rows):
             if not run.members[i] or row.done:
@@ -515,17 +525,17 @@ class Sampler:
             if t in ctx.eos:
                 row.done = True
             else:
-                row.generated.append(t)
-                if logprob is not None:
-                    row.logprobs.append(float(logprob[i]))
+                _keep(row, t, logprob, top, i)
                 row.done = len(row.generated) >= row.max_new
-        run.emit(token, logprob)
+        run.emit(token, logprob, top)
         return None
 
     def results(self, run: _Run) -> list:
-        rows = run.rows[: run.n]
-        if run.ctx.options.token_logprobs:
-            return [list(zip(r.generated, r.logprobs, strict=False)) for r in rows]
+        rows, options = run.rows[: run.n], run.ctx.options
+        if options.top_logprobs:
+            return [list(zip(r.generated, r.logprobs, r.tops, strict=True)) for r in rows]
+        if options.token_logprobs:
+            return [list(zip(r.generated, r.logprobs, strict=True)) for r in rows]
         return [row.generated for row in rows]
 
 
@@ -598,6 +608,17 @@ class BeamSearch:
             else:
                 results.append(tokens)
         return results
+
+
+def _keep(row: _Row, token: int, logprob, top, i: int) -> None:
+    """Adds a new token to ``row``, with its log-probability and its top pairs when selected."""
+    row.generated.append(token)
+    if logprob is not None:
+        row.logprobs.append(float(logprob[i]))
+    if top is not None:
+        pairs = top[i].reshape(-1, 2)
+        values = pairs[:, 1].copy().view(np.float32)
+        row.tops.append([(int(t), float(v)) for t, v in zip(pairs[:, 0], values, strict=True)])
 
 
 def _seeds(rows: list[_Row]) -> np.ndarray:

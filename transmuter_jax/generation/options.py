@@ -63,7 +63,7 @@ def _sequence_bias(value: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """What generation reads of transformers 4.57 ``GenerationConfig``, with its defaults, and
-    this engine's own options (``token_logprobs``, ``decode_steps``).
+    this engine's own options (``token_logprobs``, ``top_logprobs``, ``decode_steps``).
 
     Lists are stored as tuples (eos_token_id always a tuple, empty for none), so an Options is
     hashable and its repr is stable across processes.
@@ -101,6 +101,7 @@ class Options:
     pad_token_id: int | None = None
     decoder_start_token_id: int | None = None
     token_logprobs: bool = False
+    top_logprobs: int = 0
     decode_steps: int = DECODE_STEPS
 
     def __post_init__(self):
@@ -131,6 +132,7 @@ class Options:
 
         positive_int("num_beams", self.num_beams)
         positive_int("decode_steps", self.decode_steps)
+        positive_int("top_logprobs", self.top_logprobs, zero=True)
         positive_int("num_return_sequences", self.num_return_sequences)
         positive_int("no_repeat_ngram_size", self.no_repeat_ngram_size, zero=True)
         positive_int("min_length", self.min_length, zero=True)
@@ -185,6 +187,10 @@ class Options:
             return
         if self.num_beams > vocab:
             raise ValueError(f"num_beams {self.num_beams} is more than the vocabulary of {vocab}")
+        if self.top_logprobs > vocab:
+            raise ValueError(
+                f"top_logprobs {self.top_logprobs} is more than the vocabulary of {vocab}"
+            )
         for words in self.bad_words_ids or ():
             if max(words) >= vocab:
                 raise ValueError(
@@ -203,6 +209,11 @@ class Options:
             token = getattr(self, name)
             if token is not None and not 0 <= token < vocab:
                 raise ValueError(f"{name} {token} is outside the vocabulary of {vocab}")
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether each new token carries its log-probability (token_logprobs or top_logprobs)."""
+        return bool(self.token_logprobs) or self.top_logprobs > 0
 
     def as_dict(self) -> dict[str, Any]:
         """The options by name."""

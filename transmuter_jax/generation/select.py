@@ -150,12 +150,17 @@ def selection(
 ):
     """The jitted ``(logits [B, V], seeds [B], steps [B], rows, states) -> int32``.
 
-    The result is [B] token ids, or [B, 2] (token id, bits of its log-probability) with the
-    option token_logprobs.
+    The result is [B] token ids; with token_logprobs [B, 2] (token id, bits of its
+    log-probability); with top_logprobs=k [B, 2 + 2k]: then k (id, bits) pairs of the k most
+    probable tokens, best first. Log-probabilities are the log-softmax of the scores the step
+    selected from.
     """
     sample = bool(options.do_sample)
-    logprobs = bool(options.token_logprobs)
+    logprobs, top = options.logprobs, int(options.top_logprobs)
     device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
+
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 
     def select(logits, seeds, steps, rows: Rows, states):
         scores = processed(logits, rows, processors, states, options, device_masks)
@@ -170,10 +175,15 @@ def selection(
             tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
         if not logprobs:
             return tokens
+        total = jax.nn.logsumexp(scores, axis=-1)  # [B]
         chosen = jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0]
-        value = chosen - jax.nn.logsumexp(scores, axis=-1)
-        bits = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.int32)
-        return jnp.stack([tokens, bits], axis=-1)
+        columns = [tokens, bits(chosen - total)]
+        if top:
+            values, ids = jax.lax.top_k(scores, top)  # [B, k]
+            pairs = jnp.stack([ids.astype(jnp.int32), bits(values - total[:, None])], axis=-1)
+            columns = [c[:, None] for c in columns] + [pairs.reshape(pairs.shape[0], -1)]
+            return jnp.concatenate(columns, axis=-1)
+        return jnp.stack(columns, axis=-1)
 
     return AutoStoredJit(select, _key("select", options, processors), **jit_options)
 

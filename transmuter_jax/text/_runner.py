@@ -30,12 +30,15 @@ class Result:
         token_ids: the new token ids, without the eos token.
         logprobs: the log-probability of each new token (with token_logprobs=True), else None.
         finish_reason: "eos" when an eos token ended it, "length" when the token limit did.
+        top_logprobs: with top_logprobs=k, for each new token the k most probable
+            (token id, log-probability) pairs, best first; else None.
     """
 
     text: str
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def resolve(repo: str | os.PathLike | None, dtype: str | None, file: str | None) -> hub.Files:
@@ -134,15 +137,21 @@ class Runner:
         out = gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
         results = []
         for prompt, tokens in zip(prompts, out, strict=True):
-            logprobs = None
-            if ctx.options.token_logprobs:
+            logprobs = top = None
+            if ctx.options.top_logprobs:
+                tokens, logprobs, top = (
+                    [t for t, _, _ in tokens],
+                    [p for _, p, _ in tokens],
+                    [list(best) for _, _, best in tokens],
+                )
+            elif ctx.options.token_logprobs:
                 tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
             limit = gen.new_tokens(ctx, len(prompt))
             if ctx.position_limit is not None:  # generate gave it the tokens that fit
                 limit = min(limit, max(ctx.position_limit - len(prompt), 0))
             reason = "length" if len(tokens) >= limit else "eos"
             text = tokenizer.decode(tokens, skip_special_tokens=True)
-            results.append(Result(text, list(tokens), logprobs, reason))
+            results.append(Result(text, list(tokens), logprobs, reason, top))
         return results
 
     def stream(
