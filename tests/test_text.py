@@ -96,7 +96,7 @@ def test_bad_prompts_and_models_are_named(llama, marian):
         llama([3, 4])
     with pytest.raises(ValueError, match="no chat template"):
         llama("hi", chat=True)
-    with pytest.raises(ValueError, match="unknown generation options"):
+    with pytest.raises(ValueError, match="unknown generation option"):
         llama("hi", max_new_token=3)
     with pytest.raises(ValueError, match="encoder-decoder"):
         text.generation(FIXTURES / "marian-optimum")

@@ -199,13 +199,28 @@ class StoredJit:
         return self._plain
 
 
+def storable(cls: type) -> type:
+    """Registers a dataclass pytree without static fields (``jax.tree_util.register_dataclass``)
+    for ``jax.export``, so programs that take or return it can be stored."""
+    jax.export.register_pytree_node_serialization(
+        cls,
+        serialized_name=f"transmuter_jax.{cls.__module__}.{cls.__qualname__}",
+        serialize_auxdata=lambda aux: b"",
+        deserialize_auxdata=lambda data: (),
+    )
+    return cls
+
+
 class AutoStoredJit(StoredJit):
     """A :class:`StoredJit` called with its arguments only: the signature is their shapes and
     dtypes (for small argument lists, such as the selection's)."""
 
     def __call__(self, *args):
         leaves, tree = jax.tree.flatten(args)
-        signature = (tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        signature = (
+            tree,
+            tuple((np.shape(x), getattr(x, "dtype", None) or np.result_type(x)) for x in leaves),
+        )
         return super().__call__(signature, *args)
 
 

@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..onnx.compiler import jit_options
-from ..stored import StoredJit
+from ..stored import StoredJit, storable
 from .processors import Rows
 from .steps import Steps
 
 NOT_RUN = -2  # the token of a step the loop did not run
 
 
+@storable
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..stored import storable
 from .options import Options
 
 LOWEST = float(np.finfo(np.float32).min)
@@ -41,6 +42,7 @@ ORDER = (
 HIGHEST = float(np.finfo(np.float32).max)
 
 
+@storable
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Rows:
