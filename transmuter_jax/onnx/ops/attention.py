@@ -4,115 +4,28 @@ RotaryEmbedding, the skip layer norms, the GELU variants, BiasAdd and FusedMatMu
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..registry import op
-from ._util import precision, write_rows, xp
+from ._util import write_rows, xp
+from .attention_core import (
+    NO_LIMIT,
+    cap,
+    grouped_scores,
+    grouped_values,
+    masked_softmax,
+    merge_heads,
+    rotate_at,
+    split_heads,
+    visible,
+)
 
 MS = "com.microsoft"
-
-
-# ---------------------------------------------------------------- shared helpers
-
-
-def _heads(x, num_heads):
-    """[B, S, N*H] -> [B, S, N, H]."""
-    b, s, d = x.shape
-    return jnp.reshape(x, (b, s, num_heads, d // num_heads))
-
-
-def _rotate(x, cos, sin, interleaved):
-    """Rotates the first 2*cos.shape[-1] features of x.
-
-    x: [B, S, N, H]; cos, sin: [B, S, R/2] (the angles of each token).
-    """
-    half = cos.shape[-1]
-    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
-    c = cos[:, :, None, :].astype(jnp.float32)  # [B, S, 1, R/2]
-    s = sin[:, :, None, :].astype(jnp.float32)
-    r = rot.astype(jnp.float32)
-    if interleaved:
-        x1, x2 = r[..., 0::2], r[..., 1::2]
-        out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(r.shape)
-    else:
-        x1, x2 = r[..., :half], r[..., half:]
-        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
-
-
-def _rotary(x, positions, cos_cache, sin_cache, interleaved):
-    """x: [B, S, N, H] rotated at positions: [B, S] (int) by the cos/sin caches [P, R/2]."""
-    positions = jnp.asarray(positions).astype(jnp.int32)
-    cos = jnp.take(jnp.asarray(cos_cache), positions, axis=0)  # [B, S, R/2]
-    sin = jnp.take(jnp.asarray(sin_cache), positions, axis=0)
-    return _rotate(x, cos, sin, interleaved)
-
-
-def _window_mask(q_pos, k_pos, valid, window):
-    """Which keys each query sees: causal, valid, and inside the sliding window.
-
-    q_pos: [B, S] absolute query positions; k_pos: [B or 1, L] absolute key positions; valid:
-    [B or 1, L] bool; window: keys a query sees counting itself (<= 0: unlimited).
-    Returns [B, 1, S, L] bool.
-    """
-    j = k_pos[:, None, :]  # [B, 1, L]
-    i = q_pos[:, :, None]  # [B, S, 1]
-    mask = (j <= i) & valid[:, None, :]
-    if window > 0:
-        mask &= j > i - window
-    return mask[:, None]
-
-
-def _softmax(scores, mask, sink=None):
-    """Softmax over the last axis of the keys in mask (others weigh 0; a row without keys is 0).
-
-    sink: optional logit of an extra key without value (smooth softmax), broadcast to [..., 1].
-    """
-    masked = jnp.where(mask, scores, -jnp.inf)
-    top = jnp.max(masked, axis=-1, keepdims=True)
-    if sink is not None:
-        top = jnp.maximum(top, sink)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    e = jnp.where(mask, jnp.exp(masked - top), 0.0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    if sink is not None:
-        total = total + jnp.exp(sink - top)
-    return e / jnp.where(total == 0, 1.0, total)
-
-
-def _grouped_scores(q, k, scale):
-    """q: [B, S, N, H], k: [B, Nk, L, H] -> scale * q.k: [B, N, S, L] in float32.
-
-    Each KV head's queries are one [G * S, H] matrix, so the product reads k as it lies.
-    """
-    b, s, n, h = q.shape
-    nk = k.shape[1]
-    qg = q.reshape(b, s, nk, n // nk, h).transpose(0, 2, 3, 1, 4).reshape(b, nk, -1, h)
-    qg = qg.astype(jnp.float32)
-    scores = jnp.einsum("bkmh,bklh->bkml", qg, k.astype(jnp.float32), precision=precision())
-    return scores.reshape(b, n, s, k.shape[2]) * scale
-
-
-def _grouped_values(probs, v):
-    """probs: [B, N, S, L], v: [B, Nk, L, H] -> [B, S, N*H] in float32."""
-    b, n, s, l = probs.shape
-    nk, h = v.shape[1], v.shape[3]
-    pg = probs.reshape(b, nk, -1, l)  # [B, Nk, G * S, L]
-    out = jnp.einsum("bkml,bklh->bkmh", pg, v.astype(jnp.float32), precision=precision())
-    out = out.reshape(b, nk, n // nk, s, h).transpose(0, 3, 1, 2, 4)  # [B, S, Nk, G, H]
-    return out.reshape(b, s, n * h)
-
-
-def _fit_keys(bias, length):
-    """bias [..., T] cut or zero-padded to [..., length] along the key axis."""
-    have = bias.shape[-1]
-    if have >= length:
-        return bias[..., :length]
-    pad = [(0, 0)] * (bias.ndim - 1) + [(0, length - have)]
-    return jnp.pad(bias, pad)
 
 
 # ---------------------------------------------------------------- GroupQueryAttention
@@ -162,79 +75,140 @@ def GroupQueryAttention(
     Batch row b holds T = seqlens_k[b] + 1 tokens after the step; its Q = min(S, T) new tokens
     (or query_seqlens[b]) go to cache rows [P, P + S) with P = T - Q, at positions P + s.
     """
-    if (
-        k_scale is not None
-        or v_scale is not None
-        or k_quant_type != "NONE"
-        or v_quant_type != "NONE"
-    ):
+    _gqa_validate(k_scale, v_scale, k_quant_type, v_quant_type, q_norm_weight, k_norm_weight)
+    if sliding_window_cache:
+        raise NotImplementedError("GroupQueryAttention with sliding_window_cache=1")
+    query = jnp.asarray(query)
+    q, k, v = _split_qkv(query, key, value, num_heads, kv_num_heads)  # [B, S, N|Nk, H]
+    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    steps = _gqa_steps(seqlens_k, query_seqlens, query.shape[0], query.shape[1])
+    if do_rotary:
+        first = query_seqlens is None and query.shape[1] == total_len
+        rot = _gqa_rotary_positions(steps.pos, position_ids, first)
+        q = rotate_at(q, rot, cos_cache, sin_cache, rotary_interleaved)
+        k = rotate_at(k, rot, cos_cache, sin_cache, rotary_interleaved)
+    cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len)
+    sink = _gqa_sink(head_sink, smooth_softmax, num_heads)
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    window = local_window_size if causal else 0
+    if attention_bias is None and ctx.num_outputs <= 3:
+        attend = partial(_gqa_attend_split, q, cache, steps)
+    else:
+        attend = partial(_gqa_attend_buffer, q, cache, steps, bias=attention_bias)
+    scores, probs, out = attend(scale, softcap, causal, window, sink)
+    outs = (merge_heads(out).astype(query.dtype), cache.present_k, cache.present_v)
+    if ctx.num_outputs > 3:
+        outs += ((scores if qk_output == 1 else probs).astype(query.dtype),)
+    return outs[: max(ctx.num_outputs, 1)]
+
+
+def _gqa_validate(k_scale, v_scale, k_quant_type, v_quant_type, q_norm_weight, k_norm_weight):
+    """Refuses what is not implemented: a quantized KV cache, q/k norms."""
+    quantized = k_scale is not None or v_scale is not None
+    if quantized or k_quant_type != "NONE" or v_quant_type != "NONE":
         raise NotImplementedError("GroupQueryAttention with a quantized KV cache")
     if q_norm_weight is not None or k_norm_weight is not None:
         raise NotImplementedError("GroupQueryAttention with q_norm_weight/k_norm_weight")
-    if sliding_window_cache:
-        raise NotImplementedError("GroupQueryAttention with sliding_window_cache=1")
-    n, nk = num_heads, kv_num_heads
-    query = jnp.asarray(query)
-    b, s, _ = query.shape
-    q, k, v = _split_qkv(query, key, value, n, nk)  # [B, S, N|Nk, H]
-    h = q.shape[-1]
 
-    total = jnp.asarray(seqlens_k).astype(jnp.int32).reshape(b) + 1  # [B]
+
+class _Steps(NamedTuple):
+    """Where this step's tokens go in each batch row."""
+
+    total: jax.Array  # [B] valid rows after the step
+    past: jax.Array  # [B] valid rows before the step (where the new rows are written)
+    pos: jax.Array  # [B, S] positions of the new tokens
+
+
+def _gqa_steps(seqlens_k, query_seqlens, b, s) -> _Steps:
+    total = jnp.asarray(seqlens_k).astype(jnp.int32).reshape(b) + 1
     if query_seqlens is None:
         new = jnp.minimum(total, s)
     else:
         new = jnp.asarray(query_seqlens).astype(jnp.int32).reshape(b)
-    past = total - new  # [B] valid cache rows before this step
-    pos = past[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
+    past = total - new
+    return _Steps(total, past, past[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :])
 
-    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
-    if do_rotary:
-        rot_pos = _gqa_positions(pos, position_ids, first=query_seqlens is None and s == total_len)
-        q = _rotary(q, rot_pos, cos_cache, sin_cache, rotary_interleaved)
-        k = _rotary(k, rot_pos, cos_cache, sin_cache, rotary_interleaved)
 
+def _gqa_rotary_positions(pos, position_ids, first):
+    """Rotary positions [B, S]: pos, or position_ids; a first prompt reads only
+    position_ids[0, 0] and counts on from it in every row (as onnxruntime does)."""
+    if position_ids is None:
+        return pos
+    ids = jnp.asarray(position_ids).astype(jnp.int32).reshape(pos.shape)
+    if first:
+        return ids[0, 0] + jnp.broadcast_to(jnp.arange(pos.shape[1], dtype=jnp.int32), pos.shape)
+    return ids
+
+
+class _Cache(NamedTuple):
+    """The KV buffers of one step, all BNSH: before the write, this step's rows, after it."""
+
+    old_k: jax.Array  # [B, Nk, L, H]
+    old_v: jax.Array
+    new_k: jax.Array  # [B, Nk, S, H]
+    new_v: jax.Array
+    present_k: jax.Array  # [B, Nk, L, H]
+    present_v: jax.Array
+
+
+def _gqa_write(past_key, past_value, k, v, past, total_len) -> _Cache:
+    """Writes this step's keys and values at rows ``past[b]``, one slice update per row."""
+    b, s, nk, h = k.shape
     buffer = 0 if past_key is None else past_key.shape[2]
     length = max(buffer, total_len, s)
-    old_k = _cache(past_key, b, nk, length, h, query.dtype)  # [B, Nk, L, H]
-    old_v = _cache(past_value, b, nk, length, h, query.dtype)
-    new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Nk, S, H]
+    old_k = _cache(past_key, b, nk, length, h, k.dtype)
+    old_v = _cache(past_value, b, nk, length, h, v.dtype)
+    new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     present_k = write_rows(old_k, new_k, past, axis=2)
     present_v = write_rows(old_v, new_v, past, axis=2)
-    scale = scale or 1.0 / math.sqrt(h)
-    rows = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, L]
-    if attention_bias is None and ctx.num_outputs <= 3:
-        # The valid old rows, then this step's rows: the same keys as the written buffer holds,
-        # read without the buffer's update (which XLA would otherwise copy).
-        scores = jnp.concatenate(
-            [_grouped_scores(q, old_k, scale), _grouped_scores(q, new_k, scale)], axis=-1
-        )  # [B, N, S, L + S]
-        k_pos = jnp.concatenate([jnp.broadcast_to(rows, (b, length)), pos], axis=1)
-        valid = jnp.concatenate([rows < past[:, None], pos < total[:, None]], axis=1)
-    else:
-        scores = _grouped_scores(q, present_k, scale)  # [B, N, S, L]
-        if attention_bias is not None:
-            bias = _fit_keys(jnp.asarray(attention_bias).astype(jnp.float32), length)
-            scores = scores + bias
-        k_pos, valid = rows, rows < total[:, None]
-    if softcap > 0:
-        scores = softcap * jnp.tanh(scores / softcap)
-    window = local_window_size if causal else 0
-    mask = _window_mask(pos if causal else jnp.full_like(pos, 2**30), k_pos, valid, window)
-    sink = None
+    return _Cache(old_k, old_v, new_k, new_v, present_k, present_v)
+
+
+def _gqa_sink(head_sink, smooth_softmax, n):
+    """The logit of the value-less extra key per head, or None."""
     if head_sink is not None:
-        sink = jnp.asarray(head_sink).astype(jnp.float32).reshape(1, n, 1, 1)
-    elif smooth_softmax == 1:
-        sink = jnp.zeros((1, 1, 1, 1), jnp.float32)
-    probs = _softmax(scores, mask, sink)
-    if scores.shape[-1] > length:
-        out = _grouped_values(probs[..., :length], old_v)
-        out = out + _grouped_values(probs[..., length:], new_v)  # [B, S, N*H]
-    else:
-        out = _grouped_values(probs, present_v)
-    outs = (out.astype(query.dtype), present_k, present_v)
-    if ctx.num_outputs > 3:
-        outs += ((scores if qk_output == 1 else probs).astype(query.dtype),)
-    return outs[: max(ctx.num_outputs, 1)]
+        return jnp.asarray(head_sink).astype(jnp.float32).reshape(1, n, 1, 1)
+    if smooth_softmax == 1:
+        return jnp.zeros((1, 1, 1, 1), jnp.float32)
+    return None
+
+
+def _gqa_mask(steps: _Steps, k_pos, valid, causal, window):
+    """[B, 1, S, L] keys seen: valid, causal, and inside the window (counting the query)."""
+    q_pos = steps.pos if causal else jnp.full_like(steps.pos, NO_LIMIT)
+    mask = visible(q_pos, k_pos, left=window - 1 if window > 0 else -1)
+    return (mask & valid[:, None, :])[:, None]
+
+
+def _gqa_attend_split(q, cache: _Cache, steps: _Steps, scale, softcap, causal, window, sink):
+    """Attends over the valid old rows, then this step's rows: the keys the written buffer
+    holds, read without the buffer's update (which XLA would otherwise copy)."""
+    b, length = cache.old_k.shape[0], cache.old_k.shape[2]
+    scores = jnp.concatenate(
+        [grouped_scores(q, cache.old_k, scale), grouped_scores(q, cache.new_k, scale)], axis=-1
+    )  # [B, N, S, L + S]
+    scores = cap(scores, softcap)
+    rows = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, L]
+    k_pos = jnp.concatenate([jnp.broadcast_to(rows, (b, length)), steps.pos], axis=1)
+    valid = jnp.concatenate([rows < steps.past[:, None], steps.pos < steps.total[:, None]], 1)
+    mask = _gqa_mask(steps, k_pos, valid, causal, window)
+    probs = masked_softmax(scores, mask, sink)
+    out = grouped_values(probs[..., :length], cache.old_v)
+    out = out + grouped_values(probs[..., length:], cache.new_v)  # [B, S, N, H]
+    return scores, probs, out
+
+
+def _gqa_attend_buffer(q, cache: _Cache, steps, scale, softcap, causal, window, sink, *, bias):
+    """Attends over the written buffer, with the additive attention_bias [.., S, T]."""
+    length = cache.present_k.shape[2]
+    scores = grouped_scores(q, cache.present_k, scale)  # [B, N, S, L]
+    if bias is not None:
+        scores = scores + _fit_keys(jnp.asarray(bias).astype(jnp.float32), length)
+    scores = cap(scores, softcap)
+    rows = jnp.arange(length, dtype=jnp.int32)[None, :]
+    mask = _gqa_mask(steps, rows, rows < steps.total[:, None], causal, window)
+    probs = masked_softmax(scores, mask, sink)
+    return scores, probs, grouped_values(probs, cache.present_v)
 
 
 def _split_qkv(query, key, value, n, nk):
@@ -246,18 +220,7 @@ def _split_qkv(query, key, value, n, nk):
         value = query[..., (n + nk) * h :]
     else:
         q = query
-    return _heads(q, n), _heads(jnp.asarray(key), nk), _heads(jnp.asarray(value), nk)
-
-
-def _gqa_positions(pos, position_ids, first):
-    """Rotary positions [B, S]: pos, or position_ids; a first prompt reads only
-    position_ids[0, 0] and counts on from it in every row (as onnxruntime does)."""
-    if position_ids is None:
-        return pos
-    ids = jnp.asarray(position_ids).astype(jnp.int32).reshape(pos.shape)
-    if first:
-        return ids[0, 0] + jnp.broadcast_to(jnp.arange(pos.shape[1], dtype=jnp.int32), pos.shape)
-    return ids
+    return split_heads(q, n), split_heads(jnp.asarray(key), nk), split_heads(jnp.asarray(value), nk)
 
 
 def _cache(past, b, heads, length, h, dtype):
@@ -268,6 +231,15 @@ def _cache(past, b, heads, length, h, dtype):
     if past.shape[2] == length:
         return past
     return jnp.pad(past, ((0, 0), (0, 0), (0, length - past.shape[2]), (0, 0)))
+
+
+def _fit_keys(bias, length):
+    """bias [..., T] cut or zero-padded to [..., length] along the key axis."""
+    have = bias.shape[-1]
+    if have >= length:
+        return bias[..., :length]
+    pad = [(0, 0)] * (bias.ndim - 1) + [(0, length - have)]
+    return jnp.pad(bias, pad)
 
 
 # ---------------------------------------------------------------- MultiHeadAttention
@@ -306,7 +278,7 @@ def MultiHeadAttention(
         v = jnp.concatenate([jnp.asarray(past_value), v], axis=2)
     length = k.shape[2]  # k, v: [B, N, L, H]
     past = length - new_len
-    scores = _grouped_scores(q, k, scale or 1.0 / math.sqrt(h))  # [B, N, S, L]
+    scores = grouped_scores(q, k, scale or 1.0 / math.sqrt(h))  # [B, N, S, L]
     keep = _padding_mask(key_padding_mask, b, s, length)  # [B, 1|S, L] or None
     if unidirectional:
         causal = jnp.arange(length)[None, :] <= (past + jnp.arange(s))[:, None]  # [S, L]
@@ -315,8 +287,8 @@ def MultiHeadAttention(
         scores = scores + jnp.where(keep, 0.0, mask_filter_value)[:, None]
     if attention_bias is not None:
         scores = scores + jnp.asarray(attention_bias).astype(jnp.float32)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = _grouped_values(probs, v).astype(q.dtype)
+    probs = masked_softmax(scores)
+    out = merge_heads(grouped_values(probs, v)).astype(q.dtype)
     return (out, k, v, probs.astype(q.dtype))[: max(ctx.num_outputs, 1)]
 
 
@@ -326,7 +298,7 @@ def _mha_inputs(query, key, value, bias, n):
         q, k, v = query[:, :, :, 0], query[:, :, :, 1], query[:, :, :, 2]
         q, k, v = _add_bias(q, k, v, bias)
         return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), False
-    q = _heads(query, n)
+    q = split_heads(query, n)
     key = jnp.asarray(key)
     if key.ndim == 5:  # packed KV: [B, L, N, 2, H]
         k, v = key[:, :, :, 0], key[:, :, :, 1]
@@ -338,7 +310,7 @@ def _mha_inputs(query, key, value, bias, n):
             q = q + jnp.reshape(jnp.asarray(bias)[:hidden], q.shape[2:])
         return q, key, jnp.asarray(value), True
     value = jnp.asarray(value)
-    k, v = _heads(key, n), _heads(value, n)
+    k, v = split_heads(key, n), split_heads(value, n)
     q, k, v = _add_bias(q, k, v, bias)
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), False
 
@@ -397,7 +369,7 @@ def RotaryEmbedding(
     pos = _positions(position_ids, b, s)
     cos = jnp.asarray(cos_cache)[:, :half]
     sin = jnp.asarray(sin_cache)[:, :half]
-    out = _rotary(bsnh, pos, cos, sin, interleaved)
+    out = rotate_at(bsnh, pos, cos, sin, interleaved)
     if x.ndim == 4:
         return out.transpose(0, 2, 1, 3)
     return out.reshape(x.shape)

@@ -12,7 +12,8 @@ from ... import kernels
 from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ..trace import is_static
-from ._util import onnx_dtype, precision, xp
+from . import attention_core as core
+from ._util import precision, xp
 
 
 def _matmul(a, b):
@@ -648,12 +649,6 @@ def Dropout(x, ratio=None, training_mode=None, *, seed=None, ctx):
 # --- attention ------------------------------------------------------------------------------
 
 
-def _heads(x, num_heads: int):
-    """[B, S, H * D] -> [B, H, S, D]."""
-    b, s, _ = x.shape
-    return jnp.transpose(x.reshape(b, s, num_heads, -1), (0, 2, 1, 3))
-
-
 @op("Attention", since=23)
 def Attention(
     q,
@@ -680,81 +675,66 @@ def Attention(
 
     Outputs: Y (q's layout), present_key and present_value ([B, KV, P + S, D]) and
     qk_matmul_output ([B, H, S, P + S]; which stage it shows is ``qk_matmul_output_mode``).
+    Computed in float32 (``softmax_precision`` is met or exceeded).
     """
     dtype = jnp.asarray(q).dtype
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     three_d = q.ndim == 3
-    if three_d:
-        q, k, v = _heads(q, q_num_heads), _heads(k, kv_num_heads), _heads(v, kv_num_heads)
-    # q: [B, H, S, D], k: [B, KV, L, D], v: [B, KV, L, Dv]
+    if three_d:  # [B, S, H * D] -> q: [B, S, H, D]; k, v: [B, KV, L, D]
+        q = core.split_heads(q, q_num_heads)
+        k = core.split_heads(k, kv_num_heads).transpose(0, 2, 1, 3)
+        v = core.split_heads(v, kv_num_heads).transpose(0, 2, 1, 3)
+    else:
+        q = q.transpose(0, 2, 1, 3)
     if past_key is not None:
         k = jnp.concatenate([jnp.asarray(past_key).astype(dtype), k], axis=2)
         v = jnp.concatenate([jnp.asarray(past_value).astype(dtype), v], axis=2)
-    present_key, present_value = k, v  # [B, KV, P + L, D]
-    batch, heads, q_len, head_size = q.shape
+    batch, q_len, heads, head_size = q.shape
     kv_len = k.shape[2]
-    past_len = past_key.shape[2] if past_key is not None else 0
+    raw = core.grouped_scores(q, k, scale if scale is not None else 1 / math.sqrt(head_size))
+    capped = core.cap(raw, softcap)  # [B, H, S, P + L]
+    biased = capped if attn_mask is None else capped + _attention_bias(attn_mask, kv_len)
+    allowed = _attention_visible(
+        q_len, kv_len, past_key, nonpad_kv_seqlen, is_causal, left_window_size, right_window_size
+    )
+    probs = core.masked_softmax(biased, allowed)
+    y = core.grouped_values(probs, v).astype(dtype)  # [B, S, H, Dv]
+    y = y.reshape(batch, q_len, -1) if three_d else y.transpose(0, 2, 1, 3)
+    if ctx.num_outputs < 4:
+        return (y, k, v)[: ctx.num_outputs]
+    masked = jnp.where(allowed, biased, -jnp.inf)
+    qk_out = {0: raw, 1: capped, 2: masked, 3: probs}[qk_matmul_output_mode]
+    qk_out = jnp.broadcast_to(qk_out, (batch, heads, q_len, kv_len)).astype(dtype)
+    return y, k, v, qk_out
 
-    # Additive bias: [..., S, P + L], -inf where a query may not attend a key.
-    bias = jnp.zeros((q_len, kv_len), dtype)
-    if attn_mask is not None:
-        mask = jnp.asarray(attn_mask)
-        pad = kv_len - mask.shape[-1]
-        if mask.dtype == jnp.bool_:
-            mask = jnp.where(mask, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
-        if pad > 0:
-            mask = jnp.pad(
-                mask.astype(dtype),
-                [(0, 0)] * (mask.ndim - 1) + [(0, pad)],
-                constant_values=-jnp.inf,
-            )
-        bias = bias + mask.astype(dtype)
-    if nonpad_kv_seqlen is not None and past_key is None:
-        offset = jnp.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1) - q_len  # [B, 1, 1, 1]
+
+def _attention_bias(attn_mask, kv_len):
+    """attn_mask as an additive float32 bias [..., S, P + L]: bool -> 0 / -inf; a mask shorter
+    than the keys hides the keys after it."""
+    mask = jnp.asarray(attn_mask)
+    if mask.dtype == jnp.bool_:
+        mask = jnp.where(mask, 0.0, -jnp.inf)
+    mask = mask.astype(jnp.float32)
+    pad = kv_len - mask.shape[-1]
+    if pad > 0:
+        mask = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    return mask
+
+
+def _attention_visible(q_len, kv_len, past_key, nonpad, causal, left, right):
+    """[(B, 1,) S, P + L] bool: the causal and window masks at absolute positions, and the
+    non-padding keys."""
+    past_len = past_key.shape[2] if past_key is not None else 0
+    if nonpad is not None and past_key is None:
+        offset = jnp.asarray(nonpad).reshape(-1, 1, 1) - q_len  # [B, 1, 1]
     else:
         offset = past_len
-    i = jnp.arange(q_len)[:, None] + offset  # absolute query positions: [(B, 1, 1,) S, 1]
-    j = jnp.arange(kv_len)[None, :]
-    allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(i), jnp.shape(j)), bool)
-    if is_causal:
-        allowed = allowed & (j <= i)
-    if left_window_size >= 0:
-        allowed = allowed & (i - j <= left_window_size)
-    if right_window_size >= 0:
-        allowed = allowed & (j - i <= right_window_size)
-    bias = bias + jnp.where(allowed, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
-    if nonpad_kv_seqlen is not None:
-        valid = jnp.arange(kv_len) < jnp.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1)
-        bias = bias + jnp.where(valid, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
-
-    # Grouped KV heads: each KV head serves heads // KV consecutive query heads.
-    groups = heads // k.shape[1]
-    if groups > 1:
-        k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
-    # q and k are each scaled by sqrt(scale), as the spec does against overflow.
-    root = jnp.array(math.sqrt(scale if scale is not None else 1 / math.sqrt(head_size)), dtype)
-    qk = jnp.einsum(
-        "bhsd,bhld->bhsl", q * root, k * root, precision=precision()
-    )  # [B, H, S, P + L]
-    raw = qk
-    if softcap > 0:
-        qk = softcap * jnp.tanh(qk / softcap)
-    capped = qk
-    qk = qk + bias
-    logits = qk.astype(onnx_dtype(softmax_precision, jnp)) if softmax_precision else qk
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.exp(logits - jnp.where(jnp.isneginf(top), 0, top))
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    probs = e / jnp.where(total == 0, 1, total)
-    # A query row that may attend no key gives zeros.
-    masked_row = jnp.isneginf(jnp.max(bias, axis=-1, keepdims=True))
-    probs = jnp.where(masked_row, 0, probs).astype(dtype)
-    y = jnp.einsum("bhsl,bhld->bhsd", probs, v, precision=precision())  # [B, H, S, Dv]
-    if three_d:
-        y = jnp.transpose(y, (0, 2, 1, 3)).reshape(batch, q_len, -1)  # [B, S, H * Dv]
-    qk_out = {0: raw, 1: capped, 2: qk, 3: probs}[qk_matmul_output_mode]
-    qk_out = jnp.broadcast_to(qk_out, (batch, heads, q_len, kv_len)).astype(dtype)
-    return (y, present_key, present_value, qk_out)[: ctx.num_outputs]
+    q_pos = jnp.arange(q_len) + offset  # [(B, 1,) S]
+    allowed = core.visible(q_pos, jnp.arange(kv_len), causal=bool(causal), left=left, right=right)
+    if nonpad is not None:
+        valid = jnp.arange(kv_len) < jnp.asarray(nonpad).reshape(-1, 1, 1, 1)
+        allowed = allowed & valid
+    return allowed
 
 
 @op("RotaryEmbedding", since=23)
@@ -770,31 +750,19 @@ def RotaryEmbedding(
 ):
     """Rotates the first ``rotary_embedding_dim`` features of each head of x: [B, H, S, D] or
     [B, S, H * D]. With position_ids [B, S] the caches are [max_position, R / 2] tables,
-    without they are [B, S, R / 2]."""
+    without they are [B, S, R / 2]. Computed in float32 (see attention_core)."""
     shape = x.shape
     x = jnp.asarray(x)
     if x.ndim == 4:
         x = jnp.transpose(x, (0, 2, 1, 3))  # [B, S, H, D]
     else:
         x = x.reshape(shape[0], shape[1], num_heads, -1)
-    rot = rotary_embedding_dim or x.shape[-1]
+    half = (rotary_embedding_dim or x.shape[-1]) // 2
+    cos, sin = jnp.asarray(cos_cache), jnp.asarray(sin_cache)
     if position_ids is not None:
-        cos_cache = jnp.take(jnp.asarray(cos_cache), jnp.asarray(position_ids), axis=0)
-        sin_cache = jnp.take(jnp.asarray(sin_cache), jnp.asarray(position_ids), axis=0)
-    cos = jnp.asarray(cos_cache)[:, :, None, :].astype(x.dtype)  # [B, S, 1, R / 2]
-    sin = jnp.asarray(sin_cache)[:, :, None, :].astype(x.dtype)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        y = core.rotate_at(x, position_ids, cos[:, :half], sin[:, :half], interleaved)
     else:
-        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
-    real = cos * x1 - sin * x2
-    imag = sin * x1 + cos * x2
-    if interleaved:
-        x_rot = jnp.stack([real, imag], axis=-1).reshape(x_rot.shape)
-    else:
-        x_rot = jnp.concatenate([real, imag], axis=-1)
-    y = jnp.concatenate([x_rot, x_pass], axis=-1)  # [B, S, H, D]
+        y = core.rotate(x, cos[..., :half], sin[..., :half], interleaved)
     if len(shape) == 4:
         return jnp.transpose(y, (0, 2, 1, 3))
     return y.reshape(shape)
