@@ -289,6 +289,80 @@ def test_mha_cross_cached_keys():
     _mha(inputs, num_heads=4)
 
 
+# ---------------------------------------------------------------- Attention (com.microsoft)
+
+
+def _ms_attention(
+    *,
+    batch=2,
+    seq=4,
+    hidden=32,
+    sizes=None,
+    mask=None,
+    past=0,
+    bias=True,
+    attn_bias=False,
+    outputs=("out",),
+    dtype=np.float32,
+    tol=1e-4,
+    **attrs,
+):
+    heads = attrs["num_heads"]
+    widths = sizes or (hidden, hidden, hidden)
+    total = past + seq
+    inputs = {
+        "input": _randn(batch, seq, hidden, dtype=dtype),
+        "weights": _randn(hidden, sum(widths), dtype=dtype) * dtype(0.2),
+        "bias": _randn(sum(widths), dtype=dtype) if bias else None,
+        "mask_index": mask,
+        "past": _randn(2, batch, heads, past, widths[1] // heads, dtype=dtype) if past else None,
+        "attention_bias": _randn(1, heads, seq, total, dtype=dtype) if attn_bias else None,
+    }
+    while inputs and list(inputs.values())[-1] is None:
+        inputs.popitem()
+    if sizes:
+        attrs["qkv_hidden_sizes"] = list(sizes)
+    check_op("Attention", inputs, outputs, domain=MS, rtol=tol, atol=tol, **attrs)
+
+
+def test_ms_attention_plain():
+    _ms_attention(num_heads=4)
+
+
+def test_ms_attention_no_bias_scale_sizes():
+    _ms_attention(num_heads=2, bias=False, scale=0.3, sizes=(16, 16, 32))
+
+
+@pytest.mark.parametrize("kind", ["lengths", "end_start", "2d", "3d"])
+def test_ms_attention_masks(kind):
+    if kind == "lengths":
+        mask = np.asarray([4, 2], np.int32)
+    elif kind == "end_start":
+        mask = np.asarray([4, 3, 0, 1], np.int32)
+    elif kind == "2d":
+        mask = np.asarray([[1, 1, 1, 1], [1, 0, 1, 0]], np.int32)
+    else:
+        mask = (rng.random((2, 4, 4)) > 0.4).astype(np.int32)
+        mask[..., 0] = 1
+    _ms_attention(num_heads=4, mask=mask)
+
+
+def test_ms_attention_unidirectional_past_present():
+    mask = np.ones((2, 7), np.int32)
+    mask[1, :2] = 0
+    _ms_attention(
+        num_heads=4, seq=3, past=4, mask=mask, unidirectional=1, outputs=("out", "present")
+    )
+
+
+def test_ms_attention_attention_bias():
+    _ms_attention(num_heads=4, attn_bias=True, unidirectional=1)
+
+
+def test_ms_attention_float16():
+    _ms_attention(num_heads=4, dtype=np.float16, tol=5e-3)
+
+
 # ---------------------------------------------------------------- RotaryEmbedding
 
 
@@ -351,6 +425,29 @@ def test_skip_simplified_layer_norm(with_bias):
 def test_skip_simplified_layer_norm_one_output():
     inputs = {"input": _randn(4, 16), "skip": _randn(4, 16), "gamma": _randn(16)}
     check_op("SkipSimplifiedLayerNormalization", inputs, domain=MS)
+
+
+@pytest.mark.parametrize("variant", ["full", "no_segment", "position_ids", "two_outputs"])
+def test_embed_layer_norm(variant):
+    b, s, d = 2, 5, 16
+    inputs = {
+        "input_ids": rng.integers(0, 30, (b, s)).astype(np.int32),
+        "segment_ids": rng.integers(0, 2, (b, s)).astype(np.int32),
+        "word_embedding": _randn(30, d),
+        "position_embedding": _randn(12, d),
+        "segment_embedding": _randn(2, d),
+        "gamma": _randn(d),
+        "beta": _randn(d),
+        "mask": np.asarray([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], np.int32),
+    }
+    outputs = ("y", "mask_index", "sum")
+    if variant == "no_segment":
+        inputs["segment_ids"] = inputs["segment_embedding"] = inputs["mask"] = None
+    elif variant == "position_ids":
+        inputs["position_ids"] = rng.integers(0, 12, (b, s)).astype(np.int32)
+    else:
+        outputs = ("y", "mask_index") if variant == "two_outputs" else outputs
+    check_op("EmbedLayerNormalization", inputs, outputs, domain=MS, epsilon=1e-5, atol=1e-4)
 
 
 def test_gelus():

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..registry import op
-from ._util import write_rows, xp
+from ._util import precision, write_rows, xp
 from .attention_core import (
     NO_LIMIT,
     cap,
@@ -339,6 +339,85 @@ def _padding_mask(mask, b, s, length):
     return (mask != 0)[:, :, -length:]
 
 
+# ---------------------------------------------------------------- Attention (com.microsoft)
+
+
+@op("Attention", domain=MS)
+def Attention(
+    input,
+    weights,
+    bias=None,
+    mask_index=None,
+    past=None,
+    attention_bias=None,
+    past_sequence_length=None,
+    *,
+    num_heads,
+    qkv_hidden_sizes=(),
+    unidirectional=0,
+    do_rotary=0,
+    mask_filter_value=-10000.0,
+    past_present_share_buffer=0,
+    rotary_embedding_dim=0,
+    scale=0.0,
+    ctx,
+):
+    """Multi-head attention of input [B, S, D] with one packed QKV projection weights [D, Q+K+V]
+    (split by ``qkv_hidden_sizes``, else in thirds), a mask and a KV cache past/present
+    [2, B, N, P, H]. Masked keys score ``mask_filter_value`` (not -inf), as onnxruntime's."""
+    if do_rotary or past_present_share_buffer or past_sequence_length is not None:
+        raise NotImplementedError(
+            "com.microsoft Attention with do_rotary or a shared past/present buffer"
+        )
+    x = jnp.asarray(input)
+    qkv = jnp.matmul(x, jnp.asarray(weights), precision=precision())
+    if bias is not None:
+        qkv = qkv + bias
+    sizes = list(qkv_hidden_sizes) or [qkv.shape[-1] // 3] * 3
+    q, k, v = jnp.split(qkv, np.cumsum(sizes)[:2], axis=-1)
+    n = num_heads
+    q, k, v = split_heads(q, n), split_heads(k, n), split_heads(v, n)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, N, S, H]
+    past_len = 0
+    if past is not None:
+        past = jnp.asarray(past).astype(k.dtype)  # [2, B, N, P, H]
+        past_len = past.shape[3]
+        k, v = jnp.concatenate([past[0], k], axis=2), jnp.concatenate([past[1], v], axis=2)
+    b, s = x.shape[:2]
+    total = k.shape[2]
+    scores = grouped_scores(q, k, scale or 1.0 / math.sqrt(q.shape[-1]))  # [B, N, S, T]
+    filler = jnp.float32(mask_filter_value)
+    keep = _mask_index_keep(mask_index, b, s, past_len, total)  # [B, 1|S, T] or None
+    if keep is not None:
+        scores = scores + jnp.where(keep, 0.0, filler)[:, None]
+    if unidirectional:
+        causal = visible(past_len + jnp.arange(s), jnp.arange(total))  # [S, T]
+        scores = scores + jnp.where(causal, 0.0, filler)
+    if attention_bias is not None:
+        scores = scores + jnp.asarray(attention_bias).astype(jnp.float32)
+    out = merge_heads(grouped_values(masked_softmax(scores), v)).astype(x.dtype)
+    return (out, jnp.stack([k, v])) if ctx.num_outputs > 1 else out
+
+
+def _mask_index_keep(mask, b, s, past_len, total):
+    """Attention's mask_index as keep flags [B, 1|S, T]: key counts [B] (right padding), end and
+    start positions [2B], 0/1 masks [B, T] or [B, S, T], or a 4-D [B, 1, M, M] causal mask."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    j = jnp.arange(total)[None, :]
+    if mask.ndim == 1 and mask.shape[0] == 2 * b:
+        end, start = mask[:b, None], mask[b:, None]
+        return ((j < end) & (j >= start))[:, None, :]
+    if mask.ndim == 1:
+        return (j < mask[:, None])[:, None, :]
+    if mask.ndim == 2:
+        return (mask != 0)[:, None, -total:]
+    if mask.ndim == 3:
+        return (mask != 0)[:, :, -total:]
+    return mask[:, 0, past_len : past_len + s, :total] != 0
+
+
 # ---------------------------------------------------------------- RotaryEmbedding
 
 
@@ -412,6 +491,47 @@ def SkipSimplifiedLayerNormalization(input, skip, gamma, bias=None, *, epsilon=1
     inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
     y = x * inv * gamma
     return _norm_outputs(y.astype(total.dtype), jnp.zeros_like(inv), inv, total, ctx.num_outputs)
+
+
+@op("EmbedLayerNormalization", domain=MS)
+def EmbedLayerNormalization(
+    input_ids,
+    segment_ids,
+    word_embedding,
+    position_embedding,
+    segment_embedding=None,
+    gamma=None,
+    beta=None,
+    mask=None,
+    position_ids=None,
+    *,
+    epsilon=1e-12,
+    mask_index_type=1,
+    ctx,
+):
+    """LayerNorm(word[ids] + position[pos] + segment[segment_ids]) * gamma + beta (BERT's
+    embeddings); outputs (y [B, S, D], mask_index [B]: the ones of each mask row, or 0s,
+    embedding_sum)."""
+    ids = jnp.asarray(input_ids).astype(jnp.int32)
+    b, s = ids.shape
+    if position_ids is None:
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    else:
+        pos = jnp.broadcast_to(jnp.asarray(position_ids).astype(jnp.int32), (b, s))
+    total = jnp.take(jnp.asarray(word_embedding), ids, axis=0)
+    total = total + jnp.take(jnp.asarray(position_embedding), pos, axis=0)
+    if segment_ids is not None and segment_embedding is not None:
+        segments = jnp.asarray(segment_ids).astype(jnp.int32)
+        total = total + jnp.take(jnp.asarray(segment_embedding), segments, axis=0)
+    x = total.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True) + epsilon)
+    y = ((x - mean) * inv * gamma + beta).astype(total.dtype)
+    if mask is None:
+        mask_index = jnp.zeros((b,), jnp.int32)
+    else:
+        mask_index = jnp.sum(jnp.asarray(mask) == 1, axis=-1).astype(jnp.int32)
+    return (y, mask_index, total)[: max(ctx.num_outputs, 1)]
 
 
 def _norm_outputs(y, mean, inv, total, count):
