@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     attention,
     control,
     elementwise,
+    experts,
     indexing,
     nn,
     quant,
