@@ -766,3 +766,44 @@ def RotaryEmbedding(
     if len(shape) == 4:
         return jnp.transpose(y, (0, 2, 1, 3))
     return y.reshape(shape)
+
+
+# --- losses ---------------------------------------------------------------------------------
+
+
+def _nll(log_prob, target, weight, ignore_index, reduction):
+    """-log_prob[n, target[n, ...], ...] weighted by weight[target] (0 at ``ignore_index``),
+    then reduced: none, sum, or mean (the sum over the sum of the weights)."""
+    target = jnp.asarray(target).astype(jnp.int32)  # [N, d...]
+    valid = jnp.ones(target.shape, bool) if ignore_index is None else target != ignore_index
+    safe = jnp.where(valid, target, 0)
+    picked = -jnp.take_along_axis(log_prob, safe[:, None], axis=1)[:, 0]  # [N, d...]
+    if weight is None:
+        w = jnp.ones(target.shape, log_prob.dtype)
+    else:
+        w = jnp.take(jnp.asarray(weight), safe, mode="clip").astype(log_prob.dtype)
+    w = jnp.where(valid, w, 0)
+    loss = picked * w
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return jnp.sum(loss)
+    return jnp.sum(loss) / jnp.sum(w)
+
+
+@op("NegativeLogLikelihoodLoss", since=12)
+def NegativeLogLikelihoodLoss(input, target, weight=None, *, ignore_index=None, reduction="mean"):
+    """The negative log likelihood of ``target`` [N, d...] under log-probabilities
+    input [N, C, d...]."""
+    return _nll(jnp.asarray(input), target, weight, ignore_index, reduction)
+
+
+@op("SoftmaxCrossEntropyLoss", since=12)
+def SoftmaxCrossEntropyLoss(
+    scores, labels, weights=None, *, ignore_index=None, reduction="mean", ctx
+):
+    """The cross entropy of ``labels`` [N, d...] under softmax(scores [N, C, d...]) over C;
+    outputs (loss, log_prob)."""
+    log_prob = _log_softmax(jnp.asarray(scores), 1)
+    loss = _nll(log_prob, labels, weights, ignore_index, reduction)
+    return (loss, log_prob)[: max(ctx.num_outputs, 1)]
