@@ -469,3 +469,24 @@ def Cast(x, *, to, saturate=1, round_mode="up"):
 def CastLike(x, target, *, saturate=1, round_mode="up"):
     """``x`` cast to the dtype of ``target``."""
     return _cast(x, target.dtype, saturate)
+
+
+@op("BitCast", since=26)
+def BitCast(x, *, to):
+    """The bits of each element of x read as type ``to`` of the same width. On the device
+    64-bit types are 32-bit (x64 off), so there they are refused."""
+    target = onnx_dtype(to)
+    if isinstance(x, np.ndarray):
+        return x.view(target)
+    if target.itemsize == 8 or np.dtype(x.dtype).itemsize == 8 or target != device_dtype(target):
+        raise NotImplementedError(f"BitCast of traced {x.dtype} to {target}: 64-bit on device")
+    if target == np.bool_ or x.dtype == np.bool_:
+        return jax.lax.bitcast_convert_type(jnp.asarray(x).astype(np.uint8), np.uint8) != 0
+    return jax.lax.bitcast_convert_type(x, target)
+
+
+@op("SwiGLU", since=28)
+def SwiGLU(a, b, *, alpha=1.0):
+    """a * sigmoid(alpha * a) * b."""
+    m = xp(a, b)
+    return (a * (1 / (1 + m.exp(-alpha * a))).astype(a.dtype) * b).astype(a.dtype)

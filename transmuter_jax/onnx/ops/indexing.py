@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..registry import op
-from ._util import ints, xp
+from ._util import ints, write_rows, xp
 
 
 def _wrap(m, indices, size):
@@ -138,3 +138,40 @@ def Unique(x, *, axis=None, sorted=1):  # noqa: A002 - the ONNX attribute's name
         y = np.take(y, order, axis=0 if axis is None else axis)
         first, counts, inverse = first[order], counts[order], rank[inverse]
     return y, *(a.astype(np.int64) for a in (first, inverse, counts))
+
+
+@op("TensorScatter", since=24)
+def TensorScatter(past_cache, update, write_indices=None, *, mode="linear", axis=-2):
+    """past_cache [B, ..., L, ...] with update [B, ..., S, ...] written along ``axis`` from row
+    write_indices[b] of each batch row b (0 without), wrapping around in ``circular`` mode."""
+    cache, update = jnp.asarray(past_cache), jnp.asarray(update)
+    b, axis = cache.shape[0], axis % cache.ndim
+    starts = jnp.zeros((b,), jnp.int32)
+    if write_indices is not None:
+        starts = jnp.asarray(write_indices).astype(jnp.int32).reshape(b)
+    if mode == "linear":
+        return write_rows(cache, update, starts, axis=axis)
+    length, count = cache.shape[axis], update.shape[axis]
+    rows = (starts[:, None] + jnp.arange(count)[None, :]) % length  # [B, S]
+    moved = jnp.moveaxis(cache, axis, 1)
+    new = jnp.moveaxis(update, axis, 1)
+    index = [jnp.arange(b)[:, None], rows] + [slice(None)] * (moved.ndim - 2)
+    return jnp.moveaxis(moved.at[tuple(index)].set(new.astype(moved.dtype)), 1, axis)
+
+
+@op("ReverseSequence", since=10)
+def ReverseSequence(input, sequence_lens, *, batch_axis=1, time_axis=0):
+    """Reverses the first sequence_lens[b] entries along ``time_axis`` of each batch entry b."""
+    m = xp(input, sequence_lens)
+    x = m.asarray(input)
+    lens = m.asarray(sequence_lens).astype(np.int32)
+    t = m.arange(x.shape[time_axis], dtype=np.int32)
+    shape = [1] * x.ndim
+    shape[time_axis] = x.shape[time_axis]
+    t = t.reshape(shape)
+    shape = [1] * x.ndim
+    shape[batch_axis] = x.shape[batch_axis]
+    n = lens.reshape(shape)
+    source = m.where(t < n, n - 1 - t, t)
+    source = m.broadcast_to(source, x.shape)
+    return m.take_along_axis(x, source, axis=time_axis)

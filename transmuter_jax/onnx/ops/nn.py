@@ -807,3 +807,9 @@ def SoftmaxCrossEntropyLoss(
     log_prob = _log_softmax(jnp.asarray(scores), 1)
     loss = _nll(log_prob, labels, weights, ignore_index, reduction)
     return (loss, log_prob)[: max(ctx.num_outputs, 1)]
+
+
+@op("Det", since=11)
+def Det(x):
+    """The determinant of each square matrix of x [..., M, M]."""
+    return jnp.linalg.det(jnp.asarray(x))
