@@ -5,6 +5,7 @@ from . import (  # noqa: F401
     control,
     elementwise,
     experts,
+    image,
     indexing,
     nn,
     quant,
