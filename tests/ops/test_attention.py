@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx_cases import check_op, node_model, run_jax, run_ort
+from onnx import TensorProto
+from onnx_cases import assert_same, check_op, node_model, run_jax, run_ort
 
 MS = "com.microsoft"
 rng = np.random.default_rng(0)
@@ -289,6 +290,73 @@ def test_mha_cross_cached_keys():
     _mha(inputs, num_heads=4)
 
 
+# ---------------------------------------------------------------- DecoderMaskedMultiHeadAttention
+
+
+def _dmmha(inputs, outputs=("out", "present_key", "present_value"), **attrs):
+    while list(inputs.values())[-1] is None:
+        inputs.popitem()
+    check_op(
+        "DecoderMaskedMultiHeadAttention",
+        inputs,
+        outputs,
+        domain=MS,
+        rtol=1e-4,
+        atol=1e-4,
+        num_heads=4,
+        **attrs,
+    )
+
+
+def _dmmha_self(batch=2, past=5, shared=False, mask=False, beams=None, bias=False):
+    heads, head, total = 4, 8, past + 1
+    buffer = 9 if shared else past
+    inputs = {
+        "query": _randn(batch, 1, heads * head),
+        "key": _randn(batch, 1, heads * head),
+        "value": _randn(batch, 1, heads * head),
+        "mask_index": None,
+        "attention_bias": None,
+        "past_key": _randn(batch, heads, buffer, head),
+        "past_value": _randn(batch, heads, buffer, head),
+        "past_sequence_length": np.asarray([past], np.int32) if shared else None,
+        "beam_width": None,
+        "cache_indirection": None,
+        "bias": _randn(3 * heads * head) if bias else None,
+    }
+    if mask:
+        m = np.ones((batch, total), np.int32)
+        m[0, :2] = 0
+        inputs["mask_index"] = m
+    if beams:
+        inputs["beam_width"] = np.asarray([beams], np.int32)
+        ind = rng.integers(0, beams, (batch // beams, beams, buffer)).astype(np.int32)
+        inputs["cache_indirection"] = ind
+    return inputs
+
+
+@pytest.mark.parametrize("shared", [True])  # onnxruntime's CPU kernel needs the shared buffer
+def test_dmmha_self(shared):
+    _dmmha(_dmmha_self(shared=shared), past_present_share_buffer=int(shared))
+
+
+def test_dmmha_self_mask_bias_scale():
+    _dmmha(_dmmha_self(shared=True, mask=True, bias=True), past_present_share_buffer=1, scale=0.2)
+
+
+def test_dmmha_beam_search_cache_indirection():
+    _dmmha(_dmmha_self(batch=4, shared=True, beams=2), past_present_share_buffer=1)
+
+
+def test_dmmha_cross_attention_qk():
+    inputs = {
+        "query": _randn(2, 1, 32),
+        "key": _randn(2, 4, 6, 8),
+        "value": _randn(2, 4, 6, 8),
+    }
+    _dmmha(inputs, ("out",))
+
+
 # ---------------------------------------------------------------- Attention (com.microsoft)
 
 
@@ -477,3 +545,23 @@ def test_fused_matmul_trans_batch():
     a = _randn(3, 2, 5)  # transBatchA: [3, 2, 5] -> [2, 3, 5]
     b = _randn(2, 5, 4)
     check_op("FusedMatMul", {"a": a, "b": b}, domain=MS, transBatchA=1)
+
+
+def test_dmmha_output_qk():
+    inputs = _dmmha_self(shared=True)
+    while list(inputs.values())[-1] is None:
+        inputs.popitem()
+    outputs = ("out", "present_key", "present_value", "qk")
+    model = node_model(
+        "DecoderMaskedMultiHeadAttention",
+        inputs,
+        outputs,
+        domain=MS,
+        num_heads=4,
+        past_present_share_buffer=1,
+        output_qk=1,
+        constants=("past_sequence_length",),
+    )
+    model.graph.output[3].type.tensor_type.elem_type = TensorProto.FLOAT  # qk's type is free
+    feeds = {k: v for k, v in inputs.items() if v is not None and k != "past_sequence_length"}
+    assert_same(model, feeds, rtol=1e-4, atol=1e-4)

@@ -339,6 +339,119 @@ def _padding_mask(mask, b, s, length):
     return (mask != 0)[:, :, -length:]
 
 
+# ---------------------------------------------------------------- DecoderMaskedMultiHeadAttention
+
+
+@op("DecoderMaskedMultiHeadAttention", domain=MS)
+def DecoderMaskedMultiHeadAttention(
+    query,
+    key=None,
+    value=None,
+    mask_index=None,
+    attention_bias=None,
+    past_key=None,
+    past_value=None,
+    past_sequence_length=None,
+    beam_width=None,
+    cache_indirection=None,
+    bias=None,
+    *,
+    num_heads,
+    mask_filter_value=-10000.0,
+    output_qk=0,
+    past_present_share_buffer=0,
+    scale=0.0,
+    ctx,
+):
+    """One decoding step of self attention (the new key/value appended to past_key/past_value,
+    or written at row past_sequence_length of a shared buffer) or of cross attention (key and
+    value given as [B, N, L, H]); with beam search, cache_indirection [B, beams, max] names the
+    beam each past key and value is read from. Outputs (out, present_key, present_value, qk);
+    with a shared buffer qk covers the attended keys only when past_sequence_length is known at
+    trace time (else the whole buffer)."""
+    n = num_heads
+    query = jnp.asarray(query)
+    cross = key is not None and jnp.ndim(key) == 4
+    q, k, v = _dmmha_inputs(query, key, value, bias, n, cross)  # q: [B, 1, N, H]
+    if cross:
+        keys, values, valid, present = jnp.asarray(key), jnp.asarray(value), None, ()
+    else:
+        keys, values, valid = _dmmha_cache(
+            past_key, past_value, k, v, past_sequence_length, past_present_share_buffer
+        )
+        present = (keys, values)
+        if cache_indirection is not None:
+            keys, values = _beam_gather(keys, values, cache_indirection, valid)
+    scores = grouped_scores(q, keys, scale or 1.0 / math.sqrt(q.shape[-1]))  # [B, N, 1, T]
+    total = keys.shape[2]
+    if mask_index is not None:
+        # [B, T'] 0/1 over the attended keys; a shared buffer's rows after them are invalid.
+        keep = _fit_keys(jnp.asarray(mask_index) != 0, total)[:, None, None, :]
+        if keep.shape[-1] > jnp.shape(mask_index)[-1]:
+            keep = keep | (jnp.arange(total) >= jnp.shape(mask_index)[-1])
+        scores = scores + jnp.where(keep, 0.0, jnp.float32(mask_filter_value))
+    if attention_bias is not None:
+        scores = scores + jnp.asarray(attention_bias).astype(jnp.float32)
+    probs = masked_softmax(scores, None if valid is None else valid[:, None, None, :])
+    out = merge_heads(grouped_values(probs, values)).astype(query.dtype)
+    outs = (out, *present) if present else (out, None, None)
+    if ctx.num_outputs > 3:
+        qk = (scores if output_qk else probs).astype(query.dtype)
+        if past_present_share_buffer and isinstance(past_sequence_length, np.ndarray):
+            qk = qk[..., : int(past_sequence_length.reshape(-1)[0]) + 1]  # the attended keys
+        outs += (qk,)
+    return outs[: max(ctx.num_outputs, 1)]
+
+
+def _dmmha_inputs(query, key, value, bias, n, cross):
+    """q: [B, 1, N, H] and the new k, v: [B, N, 1, H] (None for cross attention), biased."""
+    if key is None:  # packed QKV
+        h = query.shape[-1] // 3
+        query, key, value = query[..., :h], query[..., h : 2 * h], query[..., 2 * h :]
+    q = split_heads(query, n)
+    if cross:
+        if bias is not None:
+            q = q + jnp.asarray(bias)[: q.shape[2] * q.shape[3]].reshape(q.shape[2:])
+        return q, None, None
+    k, v = split_heads(jnp.asarray(key), n), split_heads(jnp.asarray(value), n)
+    q, k, v = _add_bias(q, k, v, bias)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _dmmha_cache(past_key, past_value, k, v, past_len, shared):
+    """(present_key, present_value, valid rows [B, T] or None): the step's row appended, or
+    written at row past_len of the shared buffer (rows after it are not attended)."""
+    if not shared:
+        if past_key is None:
+            return k, v, None
+        keys = jnp.concatenate([jnp.asarray(past_key), k.astype(past_key.dtype)], axis=2)
+        values = jnp.concatenate([jnp.asarray(past_value), v.astype(past_value.dtype)], axis=2)
+        return keys, values, None
+    b = k.shape[0]
+    at = jnp.broadcast_to(jnp.asarray(past_len).astype(jnp.int32).reshape(-1)[:1], (b,))
+    keys = write_rows(jnp.asarray(past_key), k, at, axis=2)
+    values = write_rows(jnp.asarray(past_value), v, at, axis=2)
+    rows = jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
+    return keys, values, rows <= at[:, None]
+
+
+def _beam_gather(keys, values, cache_indirection, valid):
+    """The keys and values each beam reads: row t of beam j of batch entry i comes from beam
+    cache_indirection[i, j, t] (its own row for the step's token)."""
+    rows, _, total, _ = keys.shape
+    ind = jnp.asarray(cache_indirection).astype(jnp.int32)  # [B, beams, max]
+    beams = ind.shape[1]
+    ind = ind.reshape(rows, -1)[:, :total]  # [R, T]
+    step = jnp.sum(valid, axis=1, keepdims=True) - 1 if valid is not None else total - 1
+    own = jnp.arange(rows)[:, None] % beams
+    src = jnp.arange(rows)[:, None] // beams * beams + jnp.where(
+        jnp.arange(total)[None, :] == step, own, ind
+    )  # [R, T]
+    t = jnp.arange(total)[None, :]
+    gather = lambda x: jnp.swapaxes(jnp.swapaxes(x, 1, 2)[src, t], 1, 2)  # noqa: E731
+    return gather(keys), gather(values)
+
+
 # ---------------------------------------------------------------- Attention (com.microsoft)
 
 
