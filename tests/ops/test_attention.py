@@ -565,3 +565,90 @@ def test_dmmha_output_qk():
     model.graph.output[3].type.tensor_type.elem_type = TensorProto.FLOAT  # qk's type is free
     feeds = {k: v for k, v in inputs.items() if v is not None and k != "past_sequence_length"}
     assert_same(model, feeds, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- SparseAttention
+
+
+def _csr(dense):
+    """The CSR rows and (-1 padded) columns of block masks [layouts, R, R]."""
+    rows = np.concatenate([np.zeros((len(dense), 1)), np.cumsum(dense.sum(-1), -1)], 1)
+    nnz = int(dense.sum((1, 2)).max())
+    cols = np.full((len(dense), nnz), -1)
+    for i, layout in enumerate(dense):
+        found = np.nonzero(layout)[1]
+        cols[i, : len(found)] = found
+    return rows.astype(np.int32), cols.astype(np.int32)
+
+
+def _ort_shared_cache(model, feeds):
+    """onnxruntime's outputs where present_key/present_value are bound to the past buffers (its
+    CPU SparseAttention requires it)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    shared, buffers = {}, {}  # the OrtValues use the buffers' memory: keep them alive
+    for name, array in feeds.items():
+        if name in ("past_key", "past_value"):
+            buffers[name] = array.copy()
+            shared[name] = ort.OrtValue.ortvalue_from_numpy(buffers[name])
+            binding.bind_ortvalue_input(name, shared[name])
+        else:
+            binding.bind_cpu_input(name, array)
+    binding.bind_output("out")
+    binding.bind_ortvalue_output("present_key", shared["past_key"])
+    binding.bind_ortvalue_output("present_value", shared["past_value"])
+    session.run_with_iobinding(binding)
+    out = binding.copy_outputs_to_cpu()[0]
+    return {
+        "out": out,
+        "present_key": buffers["past_key"],
+        "present_value": buffers["past_value"],
+    }
+
+
+# Rows of one batch have the same length: with ragged key_total_sequence_lengths onnxruntime's
+# CPU kernel attends the shorter rows differently (their present buffers agree).
+@pytest.mark.parametrize(("seq", "totals"), [(20, (20, 20)), (1, (40, 40)), (3, (37, 37))])
+@pytest.mark.parametrize("rotary", [0, 1])
+def test_sparse_attention(seq, totals, rotary):
+    batch, heads, kv_heads, head, block, buffer = 2, 4, 2, 16, 16, 64
+    dense = np.tril(np.ones((2, 4, 4), np.int32))
+    dense[0, 3, 1] = dense[1, 2, 0] = 0
+    rows, cols = _csr(dense)
+    inputs = {
+        "query": _randn(batch, seq, heads * head),
+        "key": _randn(batch, seq, kv_heads * head),
+        "value": _randn(batch, seq, kv_heads * head),
+        "past_key": _randn(batch, kv_heads, buffer, head),
+        "past_value": _randn(batch, kv_heads, buffer, head),
+        "block_row_indices": rows,
+        "block_col_indices": cols,
+        "total_sequence_length": np.asarray(max(totals), np.int32),
+        "key_total_sequence_lengths": np.asarray(totals, np.int32),
+    }
+    if rotary:
+        angles = np.arange(64)[:, None] * (0.5 ** np.arange(head // 2))[None, :]
+        inputs["cos_cache"] = np.cos(angles).astype(np.float32)
+        inputs["sin_cache"] = np.sin(angles).astype(np.float32)
+    model = node_model(
+        "SparseAttention",
+        inputs,
+        ("out", "present_key", "present_value"),
+        domain=MS,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        sparse_block_size=block,
+        do_rotary=rotary,
+        constants=("total_sequence_length",),
+    )
+    feeds = {k: v for k, v in inputs.items() if k != "total_sequence_length"}
+    want, got = _ort_shared_cache(model, feeds), run_jax(model, feeds)
+    valid = max(totals) if seq > 1 else None
+    for b, total in enumerate(totals):
+        rows_b = slice(total - min(seq, total), total) if seq > 1 else slice(0, 1)
+        np.testing.assert_allclose(got["out"][b, rows_b], want["out"][b, rows_b], atol=1e-4)
+        for name in ("present_key", "present_value"):
+            np.testing.assert_allclose(got[name][b, :, :total], want[name][b, :, :total], atol=1e-4)
+    assert valid is None or got["out"].shape == want["out"].shape

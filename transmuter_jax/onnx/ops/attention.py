@@ -242,6 +242,71 @@ def _fit_keys(bias, length):
     return jnp.pad(bias, pad)
 
 
+# ---------------------------------------------------------------- SparseAttention
+
+
+@op("SparseAttention", domain=MS, static=(7,))
+def SparseAttention(
+    query,
+    key,
+    value,
+    past_key,
+    past_value,
+    block_row_indices,
+    block_col_indices,
+    total_sequence_length,
+    key_total_sequence_lengths,
+    cos_cache=None,
+    sin_cache=None,
+    *,
+    num_heads,
+    kv_num_heads,
+    sparse_block_size,
+    do_rotary=0,
+    rotary_interleaved=0,
+    scale=0.0,
+):
+    """Phi-3-small's block-sparse causal attention over a KV buffer shared by past and present
+    (as GroupQueryAttention's): query block r of head h sees key block c where the CSR block
+    mask of layout h % layouts has (r, c)."""
+    query = jnp.asarray(query)
+    q, k, v = _split_qkv(query, key, value, num_heads, kv_num_heads)
+    total = jnp.asarray(key_total_sequence_lengths).astype(jnp.int32) - 1
+    steps = _gqa_steps(total, None, query.shape[0], query.shape[1])
+    if do_rotary:
+        q = rotate_at(q, steps.pos, cos_cache, sin_cache, rotary_interleaved)
+        k = rotate_at(k, steps.pos, cos_cache, sin_cache, rotary_interleaved)
+    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len)
+    length = cache.present_k.shape[2]
+    rows = jnp.arange(length, dtype=jnp.int32)
+    mask = _gqa_mask(steps, rows[None, :], rows[None, :] < steps.total[:, None], True, 0)
+    blocks = _block_mask(block_row_indices, block_col_indices)  # [layouts, R, C]
+    heads = jnp.arange(num_heads) % blocks.shape[0]
+    q_block = jnp.minimum(steps.pos // sparse_block_size, blocks.shape[1] - 1)  # [B, S]
+    k_block = jnp.minimum(rows // sparse_block_size, blocks.shape[2] - 1)  # [L]
+    allowed = blocks[heads[None, :, None, None], q_block[:, None, :, None], k_block]
+    scores = grouped_scores(q, cache.present_k, scale or 1.0 / math.sqrt(q.shape[-1]))
+    probs = masked_softmax(scores, mask & allowed)
+    out = merge_heads(grouped_values(probs, cache.present_v)).astype(query.dtype)
+    return out, cache.present_k, cache.present_v
+
+
+def _block_mask(row_indices, col_indices):
+    """The dense block mask [layouts, R, C] bool of its CSR rows [layouts, R + 1] and columns
+    [layouts, nnz] (padded with -1)."""
+    rows = jnp.asarray(row_indices).astype(jnp.int32)
+    cols = jnp.asarray(col_indices).astype(jnp.int32)
+    layouts, r = rows.shape[0], rows.shape[1] - 1
+    k = jnp.arange(cols.shape[1])
+    row_of = jax.vmap(lambda ptr: jnp.searchsorted(ptr, k, side="right") - 1)(rows)  # [L, nnz]
+    valid = (k[None, :] < rows[:, -1:]) & (cols >= 0)
+    layout = jnp.broadcast_to(jnp.arange(layouts)[:, None], cols.shape)
+    dense = jnp.zeros((layouts, r, r), jnp.int32)
+    at = (layout, jnp.clip(row_of, 0, r - 1), jnp.clip(cols, 0, r - 1))
+    return dense.at[at].max(valid.astype(jnp.int32)) > 0
+
+
 # ---------------------------------------------------------------- MultiHeadAttention
 
 
