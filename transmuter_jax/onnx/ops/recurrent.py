@@ -298,3 +298,90 @@ def LSTM(
         gates=4,
     )
     return outs[: max(ctx.num_outputs, 1)]
+
+
+# --- linear attention and causal convolution (opset 27) ---------------------------------------
+
+
+def _bhtd(x, heads):
+    """[B, T, H*D] -> [B, H, T, D] in float32."""
+    b, t, d = x.shape
+    return jnp.asarray(x).reshape(b, t, heads, d // heads).transpose(0, 2, 1, 3).astype(jnp.float32)
+
+
+def _per_step(x, b, t, heads):
+    """decay or beta [B, T, H or H*D or 1] -> [T, B, H or 1, 1 or D] in float32."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    last = x.shape[-1]
+    per = last // heads if last >= heads else 1
+    x = x.reshape(b, t, max(last // per, 1), per)
+    return jnp.moveaxis(x, 1, 0)
+
+
+@op("LinearAttention", since=27)
+def LinearAttention(
+    query,
+    key,
+    value,
+    past_state=None,
+    decay=None,
+    beta=None,
+    *,
+    chunk_size=64,
+    kv_num_heads=None,
+    q_num_heads=None,
+    scale=None,
+    update_rule="gated_delta",
+):
+    """Linear attention with a state S [B, Hkv, Dk, Dv] updated per token (decayed by
+    exp(decay), delta-corrected by beta) and read by the queries of each KV head's group;
+    outputs (Y [B, T, Hq * Dv], present_state). ``chunk_size`` does not change the result."""
+    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
+    dtype = jnp.asarray(query).dtype
+    b, t, _ = query.shape
+    q, k, v = _bhtd(query, q_num_heads), _bhtd(key, kv_num_heads), _bhtd(value, kv_num_heads)
+    dk, dv, group = q.shape[-1], v.shape[-1], q_num_heads // kv_num_heads
+    if past_state is None:
+        state = jnp.zeros((b, kv_num_heads, dk, dv), jnp.float32)
+        state_dtype = dtype
+    else:
+        state, state_dtype = jnp.asarray(past_state).astype(jnp.float32), past_state.dtype
+    ones = jnp.ones((t, b, 1, 1), jnp.float32)
+    g = _per_step(decay, b, t, kv_num_heads) if gated else ones
+    beta_t = _per_step(beta, b, t, kv_num_heads) if delta else ones
+    factor = float(scale) if scale else 1.0 / float(dk) ** 0.5
+
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, beta_step = inputs  # q_t [B, Hq, Dk]; k_t [B, Hkv, Dk]
+        if gated:
+            s = s * jnp.exp(g_t)[..., None]
+        if delta:
+            v_t = beta_step[..., 0:1] * (v_t - jnp.einsum("bhdm,bhd->bhm", s, k_t))
+        s = s + k_t[..., :, None] * v_t[..., None, :]
+        qg = q_t.reshape(b, kv_num_heads, group, dk)
+        return s, factor * jnp.einsum("bhgd,bhdm->bhgm", qg, s).reshape(b, q_num_heads, dv)
+
+    xs = (jnp.moveaxis(q, 2, 0), jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0), g, beta_t)
+    state, ys = jax.lax.scan(step, state, xs)  # ys: [T, B, Hq, Dv]
+    y = jnp.transpose(ys, (1, 0, 2, 3)).reshape(b, t, q_num_heads * dv).astype(dtype)
+    return y, state.astype(state_dtype)
+
+
+@op("CausalConvWithState", since=27)
+def CausalConvWithState(input, weight, bias=None, past_state=None, *, activation="none"):
+    """Depthwise causal convolution of input [B, C, L] by weight [C, 1, K] after the last K - 1
+    inputs past_state [B, C, K - 1] (zeros without); outputs (y, present_state)."""
+    x, w = jnp.asarray(input), jnp.asarray(weight)
+    b, c, _ = x.shape
+    k = w.shape[2]
+    pad = jnp.zeros((b, c, k - 1), x.dtype) if past_state is None else jnp.asarray(past_state)
+    padded = jnp.concatenate([pad.astype(x.dtype), x], axis=2)
+    y = jax.lax.conv_general_dilated(
+        padded, w.astype(x.dtype), (1,), "VALID", feature_group_count=c, precision=precision()
+    )
+    if bias is not None:
+        y = y + jnp.asarray(bias)[None, :, None]
+    if activation in ("silu", "swish"):
+        y32 = y.astype(jnp.float32)
+        y = (y32 * jax.nn.sigmoid(y32)).astype(x.dtype)
+    return y.astype(x.dtype), padded[:, :, padded.shape[2] - (k - 1) :]
