@@ -813,3 +813,19 @@ def SoftmaxCrossEntropyLoss(
 def Det(x):
     """The determinant of each square matrix of x [..., M, M]."""
     return jnp.linalg.det(jnp.asarray(x))
+
+
+@op("FlexAttention", domain="ai.onnx.preview", fold=False)
+def FlexAttention(
+    Q, K, V, *, scale=None, score_mod=None, prob_mod=None, softmax_precision=None, ctx
+):
+    """Attention of Q [B, Hq, L, E] over K, V [B, Hkv, S, E] with the graphs ``score_mod``
+    (applied to the scaled scores) and ``prob_mod`` (to the probabilities); float32 inside."""
+    q = jnp.asarray(Q).transpose(0, 2, 1, 3)  # [B, L, Hq, E]
+    scores = core.grouped_scores(q, jnp.asarray(K), scale or 1 / math.sqrt(q.shape[-1]))
+    if score_mod is not None:
+        scores = jnp.asarray(ctx.run(score_mod, [scores])[0]).astype(jnp.float32)
+    probs = core.masked_softmax(scores)
+    if prob_mod is not None:
+        probs = jnp.asarray(ctx.run(prob_mod, [probs])[0]).astype(jnp.float32)
+    return core.grouped_values(probs, jnp.asarray(V)).transpose(0, 2, 1, 3).astype(V.dtype)
