@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     quant,
     recurrent,
     reduce,
+    sequence,
     shape,
     signal,
 )
