@@ -13,7 +13,7 @@ from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ..trace import is_static
 from . import attention_core as core
-from ._util import precision, xp
+from ._util import ints, precision, xp
 
 
 def _matmul(a, b):
@@ -829,3 +829,89 @@ def FlexAttention(
     if prob_mod is not None:
         probs = jnp.asarray(ctx.run(prob_mod, [probs])[0]).astype(jnp.float32)
     return core.grouped_values(probs, jnp.asarray(V)).transpose(0, 2, 1, 3).astype(V.dtype)
+
+
+@op("ConvInteger", since=10)
+def ConvInteger(
+    x,
+    w,
+    x_zero_point=None,
+    w_zero_point=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
+    """Conv of (x - x_zero_point) and (w - w_zero_point) (per output channel) in int32."""
+    x = jnp.asarray(x).astype(jnp.int32)
+    w = jnp.asarray(w).astype(jnp.int32)
+    if x_zero_point is not None:
+        x = x - jnp.asarray(x_zero_point).astype(jnp.int32).reshape(())
+    if w_zero_point is not None:
+        zp = jnp.asarray(w_zero_point).astype(jnp.int32)
+        w = w - (zp.reshape(()) if zp.size == 1 else zp.reshape((-1,) + (1,) * (w.ndim - 1)))
+    n = x.ndim - 2
+    strides = _spatial(strides, n, 1)
+    dilations = _spatial(dilations, n, 1)
+    padding = _window_pads(auto_pad, x.shape[2:], w.shape[2:], strides, dilations, pads)
+    return lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=strides,
+        padding=padding,
+        rhs_dilation=dilations,
+        feature_group_count=group,
+        preferred_element_type=jnp.int32,
+    )
+
+
+@op("MaxUnpool", since=9, static=(2,))
+def MaxUnpool(X, I, output_shape=None, *, kernel_shape, pads=None, strides=None):
+    """The values of X put back at the flat indices I (MaxPool's) of a zero tensor of the size
+    the pooling came from, padded at the end to ``output_shape``."""
+    n = X.ndim - 2
+    strides = _spatial(strides, n, 1)
+    pads = list(pads) if pads else [0] * (2 * n)
+    spatial = [
+        (X.shape[2 + i] - 1) * strides[i] + kernel_shape[i] - pads[i] - pads[i + n]
+        for i in range(n)
+    ]
+    shape = [*X.shape[:2], *spatial]
+    y = jnp.zeros((math.prod(shape),), jnp.asarray(X).dtype)
+    y = y.at[jnp.asarray(I).reshape(-1).astype(jnp.int32)].set(jnp.asarray(X).reshape(-1))
+    y = y.reshape(shape)
+    if output_shape is not None:
+        y = jnp.pad(y, [(0, t - h) for t, h in zip(ints(output_shape), shape, strict=True)])
+    return y
+
+
+@op("Col2Im", since=18, static=(1, 2))
+def Col2Im(input, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
+    """The sum of the blocks input [N, C * prod(block), L] at their places in an image
+    [N, C, *image_shape] (the inverse of im2col)."""
+    image, block = ints(image_shape), ints(block_shape)
+    n = len(image)
+    dilations = _spatial(dilations, n, 1)
+    strides = _spatial(strides, n, 1)
+    pads = list(pads) if pads else [0] * (2 * n)
+    counts = [
+        (image[i] + pads[i] + pads[i + n] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1
+        for i in range(n)
+    ]
+    # For each (block offset, block position) its place in the padded image, flattened.
+    offsets = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"), -1)
+    places = np.stack(np.meshgrid(*[np.arange(c) for c in counts], indexing="ij"), -1)
+    offsets, places = offsets.reshape(-1, n), places.reshape(-1, n)
+    coords = places[None] * np.asarray(strides) + offsets[:, None] * np.asarray(dilations)
+    coords = coords - np.asarray(pads[:n])  # [K, L, n] in the unpadded image
+    inside = np.all((coords >= 0) & (coords < np.asarray(image)), axis=-1)  # [K, L]
+    flat = np.ravel_multi_index(tuple(np.clip(coords, 0, np.asarray(image) - 1).T), image).T
+    x = jnp.asarray(input)
+    batch, k = x.shape[0], math.prod(block)
+    x = x.reshape(batch, -1, k, x.shape[-1]) * inside  # [N, C, K, L]
+    out = jnp.zeros((batch, x.shape[1], math.prod(image)), x.dtype)
+    out = out.at[:, :, flat.reshape(-1)].add(x.reshape(batch, x.shape[1], -1))
+    return out.reshape(batch, x.shape[1], *image)
