@@ -9,6 +9,7 @@ from . import (  # noqa: F401
     indexing,
     nn,
     quant,
+    random,
     recurrent,
     reduce,
     sequence,
