@@ -15,4 +15,5 @@ from . import (  # noqa: F401
     sequence,
     shape,
     signal,
+    training,
 )
