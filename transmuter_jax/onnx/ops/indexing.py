@@ -175,3 +175,54 @@ def ReverseSequence(input, sequence_lens, *, batch_axis=1, time_axis=0):
     source = m.where(t < n, n - 1 - t, t)
     source = m.broadcast_to(source, x.shape)
     return m.take_along_axis(x, source, axis=time_axis)
+
+
+@op("TfIdfVectorizer", since=9)
+def TfIdfVectorizer(
+    X,
+    *,
+    max_gram_length,
+    max_skip_count,
+    min_gram_length,
+    mode,
+    ngram_counts,
+    ngram_indexes,
+    pool_int64s=None,
+    pool_strings=None,
+    weights=None,
+):
+    """Counts of the pool's n-grams (n in [min, max], items ``skip + 1`` apart for each skip up
+    to max_skip_count; 1-grams once) in each row of X [C] or [B, C], as TF, IDF or TFIDF
+    [B, max(ngram_indexes) + 1] float32 (columns by ngram_indexes, weights by column)."""
+    if pool_int64s is None:
+        raise NotImplementedError("TfIdfVectorizer on strings")
+    x = jnp.asarray(X).astype(jnp.int32)
+    rows = x if x.ndim == 2 else x[None]
+    length = rows.shape[-1]
+    bounds = [*ngram_counts, len(pool_int64s)]
+    size = max(ngram_indexes) + 1
+    out = jnp.zeros((rows.shape[0], size), jnp.float32)
+    k = 0
+    for n in range(1, len(ngram_counts) + 1):
+        pool = list(pool_int64s[bounds[n - 1] : bounds[n]])
+        for start in range(0, len(pool), n):
+            gram, column = pool[start : start + n], ngram_indexes[k]
+            k += 1
+            if not min_gram_length <= n <= max_gram_length:
+                continue
+            count = 0
+            for distance in range(1, (max_skip_count + 1 if n > 1 else 1) + 1):
+                starts = length - distance * (n - 1)
+                if starts <= 0:
+                    continue
+                hit = jnp.ones((rows.shape[0], starts), bool)
+                for j, item in enumerate(gram):
+                    hit = hit & (rows[:, j * distance : j * distance + starts] == item)
+                count = count + jnp.sum(hit, axis=-1)
+            out = out.at[:, column].add(count)
+    w = jnp.ones((size,), jnp.float32) if not weights else jnp.asarray(weights, jnp.float32)
+    if mode == "IDF":
+        out = jnp.where(out > 0, w, 0.0)
+    elif mode == "TFIDF":
+        out = out * w
+    return out if x.ndim == 2 else out[0]
