@@ -226,3 +226,11 @@ def TfIdfVectorizer(
     elif mode == "TFIDF":
         out = out * w
     return out if x.ndim == 2 else out[0]
+
+
+@op("ArrayFeatureExtractor", domain="ai.onnx.ml")
+def ArrayFeatureExtractor(X, Y):
+    """The entries Y of the last axis of X (a 1-D X gives [1, len(Y)])."""
+    m = xp(X, Y)
+    out = m.take(X, m.asarray(Y).reshape(-1).astype(np.int32), axis=-1)
+    return out.reshape(1, -1) if np.ndim(X) == 1 else out
