@@ -121,3 +121,69 @@ def AffineGrid(theta, size, *, align_corners=0):
     base = np.stack([*mesh[::-1], np.ones_like(mesh[0])], axis=-1)  # [*S, r + 1], x first
     theta = jnp.asarray(theta)
     return jnp.einsum("...k,nrk->n...r", base.astype(theta.dtype), theta)
+
+
+def _roi_axis(start, size, bins, grid, limit):
+    """Sample coordinates [R, bins, grid] along one axis, clamped as RoiAlign's bilinear
+    sampling clamps them, with their low/high pixels, weights and validity."""
+    step = size / bins
+    at = jnp.arange(bins)[None, :, None] * step[:, None, None]
+    at = (
+        start[:, None, None]
+        + at
+        + (jnp.arange(grid)[None, None, :] + 0.5) * (step / grid)[:, None, None]
+    )
+    valid = (at >= -1.0) & (at <= limit)
+    at = jnp.maximum(at, 0.0)
+    low = jnp.floor(at)
+    edge = low >= limit - 1
+    low = jnp.where(edge, limit - 1, low)
+    at = jnp.where(edge, low, at)
+    high = jnp.where(edge, low, low + 1)
+    frac = at - low
+    return low.astype(jnp.int32), high.astype(jnp.int32), 1 - frac, frac, valid
+
+
+@op("RoiAlign", since=10)
+def RoiAlign(
+    X,
+    rois,
+    batch_indices,
+    *,
+    coordinate_transformation_mode="half_pixel",
+    mode="avg",
+    output_height=1,
+    output_width=1,
+    sampling_ratio=0,
+    spatial_scale=1.0,
+):
+    """The average (or max) of bilinear samples of X [N, C, H, W] on a grid of
+    ``sampling_ratio``^2 points in each of output_height x output_width bins of each roi
+    [R, 4] (x1, y1, x2, y2) -> [R, C, output_height, output_width]."""
+    if sampling_ratio <= 0:
+        raise NotImplementedError("RoiAlign with sampling_ratio 0 (a grid sized by the rois)")
+    x = jnp.asarray(X)
+    height, width = x.shape[2], x.shape[3]
+    boxes = jnp.asarray(rois).astype(jnp.float32) * spatial_scale
+    offset = 0.5 if coordinate_transformation_mode == "half_pixel" else 0.0
+    start, end = boxes[:, :2] - offset, boxes[:, 2:] - offset
+    size = end - start
+    if coordinate_transformation_mode != "half_pixel":
+        size = jnp.maximum(size, 1.0)
+    ys = _roi_axis(start[:, 1], size[:, 1], output_height, sampling_ratio, height)
+    xs = _roi_axis(start[:, 0], size[:, 0], output_width, sampling_ratio, width)
+    n = jnp.asarray(batch_indices).astype(jnp.int32)[:, None, None, None, None]
+    corners = []
+    for yi, wy in ((ys[0], ys[2]), (ys[1], ys[3])):
+        for xi, wx in ((xs[0], xs[2]), (xs[1], xs[3])):
+            y_at = yi[:, :, :, None, None]  # [R, bh, gh, 1, 1]
+            x_at = xi[:, None, None, :, :]  # [R, 1, 1, bw, gw]
+            values = x[n, :, y_at, x_at]  # [R, bh, gh, bw, gw, C]
+            weight = wy[:, :, :, None, None] * wx[:, None, None, :, :]
+            corners.append(values.astype(jnp.float32) * weight[..., None])
+    valid = (ys[4][:, :, :, None, None] & xs[4][:, None, None, :, :])[..., None]
+    if mode == "max":
+        out = jnp.where(valid, jnp.max(jnp.stack(corners), axis=0), 0.0).max(axis=(2, 4))
+    else:
+        out = jnp.where(valid, sum(corners), 0.0).mean(axis=(2, 4))
+    return jnp.moveaxis(out, -1, 1).astype(x.dtype)  # [R, C, bh, bw]
