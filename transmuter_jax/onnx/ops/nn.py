@@ -915,3 +915,62 @@ def Col2Im(input, image_shape, block_shape, *, dilations=None, pads=None, stride
     out = jnp.zeros((batch, x.shape[1], math.prod(image)), x.dtype)
     out = out.at[:, :, flat.reshape(-1)].add(x.reshape(batch, x.shape[1], -1))
     return out.reshape(batch, x.shape[1], *image)
+
+
+@op("DeformConv", since=19)
+def DeformConv(
+    X,
+    W,
+    offset,
+    B=None,
+    mask=None,
+    *,
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    offset_group=1,
+    pads=None,
+    strides=None,
+):
+    """2-D deformable convolution: each kernel tap of each output reads X [N, C, H, W]
+    bilinearly (0 outside) at its place moved by offset [N, G*2*K, oH, oW] (dy, dx per tap),
+    times mask [N, G*K, oH, oW]; W [M, C / group, kH, kW]."""
+    x, w = jnp.asarray(X), jnp.asarray(W)
+    n, c, height, width = x.shape
+    kh, kw = w.shape[2:]
+    strides, dilations = _spatial(strides, 2, 1), _spatial(dilations, 2, 1)
+    pads = list(pads) if pads else [0] * 4
+    off = jnp.asarray(offset).astype(jnp.float32)
+    oh, ow = off.shape[2:]
+    k = kh * kw
+    off = off.reshape(n, offset_group, k, 2, oh, ow)
+    tap_y = (np.arange(k) // kw * dilations[0])[:, None, None]
+    tap_x = (np.arange(k) % kw * dilations[1])[:, None, None]
+    base_y = (np.arange(oh) * strides[0] - pads[0])[None, :, None] + tap_y  # [K, oH, 1]
+    base_x = (np.arange(ow) * strides[1] - pads[1])[None, None, :] + tap_x  # [K, 1, oW]
+    y = base_y + off[:, :, :, 0]  # [N, G, K, oH, oW]
+    xx = base_x + off[:, :, :, 1]
+    y0, x0 = jnp.floor(y), jnp.floor(xx)
+    planes = x.reshape(n, offset_group, c // offset_group, height * width).astype(jnp.float32)
+    cols = 0.0
+    for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        yc, xc = y0 + dy, x0 + dx
+        weight = (1 - jnp.abs(y - yc)) * (1 - jnp.abs(xx - xc))
+        inside = (yc >= 0) & (yc < height) & (xc >= 0) & (xc < width)
+        flat = (jnp.clip(yc, 0, height - 1) * width + jnp.clip(xc, 0, width - 1)).astype(jnp.int32)
+        values = jnp.take_along_axis(planes, flat.reshape(n, offset_group, 1, -1), axis=3)
+        scale = jnp.where(inside, weight, 0.0).reshape(n, offset_group, 1, -1)
+        cols = cols + values * scale  # [N, G, C / G, K * oH * oW]
+    cols = cols.reshape(n, c, k, oh, ow)
+    if mask is not None:
+        m = jnp.asarray(mask).astype(jnp.float32).reshape(n, offset_group, 1, k, oh, ow)
+        cols = (cols.reshape(n, offset_group, c // offset_group, k, oh, ow) * m).reshape(
+            n, c, k, oh, ow
+        )
+    wg = w.reshape(group, w.shape[0] // group, c // group, k).astype(jnp.float32)
+    cg = cols.reshape(n, group, c // group, k, oh, ow)
+    out = jnp.einsum("gmck,ngckhw->ngmhw", wg, cg, precision=precision())
+    out = out.reshape(n, w.shape[0], oh, ow)
+    if B is not None:
+        out = out + jnp.asarray(B).astype(jnp.float32)[None, :, None, None]
+    return out.astype(x.dtype)
