@@ -974,3 +974,46 @@ def DeformConv(
     if B is not None:
         out = out + jnp.asarray(B).astype(jnp.float32)[None, :, None, None]
     return out.astype(x.dtype)
+
+
+@op("QLinearConv", since=10)
+def QLinearConv(
+    x,
+    x_scale,
+    x_zero_point,
+    w,
+    w_scale,
+    w_zero_point,
+    y_scale,
+    y_zero_point,
+    B=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
+    """quantize(ConvInteger(x, w) * x_scale * w_scale (per output channel) + B, y_scale, y_zp)
+    with an exact int32 convolution; rounds half to even and saturates to y_zero_point's type."""
+    acc = ConvInteger(
+        x,
+        w,
+        x_zero_point,
+        w_zero_point,
+        auto_pad=auto_pad,
+        dilations=dilations,
+        group=group,
+        pads=pads,
+        strides=strides,
+    )
+    if B is not None:
+        acc = acc + _channel(jnp.asarray(B).astype(jnp.int32), acc.ndim)
+    ws = jnp.asarray(w_scale).astype(jnp.float32)
+    ws = ws.reshape(()) if ws.size == 1 else _channel(ws, acc.ndim)
+    factor = jnp.asarray(x_scale).astype(jnp.float32).reshape(()) * ws
+    y = jnp.round(acc.astype(jnp.float32) * factor / jnp.asarray(y_scale).astype(jnp.float32))
+    zp = jnp.asarray(y_zero_point)
+    info = jnp.iinfo(zp.dtype)
+    return jnp.clip(y + zp.astype(jnp.float32), info.min, info.max).astype(zp.dtype)
