@@ -74,7 +74,7 @@ def GridSample(X, grid, *, align_corners=0, mode="linear", padding_mode="zeros")
         low, high = (0.0, size - 1.0) if align_corners else (-0.5, size - 0.5)
         if mode == "nearest":
             c = jnp.round(c)
-        if padding_mode == "border":
+        if padding_mode == "border" and mode != "cubic":  # cubic clamps each tap (as torch)
             c = jnp.where((c < low) | (c > high), jnp.clip(c, 0, size - 1), c)
         elif padding_mode == "reflection":
             c = _reflect(c, low, high)
