@@ -652,3 +652,22 @@ def test_sparse_attention(seq, totals, rotary):
         for name in ("present_key", "present_value"):
             np.testing.assert_allclose(got[name][b, :, :total], want[name][b, :, :total], atol=1e-4)
     assert valid is None or got["out"].shape == want["out"].shape
+
+
+# The attention core's precision rule: float16 rotary embedding is computed in float32 and
+# rounded once, as onnxruntime's kernels compute it (both RotaryEmbedding ops).
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("onnx_op", [False, True])
+def test_rotary_float16(interleaved, onnx_op):
+    cos, sin = (c.astype(np.float16) for c in _caches(8))
+    pos = rng.integers(0, 32, (2, 5)).astype(np.int64)
+    x = (_randn(2, 5, 64) * 4).astype(np.float16)
+    if onnx_op:
+        inputs = {"x": x, "cos_cache": cos, "sin_cache": sin, "position_ids": pos}
+        kwargs = {"opset": 23}
+    else:
+        inputs = {"input": x, "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
+        kwargs = {"domain": MS}
+    model = node_model("RotaryEmbedding", inputs, interleaved=interleaved, num_heads=4, **kwargs)
+    want, got = run_ort(model, inputs)["y"], run_jax(model, inputs)["y"]
+    np.testing.assert_array_equal(got, want)  # one rounding: the same float16 values
