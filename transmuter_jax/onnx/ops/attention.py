@@ -1,5 +1,7 @@
-"""com.microsoft attention and fused ops: GroupQueryAttention, MultiHeadAttention,
-RotaryEmbedding, the skip layer norms, the GELU variants, BiasAdd and FusedMatMul."""
+"""com.microsoft attention and fused ops: GroupQueryAttention, SparseAttention,
+MultiHeadAttention, DecoderMaskedMultiHeadAttention, Attention, RotaryEmbedding, the skip and
+embedding layer norms, the GELU variants, BiasAdd and FusedMatMul. The attention math itself is
+in :mod:`.attention_core`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Graph-structure ops: Constant, If and Loop."""
+"""Graph-structure ops: Constant, If, Loop and Scan."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def _scan_slices(values, axes, directions, steps):
         ]
 
 
-def _scan(states, scans, body, num_scan_inputs, in_axes, in_dirs, out_axes, out_dirs, ctx):
+def _scan(states, scans, body, in_axes, in_dirs, out_axes, out_dirs, ctx):
     """Runs ``body`` once per step of the scan inputs, unrolled at trace time."""
     m = len(scans)
     in_axes = [a % np.ndim(v) for a, v in zip(in_axes or [0] * m, scans, strict=True)]
@@ -188,7 +188,6 @@ def Scan(
         list(inputs[:n]),
         list(inputs[n:]),
         body,
-        num_scan_inputs,
         scan_input_axes,
         scan_input_directions,
         scan_output_axes,
@@ -208,7 +207,7 @@ def Scan_8(sequence_lens, *inputs, body, num_scan_inputs, directions=None, ctx):
     for b in range(batch):
         states = [xp(v).take(v, b, axis=0) for v in inputs[:n]]
         scans = [xp(v).take(v, b, axis=0) for v in inputs[n:]]
-        rows.append(_scan(states, scans, body, num_scan_inputs, None, directions, None, None, ctx))
+        rows.append(_scan(states, scans, body, None, directions, None, None, ctx))
     return tuple(
         (np if all(is_static(r[i]) for r in rows) else jnp).stack([r[i] for r in rows])
         for i in range(len(rows[0]))
