@@ -105,7 +105,7 @@ def test_weights_are_arguments_not_constants(linear):
     _, path = linear
     model = tj.load(path)
     assert list(model.params) == ["W"]
-    assert len(model._graph.proto.initializer) == 0
+    assert len(model.graph.proto.initializer) == 0
     x = np.ones((1, 3, 4), np.float32)
     before = np.asarray(model({"x": x, "flag": np.array([True])})["y"])
     # A new weight value changes the result without recompiling: it is an argument.
@@ -302,5 +302,5 @@ def test_large_folded_values_are_computed_in_the_program(tmp_path):
     model = tj.load(_save(proto, tmp_path / "m.onnx"))
     x = np.ones((512, 512), np.float32)
     np.testing.assert_array_equal(model({"x": x})["y"], 2 * x)
-    jaxpr = jax.make_jaxpr(lambda p, i: model._function({}, p, i))(model.params, {"x": x})
+    jaxpr = jax.make_jaxpr(lambda p, i: model.trace({}, p, i))(model.params, {"x": x})
     assert max((np.size(c) for c in jaxpr.consts), default=0) <= FOLD_LIMIT

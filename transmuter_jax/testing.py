@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -210,8 +211,9 @@ def first_divergence(
     import onnx
     from onnx import helper
 
-    ort = _onnxruntime()
+    from .onnx.dtypes import to_device_dtype
 
+    ort = _onnxruntime()
     from .onnx.trace import node_label, run_nodes
 
     proto = onnx.load(model.path)
@@ -225,10 +227,11 @@ def first_divergence(
     names = [o.name for o in session.get_outputs()]
     want = dict(zip(names, session.run(names, dict(inputs)), strict=True))
 
-    dynamic, static = model._prepare(inputs)
-    scope = model._scope(static, model.params, {k: jnp.asarray(v) for k, v in dynamic.items()})
-    run_nodes(model._graph, scope)
-    for node in model._graph.proto.node:
+    values = {i.name: to_device_dtype(np.asarray(inputs[i.name])) for i in model.inputs}
+    values = {k: v if k in model.static_inputs else jnp.asarray(v) for k, v in values.items()}
+    scope = ChainMap({**model.graph.constants, **model.params, **values})
+    run_nodes(model.graph, scope)
+    for node in model.graph.proto.node:
         for name in node.output:
             if not name or name not in want:
                 continue

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx_cases import check_op, node_model, run_jax, run_ort
+from onnx import TensorProto
+from onnx_cases import assert_same, check_op, node_model, run_jax, run_ort
 
 MS = "com.microsoft"
 rng = np.random.default_rng(0)
@@ -289,6 +290,147 @@ def test_mha_cross_cached_keys():
     _mha(inputs, num_heads=4)
 
 
+# ---------------------------------------------------------------- DecoderMaskedMultiHeadAttention
+
+
+def _dmmha(inputs, outputs=("out", "present_key", "present_value"), **attrs):
+    while list(inputs.values())[-1] is None:
+        inputs.popitem()
+    check_op(
+        "DecoderMaskedMultiHeadAttention",
+        inputs,
+        outputs,
+        domain=MS,
+        rtol=1e-4,
+        atol=1e-4,
+        num_heads=4,
+        **attrs,
+    )
+
+
+def _dmmha_self(batch=2, past=5, shared=False, mask=False, beams=None, bias=False):
+    heads, head, total = 4, 8, past + 1
+    buffer = 9 if shared else past
+    inputs = {
+        "query": _randn(batch, 1, heads * head),
+        "key": _randn(batch, 1, heads * head),
+        "value": _randn(batch, 1, heads * head),
+        "mask_index": None,
+        "attention_bias": None,
+        "past_key": _randn(batch, heads, buffer, head),
+        "past_value": _randn(batch, heads, buffer, head),
+        "past_sequence_length": np.asarray([past], np.int32) if shared else None,
+        "beam_width": None,
+        "cache_indirection": None,
+        "bias": _randn(3 * heads * head) if bias else None,
+    }
+    if mask:
+        m = np.ones((batch, total), np.int32)
+        m[0, :2] = 0
+        inputs["mask_index"] = m
+    if beams:
+        inputs["beam_width"] = np.asarray([beams], np.int32)
+        ind = rng.integers(0, beams, (batch // beams, beams, buffer)).astype(np.int32)
+        inputs["cache_indirection"] = ind
+    return inputs
+
+
+@pytest.mark.parametrize("shared", [True])  # onnxruntime's CPU kernel needs the shared buffer
+def test_dmmha_self(shared):
+    _dmmha(_dmmha_self(shared=shared), past_present_share_buffer=int(shared))
+
+
+def test_dmmha_self_mask_bias_scale():
+    _dmmha(_dmmha_self(shared=True, mask=True, bias=True), past_present_share_buffer=1, scale=0.2)
+
+
+def test_dmmha_beam_search_cache_indirection():
+    _dmmha(_dmmha_self(batch=4, shared=True, beams=2), past_present_share_buffer=1)
+
+
+def test_dmmha_cross_attention_qk():
+    inputs = {
+        "query": _randn(2, 1, 32),
+        "key": _randn(2, 4, 6, 8),
+        "value": _randn(2, 4, 6, 8),
+    }
+    _dmmha(inputs, ("out",))
+
+
+# ---------------------------------------------------------------- Attention (com.microsoft)
+
+
+def _ms_attention(
+    *,
+    batch=2,
+    seq=4,
+    hidden=32,
+    sizes=None,
+    mask=None,
+    past=0,
+    bias=True,
+    attn_bias=False,
+    outputs=("out",),
+    dtype=np.float32,
+    tol=1e-4,
+    **attrs,
+):
+    heads = attrs["num_heads"]
+    widths = sizes or (hidden, hidden, hidden)
+    total = past + seq
+    inputs = {
+        "input": _randn(batch, seq, hidden, dtype=dtype),
+        "weights": _randn(hidden, sum(widths), dtype=dtype) * dtype(0.2),
+        "bias": _randn(sum(widths), dtype=dtype) if bias else None,
+        "mask_index": mask,
+        "past": _randn(2, batch, heads, past, widths[1] // heads, dtype=dtype) if past else None,
+        "attention_bias": _randn(1, heads, seq, total, dtype=dtype) if attn_bias else None,
+    }
+    while inputs and list(inputs.values())[-1] is None:
+        inputs.popitem()
+    if sizes:
+        attrs["qkv_hidden_sizes"] = list(sizes)
+    check_op("Attention", inputs, outputs, domain=MS, rtol=tol, atol=tol, **attrs)
+
+
+def test_ms_attention_plain():
+    _ms_attention(num_heads=4)
+
+
+def test_ms_attention_no_bias_scale_sizes():
+    _ms_attention(num_heads=2, bias=False, scale=0.3, sizes=(16, 16, 32))
+
+
+@pytest.mark.parametrize("kind", ["lengths", "end_start", "2d", "3d"])
+def test_ms_attention_masks(kind):
+    if kind == "lengths":
+        mask = np.asarray([4, 2], np.int32)
+    elif kind == "end_start":
+        mask = np.asarray([4, 3, 0, 1], np.int32)
+    elif kind == "2d":
+        mask = np.asarray([[1, 1, 1, 1], [1, 0, 1, 0]], np.int32)
+    else:
+        mask = (rng.random((2, 4, 4)) > 0.4).astype(np.int32)
+        mask[..., 0] = 1
+    _ms_attention(num_heads=4, mask=mask)
+
+
+def test_ms_attention_unidirectional_past_present():
+    mask = np.ones((2, 7), np.int32)
+    mask[1, :2] = 0
+    _ms_attention(
+        num_heads=4, seq=3, past=4, mask=mask, unidirectional=1, outputs=("out", "present")
+    )
+
+
+def test_ms_attention_attention_bias():
+    _ms_attention(num_heads=4, attn_bias=True, unidirectional=1)
+
+
+def test_ms_attention_float16():
+    _ms_attention(num_heads=4, dtype=np.float16, tol=5e-3)
+
+
 # ---------------------------------------------------------------- RotaryEmbedding
 
 
@@ -353,6 +495,29 @@ def test_skip_simplified_layer_norm_one_output():
     check_op("SkipSimplifiedLayerNormalization", inputs, domain=MS)
 
 
+@pytest.mark.parametrize("variant", ["full", "no_segment", "position_ids", "two_outputs"])
+def test_embed_layer_norm(variant):
+    b, s, d = 2, 5, 16
+    inputs = {
+        "input_ids": rng.integers(0, 30, (b, s)).astype(np.int32),
+        "segment_ids": rng.integers(0, 2, (b, s)).astype(np.int32),
+        "word_embedding": _randn(30, d),
+        "position_embedding": _randn(12, d),
+        "segment_embedding": _randn(2, d),
+        "gamma": _randn(d),
+        "beta": _randn(d),
+        "mask": np.asarray([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], np.int32),
+    }
+    outputs = ("y", "mask_index", "sum")
+    if variant == "no_segment":
+        inputs["segment_ids"] = inputs["segment_embedding"] = inputs["mask"] = None
+    elif variant == "position_ids":
+        inputs["position_ids"] = rng.integers(0, 12, (b, s)).astype(np.int32)
+    else:
+        outputs = ("y", "mask_index") if variant == "two_outputs" else outputs
+    check_op("EmbedLayerNormalization", inputs, outputs, domain=MS, epsilon=1e-5, atol=1e-4)
+
+
 def test_gelus():
     x = _randn(3, 8) * 3
     check_op("Gelu", {"x": x}, domain=MS)
@@ -380,3 +545,129 @@ def test_fused_matmul_trans_batch():
     a = _randn(3, 2, 5)  # transBatchA: [3, 2, 5] -> [2, 3, 5]
     b = _randn(2, 5, 4)
     check_op("FusedMatMul", {"a": a, "b": b}, domain=MS, transBatchA=1)
+
+
+def test_dmmha_output_qk():
+    inputs = _dmmha_self(shared=True)
+    while list(inputs.values())[-1] is None:
+        inputs.popitem()
+    outputs = ("out", "present_key", "present_value", "qk")
+    model = node_model(
+        "DecoderMaskedMultiHeadAttention",
+        inputs,
+        outputs,
+        domain=MS,
+        num_heads=4,
+        past_present_share_buffer=1,
+        output_qk=1,
+        constants=("past_sequence_length",),
+    )
+    model.graph.output[3].type.tensor_type.elem_type = TensorProto.FLOAT  # qk's type is free
+    feeds = {k: v for k, v in inputs.items() if v is not None and k != "past_sequence_length"}
+    assert_same(model, feeds, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- SparseAttention
+
+
+def _csr(dense):
+    """The CSR rows and (-1 padded) columns of block masks [layouts, R, R]."""
+    rows = np.concatenate([np.zeros((len(dense), 1)), np.cumsum(dense.sum(-1), -1)], 1)
+    nnz = int(dense.sum((1, 2)).max())
+    cols = np.full((len(dense), nnz), -1)
+    for i, layout in enumerate(dense):
+        found = np.nonzero(layout)[1]
+        cols[i, : len(found)] = found
+    return rows.astype(np.int32), cols.astype(np.int32)
+
+
+def _ort_shared_cache(model, feeds):
+    """onnxruntime's outputs where present_key/present_value are bound to the past buffers (its
+    CPU SparseAttention requires it)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    shared, buffers = {}, {}  # the OrtValues use the buffers' memory: keep them alive
+    for name, array in feeds.items():
+        if name in ("past_key", "past_value"):
+            buffers[name] = array.copy()
+            shared[name] = ort.OrtValue.ortvalue_from_numpy(buffers[name])
+            binding.bind_ortvalue_input(name, shared[name])
+        else:
+            binding.bind_cpu_input(name, array)
+    binding.bind_output("out")
+    binding.bind_ortvalue_output("present_key", shared["past_key"])
+    binding.bind_ortvalue_output("present_value", shared["past_value"])
+    session.run_with_iobinding(binding)
+    out = binding.copy_outputs_to_cpu()[0]
+    return {
+        "out": out,
+        "present_key": buffers["past_key"],
+        "present_value": buffers["past_value"],
+    }
+
+
+# Rows of one batch have the same length: with ragged key_total_sequence_lengths onnxruntime's
+# CPU kernel attends the shorter rows differently (their present buffers agree).
+@pytest.mark.parametrize(("seq", "totals"), [(20, (20, 20)), (1, (40, 40)), (3, (37, 37))])
+@pytest.mark.parametrize("rotary", [0, 1])
+def test_sparse_attention(seq, totals, rotary):
+    batch, heads, kv_heads, head, block, buffer = 2, 4, 2, 16, 16, 64
+    dense = np.tril(np.ones((2, 4, 4), np.int32))
+    dense[0, 3, 1] = dense[1, 2, 0] = 0
+    rows, cols = _csr(dense)
+    inputs = {
+        "query": _randn(batch, seq, heads * head),
+        "key": _randn(batch, seq, kv_heads * head),
+        "value": _randn(batch, seq, kv_heads * head),
+        "past_key": _randn(batch, kv_heads, buffer, head),
+        "past_value": _randn(batch, kv_heads, buffer, head),
+        "block_row_indices": rows,
+        "block_col_indices": cols,
+        "total_sequence_length": np.asarray(max(totals), np.int32),
+        "key_total_sequence_lengths": np.asarray(totals, np.int32),
+    }
+    if rotary:
+        angles = np.arange(64)[:, None] * (0.5 ** np.arange(head // 2))[None, :]
+        inputs["cos_cache"] = np.cos(angles).astype(np.float32)
+        inputs["sin_cache"] = np.sin(angles).astype(np.float32)
+    model = node_model(
+        "SparseAttention",
+        inputs,
+        ("out", "present_key", "present_value"),
+        domain=MS,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        sparse_block_size=block,
+        do_rotary=rotary,
+        constants=("total_sequence_length",),
+    )
+    feeds = {k: v for k, v in inputs.items() if k != "total_sequence_length"}
+    want, got = _ort_shared_cache(model, feeds), run_jax(model, feeds)
+    valid = max(totals) if seq > 1 else None
+    for b, total in enumerate(totals):
+        rows_b = slice(total - min(seq, total), total) if seq > 1 else slice(0, 1)
+        np.testing.assert_allclose(got["out"][b, rows_b], want["out"][b, rows_b], atol=1e-4)
+        for name in ("present_key", "present_value"):
+            np.testing.assert_allclose(got[name][b, :, :total], want[name][b, :, :total], atol=1e-4)
+    assert valid is None or got["out"].shape == want["out"].shape
+
+
+# The attention core's precision rule: float16 rotary embedding is computed in float32 and
+# rounded once, as onnxruntime's kernels compute it (both RotaryEmbedding ops).
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("onnx_op", [False, True])
+def test_rotary_float16(interleaved, onnx_op):
+    cos, sin = (c.astype(np.float16) for c in _caches(8))
+    pos = rng.integers(0, 32, (2, 5)).astype(np.int64)
+    x = (_randn(2, 5, 64) * 4).astype(np.float16)
+    if onnx_op:
+        inputs = {"x": x, "cos_cache": cos, "sin_cache": sin, "position_ids": pos}
+        kwargs = {"opset": 23}
+    else:
+        inputs = {"input": x, "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
+        kwargs = {"domain": MS}
+    model = node_model("RotaryEmbedding", inputs, interleaved=interleaved, num_heads=4, **kwargs)
+    want, got = run_ort(model, inputs)["y"], run_jax(model, inputs)["y"]
+    np.testing.assert_array_equal(got, want)  # one rounding: the same float16 values

@@ -439,6 +439,31 @@ def test_attention_scale_softcap(mode):
     )
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_float16(kv_heads):
+    """float16 inputs: computed in float32 and rounded once (the attention core's rule)."""
+    q, k, v = (
+        rand(2, 4, 5, 8).astype(np.float16),
+        rand(2, kv_heads, 7, 8, seed=1).astype(np.float16),
+        rand(2, kv_heads, 7, 8, seed=2).astype(np.float16),
+    )
+    check_op("Attention", {"q": q, "k": k, "v": v}, is_causal=1, opset=23, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (2, 0), (1, 1)])
+def test_attention_sliding_window(window):
+    q, k, v = rand(1, 2, 6, 4), rand(1, 2, 6, 4, seed=1), rand(1, 2, 6, 4, seed=2)
+    left, right = window
+    check_op(
+        "Attention",
+        {"q": q, "k": k, "v": v},
+        opset=25,
+        left_window_size=left,
+        right_window_size=right,
+        **TOL,
+    )
+
+
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("rotary_dim", [0, 4])
 def test_rotary_embedding_position_ids(interleaved, rotary_dim):

@@ -85,11 +85,11 @@ class Context:
 def _rotary_rows(model: Model) -> int | None:
     """The rows of the rotary cos caches of GroupQueryAttention / RotaryEmbedding nodes."""
     rows = []
-    for node in model._graph.proto.node:
+    for node in model.graph.proto.node:
         at = {"GroupQueryAttention": 7, "RotaryEmbedding": 2}.get(node.op_type)
         if at is None or len(node.input) <= at or not node.input[at]:
             continue
-        value = model.params.get(node.input[at], model._graph.constants.get(node.input[at]))
+        value = model.params.get(node.input[at], model.graph.constants.get(node.input[at]))
         if value is not None and len(np.shape(value)) == 2:
             rows.append(int(np.shape(value)[0]))
     return min(rows) if rows else None
@@ -101,9 +101,9 @@ def cache_mode(model: Model) -> str:
     in_place: a GroupQueryAttention counts the valid rows from the values of attention_mask.
     append: the graph takes position_ids. grow: the positions come from the cache length.
     """
-    nodes = [n for n in model._graph.proto.node if n.op_type == "GroupQueryAttention"]
+    nodes = [n for n in model.graph.proto.node if n.op_type == "GroupQueryAttention"]
     if nodes:
-        sources = value_sources(model._graph)
+        sources = value_sources(model.graph)
         seqlens = nodes[0].input[5] if len(nodes[0].input) > 5 else ""
         if "attention_mask" in sources.get(seqlens, ()):
             return "in_place"

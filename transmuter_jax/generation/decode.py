@@ -94,7 +94,7 @@ class Decoder:
                 self.axes,
                 tuple(sorted(given)),
             )
-            run = self._function(branch, rows)
+            run = self._chunk_function(branch, rows)
             options = jit_options(ctx.jit_options)
             fn = StoredJit(run, key, donate_argnums=(2,), **options)
             self.functions[at] = fn
@@ -108,7 +108,7 @@ class Decoder:
         state, out = fn(signature, ctx.model.params, embed_params, state, given, limit)
         return state, np.asarray(out)
 
-    def _function(self, branch: bool, rows: int | None):
+    def _chunk_function(self, branch: bool, rows: int | None):
         step = self.steps.function(branch, rows)
         mode, select = self.steps.mode, self.select.function  # traced into the chunk
         names = {i.name for i in self.steps.ctx.model.inputs}

@@ -196,7 +196,7 @@ def _step_function(
         if "inputs_embeds" in names:
             embed_in = embed.inputs[0].name
             embed_out = embed.outputs[0].name
-            embeds = embed._function({}, embed_params, {embed_in: tokens})[embed_out]
+            embeds = embed.trace({}, embed_params, {embed_in: tokens})[embed_out]
             if "image_features" in feed:  # [B, S, H] replace the image tokens' embeddings
                 swap = feed["image_mask"][..., None]
                 embeds = jnp.where(swap, feed["image_features"].astype(embeds.dtype), embeds)
@@ -207,7 +207,7 @@ def _step_function(
         if padding is not None:  # the rows before each row's valid ones (all rows alike)
             have = cache_modes.cache_length(cache, layout)
             inputs[padding.input] = jnp.int32(have) - lengths[0]
-        outputs = model._function(static, params, inputs)
+        outputs = model.trace(static, params, inputs)
         logits = outputs["logits"]  # [B, S, V]
         index = jnp.arange(logits.shape[0])
         last_logits = logits[index, last].astype(jnp.float32)  # [B, V]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import math
 import os
@@ -20,9 +21,10 @@ import numpy as np
 import onnx
 import onnx.inliner
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, numpy_helper
+from onnx import GraphProto, TensorProto, numpy_helper
 
 from .. import compile_cache, kernels
+from ..kernels.build import ENV as KERNELS_ENV
 from . import (
     inline,
     ops,  # noqa: F401  (registers the op implementations)
@@ -31,6 +33,7 @@ from . import (
 from .compiler import jit_options
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
 from .errors import GraphError, InputError, ModelFileError, TransmuterError, UnsupportedOpError
+from .ops.quant import INT8_ENV
 from .registry import registered
 from .trace import (
     Graph,
@@ -54,6 +57,15 @@ INLINE_FILE_BYTES = 16 << 20
 MAX_ELEMENTS = 1 << 48
 # Ops whose output holds the values of their first input, as an index flows through them.
 _SAME_VALUES = {"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten"}
+# Environment switches read while tracing (they change the traced program): their values are
+# part of the in-memory compile key, so a program traced under one setting is never reused
+# under another.
+TRACE_ENVIRONMENT = (KERNELS_ENV, kernels.PORTABLE_ENV, INT8_ENV)
+
+
+def trace_environment() -> tuple[tuple[str, str | None], ...]:
+    """The values of the :data:`TRACE_ENVIRONMENT` switches now."""
+    return tuple((name, os.environ.get(name)) for name in TRACE_ENVIRONMENT)
 
 
 class ValueInfo(NamedTuple):
@@ -276,6 +288,32 @@ class Model:
         return f"Model({self.path!r}, inputs={len(self.inputs)}, outputs={len(self.outputs)})"
 
     @property
+    def graph(self) -> Graph:
+        """The graph this model traces (without its weights, which are :attr:`params`)."""
+        return self._graph
+
+    def with_graph(self, proto: GraphProto, *, inputs: Sequence[ValueInfo] | None = None) -> Model:
+        """A model that runs ``proto`` in place of this graph, sharing this model's weights.
+
+        Args:
+            proto: the new main graph; it keeps this graph's opsets, file and constants.
+            inputs: the graph inputs the caller gives (default: this model's).
+
+        Returns:
+            A new Model with its own, empty, compile cache and stats.
+        """
+        new = copy.copy(self)
+        new.__dict__.pop("_fingerprint", None)
+        graph = self._graph
+        new._graph = Graph(proto, graph.opsets, graph.file, graph.constants)
+        if inputs is not None:
+            new.inputs = list(inputs)
+        new._by_name = {i.name: i for i in new.inputs}
+        new._compiled = {}
+        new.compile_stats = []
+        return new
+
+    @property
     def opsets(self) -> Mapping[str, int]:
         return dict(self._graph.opsets)
 
@@ -300,10 +338,11 @@ class Model:
         """The compiled function ``(params, dynamic) -> outputs`` for this input signature."""
         key = tuple((n, tuple(v.shape), str(v.dtype)) for n, v in sorted(dynamic.items()))
         key += tuple((n, v.tobytes()) for n, v in sorted(static.items()))
+        key += trace_environment()
         fn = self._compiled.get(key)
         if fn is None:
             start = time.perf_counter()
-            function = partial(self._function, dict(static))
+            function = partial(self.trace, dict(static))
             with compile_cache.scope(), _graph_errors(self.path, "trace"):
                 lowered = jax.jit(function, **jit_options()).lower(self.params, dynamic)
                 traced = time.perf_counter()
@@ -320,8 +359,8 @@ class Model:
         shapes and dtypes of its weights (not their values, which the programs take as arguments).
         """
         known = self.__dict__.get("_fingerprint")
-        if known is not None and known[0] is self._graph:
-            return known[1]
+        if known is not None:
+            return known
         digest = hashlib.sha256()
         digest.update(self._graph.proto.SerializeToString(deterministic=True))
         for name, value in sorted(self._graph.constants.items()):
@@ -331,20 +370,33 @@ class Model:
             digest.update(f"{name}{value.dtype}{value.shape}".encode())
         extra = (sorted(self._graph.opsets.items()), self.inputs, self.outputs, self.static_inputs)
         digest.update(repr(extra).encode())
-        self._fingerprint = (self._graph, digest.hexdigest())
-        return self._fingerprint[1]
+        self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     @property
     def compiled_count(self) -> int:
         """How many input signatures have been compiled."""
         return len(self._compiled)
 
-    def _function(
+    def trace(
         self, static: Mapping[str, np.ndarray], params: Mapping[str, jax.Array], inputs
     ) -> dict[str, jax.Array]:
+        """The graph as a function, to call inside a JAX transformation (jit, vmap, scan).
+
+        Args:
+            static: the values of the :attr:`static_inputs`, numpy arrays.
+            params: the weights, as :attr:`params` or arrays of the same shapes and dtypes.
+            inputs: the other graph inputs by name, in their device dtypes (int64 as int32).
+
+        Returns:
+            The outputs by name.
+        """
         scope = self._scope(static, params, inputs)
         run_nodes(self._graph, scope)
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
+
+    # The generation package's name for :meth:`trace` until it moves to the public seam.
+    _function = trace
 
     def _scope(self, static, params, inputs) -> ChainMap:
         """The values the graph's nodes start from: constants, weights and inputs."""

@@ -114,7 +114,7 @@ def _probe(model: Model, inputs: Mapping[str, Any]) -> _Run:
     """Traces ``model`` abstractly; an If with a known condition runs its branch inline."""
     static = {k: v for k, v in inputs.items() if isinstance(v, np.ndarray)}
     dynamic = {k: v for k, v in inputs.items() if k not in static}
-    run = _Run([], {}, model._graph.opsets)
+    run = _Run([], {}, model.graph.opsets)
 
     def record(scope: Mapping[str, Any]) -> None:
         for name, value in scope.items():
@@ -142,7 +142,7 @@ def _probe(model: Model, inputs: Mapping[str, Any]) -> _Run:
             run.nodes.append((path, index, node))
 
     def function(params, values):
-        graph = model._graph
+        graph = model.graph
         scope = ChainMap({**graph.constants, **params, **static, **values})
         walk(graph, (), scope)
         record(scope.maps[0])
@@ -250,7 +250,7 @@ class _Specs:
     """Op specs of the nodes of a graph and its subgraphs, by graph path."""
 
     def __init__(self, model: Model):
-        self.root = model._graph
+        self.root = model.graph
         self.graphs: dict[tuple, Graph] = {(): self.root}
 
     def graph(self, path: tuple) -> Graph:
@@ -353,7 +353,7 @@ def _subgraph(root: GraphProto, path: tuple) -> GraphProto:
 def _rewrite(model: Model, plan: _Plan) -> Model:
     """A copy of ``model`` whose graph subtracts the padding from the planned positions and masks
     the padding keys of the planned Softmax nodes."""
-    proto = copy.deepcopy(model._graph.proto)
+    proto = copy.deepcopy(model.graph.proto)
     proto.input.append(helper.make_tensor_value_info(PAD_INPUT, TensorProto.INT64, []))
     inserts: dict[tuple, dict[int, list[NodeProto]]] = {}
     counter = iter(range(1 << 30))
@@ -405,13 +405,7 @@ def _rewrite(model: Model, plan: _Plan) -> Model:
             nodes.append(node)
         del graph.node[:]
         graph.node.extend(nodes)
-    padded = copy.copy(model)
-    padded._graph = Graph(proto, model._graph.opsets, model._graph.file, model._graph.constants)
-    padded.inputs = [*model.inputs, ValueInfo(PAD_INPUT, "int64", ())]
-    padded._by_name = {i.name: i for i in padded.inputs}
-    padded._compiled = {}
-    padded.compile_stats = []
-    return padded
+    return model.with_graph(proto, inputs=[*model.inputs, ValueInfo(PAD_INPUT, "int64", ())])
 
 
 def _constant(name: str, value: np.ndarray) -> NodeProto:
@@ -452,7 +446,7 @@ def pad_past(
     if not plan.masks:
         raise NotPaddable("no self-attention Softmax over the cache was found")
     padded = _rewrite(model, plan)
-    if PAD_INPUT in static_dependencies(padded._graph):
+    if PAD_INPUT in static_dependencies(padded.graph):
         raise NotPaddable("the padding would be needed at trace time")
     check = dict(inputs(PROBES[0]))
     check[PAD_INPUT] = jax.ShapeDtypeStruct((), np.int32)
@@ -462,6 +456,6 @@ def pad_past(
         raise NotPaddable(f"the rewritten graph does not trace: {error}") from error
     shifted = tuple(name for _, _, _, name, _ in plan.shifts)
     masked = tuple(
-        _subgraph(model._graph.proto, path).node[index].name for path, index, _, _ in plan.masks
+        _subgraph(model.graph.proto, path).node[index].name for path, index, _, _ in plan.masks
     )
     return PaddedPast(padded, PAD_INPUT, shifted, masked)

@@ -1,9 +1,13 @@
-"""com.microsoft attention and fused ops: GroupQueryAttention, MultiHeadAttention,
-RotaryEmbedding, the skip layer norms, the GELU variants, BiasAdd and FusedMatMul."""
+"""com.microsoft attention and fused ops: GroupQueryAttention, SparseAttention,
+MultiHeadAttention, DecoderMaskedMultiHeadAttention, Attention, RotaryEmbedding, the skip and
+embedding layer norms, the GELU variants, BiasAdd and FusedMatMul. The attention math itself is
+in :mod:`.attention_core`."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,108 +15,19 @@ import numpy as np
 
 from ..registry import op
 from ._util import precision, write_rows, xp
+from .attention_core import (
+    NO_LIMIT,
+    cap,
+    grouped_scores,
+    grouped_values,
+    masked_softmax,
+    merge_heads,
+    rotate_at,
+    split_heads,
+    visible,
+)
 
 MS = "com.microsoft"
-
-
-# ---------------------------------------------------------------- shared helpers
-
-
-def _heads(x, num_heads):
-    """[B, S, N*H] -> [B, S, N, H]."""
-    b, s, d = x.shape
-    return jnp.reshape(x, (b, s, num_heads, d // num_heads))
-
-
-def _rotate(x, cos, sin, interleaved):
-    """Rotates the first 2*cos.shape[-1] features of x.
-
-    x: [B, S, N, H]; cos, sin: [B, S, R/2] (the angles of each token).
-    """
-    half = cos.shape[-1]
-    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
-    c = cos[:, :, None, :].astype(jnp.float32)  # [B, S, 1, R/2]
-    s = sin[:, :, None, :].astype(jnp.float32)
-    r = rot.astype(jnp.float32)
-    if interleaved:
-        x1, x2 = r[..., 0::2], r[..., 1::2]
-        out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(r.shape)
-    else:
-        x1, x2 = r[..., :half], r[..., half:]
-        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
-
-
-def _rotary(x, positions, cos_cache, sin_cache, interleaved):
-    """x: [B, S, N, H] rotated at positions: [B, S] (int) by the cos/sin caches [P, R/2]."""
-    positions = jnp.asarray(positions).astype(jnp.int32)
-    cos = jnp.take(jnp.asarray(cos_cache), positions, axis=0)  # [B, S, R/2]
-    sin = jnp.take(jnp.asarray(sin_cache), positions, axis=0)
-    return _rotate(x, cos, sin, interleaved)
-
-
-def _window_mask(q_pos, k_pos, valid, window):
-    """Which keys each query sees: causal, valid, and inside the sliding window.
-
-    q_pos: [B, S] absolute query positions; k_pos: [B or 1, L] absolute key positions; valid:
-    [B or 1, L] bool; window: keys a query sees counting itself (<= 0: unlimited).
-    Returns [B, 1, S, L] bool.
-    """
-    j = k_pos[:, None, :]  # [B, 1, L]
-    i = q_pos[:, :, None]  # [B, S, 1]
-    mask = (j <= i) & valid[:, None, :]
-    if window > 0:
-        mask &= j > i - window
-    return mask[:, None]
-
-
-def _softmax(scores, mask, sink=None):
-    """Softmax over the last axis of the keys in mask (others weigh 0; a row without keys is 0).
-
-    sink: optional logit of an extra key without value (smooth softmax), broadcast to [..., 1].
-    """
-    masked = jnp.where(mask, scores, -jnp.inf)
-    top = jnp.max(masked, axis=-1, keepdims=True)
-    if sink is not None:
-        top = jnp.maximum(top, sink)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    e = jnp.where(mask, jnp.exp(masked - top), 0.0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    if sink is not None:
-        total = total + jnp.exp(sink - top)
-    return e / jnp.where(total == 0, 1.0, total)
-
-
-def _grouped_scores(q, k, scale):
-    """q: [B, S, N, H], k: [B, Nk, L, H] -> scale * q.k: [B, N, S, L] in float32.
-
-    Each KV head's queries are one [G * S, H] matrix, so the product reads k as it lies.
-    """
-    b, s, n, h = q.shape
-    nk = k.shape[1]
-    qg = q.reshape(b, s, nk, n // nk, h).transpose(0, 2, 3, 1, 4).reshape(b, nk, -1, h)
-    qg = qg.astype(jnp.float32)
-    scores = jnp.einsum("bkmh,bklh->bkml", qg, k.astype(jnp.float32), precision=precision())
-    return scores.reshape(b, n, s, k.shape[2]) * scale
-
-
-def _grouped_values(probs, v):
-    """probs: [B, N, S, L], v: [B, Nk, L, H] -> [B, S, N*H] in float32."""
-    b, n, s, l = probs.shape
-    nk, h = v.shape[1], v.shape[3]
-    pg = probs.reshape(b, nk, -1, l)  # [B, Nk, G * S, L]
-    out = jnp.einsum("bkml,bklh->bkmh", pg, v.astype(jnp.float32), precision=precision())
-    out = out.reshape(b, nk, n // nk, s, h).transpose(0, 3, 1, 2, 4)  # [B, S, Nk, G, H]
-    return out.reshape(b, s, n * h)
-
-
-def _fit_keys(bias, length):
-    """bias [..., T] cut or zero-padded to [..., length] along the key axis."""
-    have = bias.shape[-1]
-    if have >= length:
-        return bias[..., :length]
-    pad = [(0, 0)] * (bias.ndim - 1) + [(0, length - have)]
-    return jnp.pad(bias, pad)
 
 
 # ---------------------------------------------------------------- GroupQueryAttention
@@ -162,79 +77,140 @@ def GroupQueryAttention(
     Batch row b holds T = seqlens_k[b] + 1 tokens after the step; its Q = min(S, T) new tokens
     (or query_seqlens[b]) go to cache rows [P, P + S) with P = T - Q, at positions P + s.
     """
-    if (
-        k_scale is not None
-        or v_scale is not None
-        or k_quant_type != "NONE"
-        or v_quant_type != "NONE"
-    ):
+    _gqa_validate(k_scale, v_scale, k_quant_type, v_quant_type, q_norm_weight, k_norm_weight)
+    if sliding_window_cache:
+        raise NotImplementedError("GroupQueryAttention with sliding_window_cache=1")
+    query = jnp.asarray(query)
+    q, k, v = _split_qkv(query, key, value, num_heads, kv_num_heads)  # [B, S, N|Nk, H]
+    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    steps = _gqa_steps(seqlens_k, query_seqlens, query.shape[0], query.shape[1])
+    if do_rotary:
+        first = query_seqlens is None and query.shape[1] == total_len
+        rot = _gqa_rotary_positions(steps.pos, position_ids, first)
+        q = rotate_at(q, rot, cos_cache, sin_cache, rotary_interleaved)
+        k = rotate_at(k, rot, cos_cache, sin_cache, rotary_interleaved)
+    cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len)
+    sink = _gqa_sink(head_sink, smooth_softmax, num_heads)
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    window = local_window_size if causal else 0
+    if attention_bias is None and ctx.num_outputs <= 3:
+        attend = partial(_gqa_attend_split, q, cache, steps)
+    else:
+        attend = partial(_gqa_attend_buffer, q, cache, steps, bias=attention_bias)
+    scores, probs, out = attend(scale, softcap, causal, window, sink)
+    outs = (merge_heads(out).astype(query.dtype), cache.present_k, cache.present_v)
+    if ctx.num_outputs > 3:
+        outs += ((scores if qk_output == 1 else probs).astype(query.dtype),)
+    return outs[: max(ctx.num_outputs, 1)]
+
+
+def _gqa_validate(k_scale, v_scale, k_quant_type, v_quant_type, q_norm_weight, k_norm_weight):
+    """Refuses what is not implemented: a quantized KV cache, q/k norms."""
+    quantized = k_scale is not None or v_scale is not None
+    if quantized or k_quant_type != "NONE" or v_quant_type != "NONE":
         raise NotImplementedError("GroupQueryAttention with a quantized KV cache")
     if q_norm_weight is not None or k_norm_weight is not None:
         raise NotImplementedError("GroupQueryAttention with q_norm_weight/k_norm_weight")
-    if sliding_window_cache:
-        raise NotImplementedError("GroupQueryAttention with sliding_window_cache=1")
-    n, nk = num_heads, kv_num_heads
-    query = jnp.asarray(query)
-    b, s, _ = query.shape
-    q, k, v = _split_qkv(query, key, value, n, nk)  # [B, S, N|Nk, H]
-    h = q.shape[-1]
 
-    total = jnp.asarray(seqlens_k).astype(jnp.int32).reshape(b) + 1  # [B]
+
+class _Steps(NamedTuple):
+    """Where this step's tokens go in each batch row."""
+
+    total: jax.Array  # [B] valid rows after the step
+    past: jax.Array  # [B] valid rows before the step (where the new rows are written)
+    pos: jax.Array  # [B, S] positions of the new tokens
+
+
+def _gqa_steps(seqlens_k, query_seqlens, b, s) -> _Steps:
+    total = jnp.asarray(seqlens_k).astype(jnp.int32).reshape(b) + 1
     if query_seqlens is None:
         new = jnp.minimum(total, s)
     else:
         new = jnp.asarray(query_seqlens).astype(jnp.int32).reshape(b)
-    past = total - new  # [B] valid cache rows before this step
-    pos = past[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
+    past = total - new
+    return _Steps(total, past, past[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :])
 
-    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
-    if do_rotary:
-        rot_pos = _gqa_positions(pos, position_ids, first=query_seqlens is None and s == total_len)
-        q = _rotary(q, rot_pos, cos_cache, sin_cache, rotary_interleaved)
-        k = _rotary(k, rot_pos, cos_cache, sin_cache, rotary_interleaved)
 
+def _gqa_rotary_positions(pos, position_ids, first):
+    """Rotary positions [B, S]: pos, or position_ids; a first prompt reads only
+    position_ids[0, 0] and counts on from it in every row (as onnxruntime does)."""
+    if position_ids is None:
+        return pos
+    ids = jnp.asarray(position_ids).astype(jnp.int32).reshape(pos.shape)
+    if first:
+        return ids[0, 0] + jnp.broadcast_to(jnp.arange(pos.shape[1], dtype=jnp.int32), pos.shape)
+    return ids
+
+
+class _Cache(NamedTuple):
+    """The KV buffers of one step, all BNSH: before the write, this step's rows, after it."""
+
+    old_k: jax.Array  # [B, Nk, L, H]
+    old_v: jax.Array
+    new_k: jax.Array  # [B, Nk, S, H]
+    new_v: jax.Array
+    present_k: jax.Array  # [B, Nk, L, H]
+    present_v: jax.Array
+
+
+def _gqa_write(past_key, past_value, k, v, past, total_len) -> _Cache:
+    """Writes this step's keys and values at rows ``past[b]``, one slice update per row."""
+    b, s, nk, h = k.shape
     buffer = 0 if past_key is None else past_key.shape[2]
     length = max(buffer, total_len, s)
-    old_k = _cache(past_key, b, nk, length, h, query.dtype)  # [B, Nk, L, H]
-    old_v = _cache(past_value, b, nk, length, h, query.dtype)
-    new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Nk, S, H]
+    old_k = _cache(past_key, b, nk, length, h, k.dtype)
+    old_v = _cache(past_value, b, nk, length, h, v.dtype)
+    new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     present_k = write_rows(old_k, new_k, past, axis=2)
     present_v = write_rows(old_v, new_v, past, axis=2)
-    scale = scale or 1.0 / math.sqrt(h)
-    rows = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, L]
-    if attention_bias is None and ctx.num_outputs <= 3:
-        # The valid old rows, then this step's rows: the same keys as the written buffer holds,
-        # read without the buffer's update (which XLA would otherwise copy).
-        scores = jnp.concatenate(
-            [_grouped_scores(q, old_k, scale), _grouped_scores(q, new_k, scale)], axis=-1
-        )  # [B, N, S, L + S]
-        k_pos = jnp.concatenate([jnp.broadcast_to(rows, (b, length)), pos], axis=1)
-        valid = jnp.concatenate([rows < past[:, None], pos < total[:, None]], axis=1)
-    else:
-        scores = _grouped_scores(q, present_k, scale)  # [B, N, S, L]
-        if attention_bias is not None:
-            bias = _fit_keys(jnp.asarray(attention_bias).astype(jnp.float32), length)
-            scores = scores + bias
-        k_pos, valid = rows, rows < total[:, None]
-    if softcap > 0:
-        scores = softcap * jnp.tanh(scores / softcap)
-    window = local_window_size if causal else 0
-    mask = _window_mask(pos if causal else jnp.full_like(pos, 2**30), k_pos, valid, window)
-    sink = None
+    return _Cache(old_k, old_v, new_k, new_v, present_k, present_v)
+
+
+def _gqa_sink(head_sink, smooth_softmax, n):
+    """The logit of the value-less extra key per head, or None."""
     if head_sink is not None:
-        sink = jnp.asarray(head_sink).astype(jnp.float32).reshape(1, n, 1, 1)
-    elif smooth_softmax == 1:
-        sink = jnp.zeros((1, 1, 1, 1), jnp.float32)
-    probs = _softmax(scores, mask, sink)
-    if scores.shape[-1] > length:
-        out = _grouped_values(probs[..., :length], old_v)
-        out = out + _grouped_values(probs[..., length:], new_v)  # [B, S, N*H]
-    else:
-        out = _grouped_values(probs, present_v)
-    outs = (out.astype(query.dtype), present_k, present_v)
-    if ctx.num_outputs > 3:
-        outs += ((scores if qk_output == 1 else probs).astype(query.dtype),)
-    return outs[: max(ctx.num_outputs, 1)]
+        return jnp.asarray(head_sink).astype(jnp.float32).reshape(1, n, 1, 1)
+    if smooth_softmax == 1:
+        return jnp.zeros((1, 1, 1, 1), jnp.float32)
+    return None
+
+
+def _gqa_mask(steps: _Steps, k_pos, valid, causal, window):
+    """[B, 1, S, L] keys seen: valid, causal, and inside the window (counting the query)."""
+    q_pos = steps.pos if causal else jnp.full_like(steps.pos, NO_LIMIT)
+    mask = visible(q_pos, k_pos, left=window - 1 if window > 0 else -1)
+    return (mask & valid[:, None, :])[:, None]
+
+
+def _gqa_attend_split(q, cache: _Cache, steps: _Steps, scale, softcap, causal, window, sink):
+    """Attends over the valid old rows, then this step's rows: the keys the written buffer
+    holds, read without the buffer's update (which XLA would otherwise copy)."""
+    b, length = cache.old_k.shape[0], cache.old_k.shape[2]
+    scores = jnp.concatenate(
+        [grouped_scores(q, cache.old_k, scale), grouped_scores(q, cache.new_k, scale)], axis=-1
+    )  # [B, N, S, L + S]
+    scores = cap(scores, softcap)
+    rows = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, L]
+    k_pos = jnp.concatenate([jnp.broadcast_to(rows, (b, length)), steps.pos], axis=1)
+    valid = jnp.concatenate([rows < steps.past[:, None], steps.pos < steps.total[:, None]], 1)
+    mask = _gqa_mask(steps, k_pos, valid, causal, window)
+    probs = masked_softmax(scores, mask, sink)
+    out = grouped_values(probs[..., :length], cache.old_v)
+    out = out + grouped_values(probs[..., length:], cache.new_v)  # [B, S, N, H]
+    return scores, probs, out
+
+
+def _gqa_attend_buffer(q, cache: _Cache, steps, scale, softcap, causal, window, sink, *, bias):
+    """Attends over the written buffer, with the additive attention_bias [.., S, T]."""
+    length = cache.present_k.shape[2]
+    scores = grouped_scores(q, cache.present_k, scale)  # [B, N, S, L]
+    if bias is not None:
+        scores = scores + _fit_keys(jnp.asarray(bias).astype(jnp.float32), length)
+    scores = cap(scores, softcap)
+    rows = jnp.arange(length, dtype=jnp.int32)[None, :]
+    mask = _gqa_mask(steps, rows, rows < steps.total[:, None], causal, window)
+    probs = masked_softmax(scores, mask, sink)
+    return scores, probs, grouped_values(probs, cache.present_v)
 
 
 def _split_qkv(query, key, value, n, nk):
@@ -246,18 +222,7 @@ def _split_qkv(query, key, value, n, nk):
         value = query[..., (n + nk) * h :]
     else:
         q = query
-    return _heads(q, n), _heads(jnp.asarray(key), nk), _heads(jnp.asarray(value), nk)
-
-
-def _gqa_positions(pos, position_ids, first):
-    """Rotary positions [B, S]: pos, or position_ids; a first prompt reads only
-    position_ids[0, 0] and counts on from it in every row (as onnxruntime does)."""
-    if position_ids is None:
-        return pos
-    ids = jnp.asarray(position_ids).astype(jnp.int32).reshape(pos.shape)
-    if first:
-        return ids[0, 0] + jnp.broadcast_to(jnp.arange(pos.shape[1], dtype=jnp.int32), pos.shape)
-    return ids
+    return split_heads(q, n), split_heads(jnp.asarray(key), nk), split_heads(jnp.asarray(value), nk)
 
 
 def _cache(past, b, heads, length, h, dtype):
@@ -268,6 +233,80 @@ def _cache(past, b, heads, length, h, dtype):
     if past.shape[2] == length:
         return past
     return jnp.pad(past, ((0, 0), (0, 0), (0, length - past.shape[2]), (0, 0)))
+
+
+def _fit_keys(bias, length):
+    """bias [..., T] cut or zero-padded to [..., length] along the key axis."""
+    have = bias.shape[-1]
+    if have >= length:
+        return bias[..., :length]
+    pad = [(0, 0)] * (bias.ndim - 1) + [(0, length - have)]
+    return jnp.pad(bias, pad)
+
+
+# ---------------------------------------------------------------- SparseAttention
+
+
+@op("SparseAttention", domain=MS, static=(7,))
+def SparseAttention(
+    query,
+    key,
+    value,
+    past_key,
+    past_value,
+    block_row_indices,
+    block_col_indices,
+    total_sequence_length,
+    key_total_sequence_lengths,
+    cos_cache=None,
+    sin_cache=None,
+    *,
+    num_heads,
+    kv_num_heads,
+    sparse_block_size,
+    do_rotary=0,
+    rotary_interleaved=0,
+    scale=0.0,
+):
+    """Phi-3-small's block-sparse causal attention over a KV buffer shared by past and present
+    (as GroupQueryAttention's): query block r of head h sees key block c where the CSR block
+    mask of layout h % layouts has (r, c)."""
+    query = jnp.asarray(query)
+    q, k, v = _split_qkv(query, key, value, num_heads, kv_num_heads)
+    total = jnp.asarray(key_total_sequence_lengths).astype(jnp.int32) - 1
+    steps = _gqa_steps(total, None, query.shape[0], query.shape[1])
+    if do_rotary:
+        q = rotate_at(q, steps.pos, cos_cache, sin_cache, rotary_interleaved)
+        k = rotate_at(k, steps.pos, cos_cache, sin_cache, rotary_interleaved)
+    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len)
+    length = cache.present_k.shape[2]
+    rows = jnp.arange(length, dtype=jnp.int32)
+    mask = _gqa_mask(steps, rows[None, :], rows[None, :] < steps.total[:, None], True, 0)
+    blocks = _block_mask(block_row_indices, block_col_indices)  # [layouts, R, C]
+    heads = jnp.arange(num_heads) % blocks.shape[0]
+    q_block = jnp.minimum(steps.pos // sparse_block_size, blocks.shape[1] - 1)  # [B, S]
+    k_block = jnp.minimum(rows // sparse_block_size, blocks.shape[2] - 1)  # [L]
+    allowed = blocks[heads[None, :, None, None], q_block[:, None, :, None], k_block]
+    scores = grouped_scores(q, cache.present_k, scale or 1.0 / math.sqrt(q.shape[-1]))
+    probs = masked_softmax(scores, mask & allowed)
+    out = merge_heads(grouped_values(probs, cache.present_v)).astype(query.dtype)
+    return out, cache.present_k, cache.present_v
+
+
+def _block_mask(row_indices, col_indices):
+    """The dense block mask [layouts, R, C] bool of its CSR rows [layouts, R + 1] and columns
+    [layouts, nnz] (padded with -1)."""
+    rows = jnp.asarray(row_indices).astype(jnp.int32)
+    cols = jnp.asarray(col_indices).astype(jnp.int32)
+    layouts, r = rows.shape[0], rows.shape[1] - 1
+    k = jnp.arange(cols.shape[1])
+    row_of = jax.vmap(lambda ptr: jnp.searchsorted(ptr, k, side="right") - 1)(rows)  # [L, nnz]
+    valid = (k[None, :] < rows[:, -1:]) & (cols >= 0)
+    layout = jnp.broadcast_to(jnp.arange(layouts)[:, None], cols.shape)
+    dense = jnp.zeros((layouts, r, r), jnp.int32)
+    at = (layout, jnp.clip(row_of, 0, r - 1), jnp.clip(cols, 0, r - 1))
+    return dense.at[at].max(valid.astype(jnp.int32)) > 0
 
 
 # ---------------------------------------------------------------- MultiHeadAttention
@@ -306,7 +345,7 @@ def MultiHeadAttention(
         v = jnp.concatenate([jnp.asarray(past_value), v], axis=2)
     length = k.shape[2]  # k, v: [B, N, L, H]
     past = length - new_len
-    scores = _grouped_scores(q, k, scale or 1.0 / math.sqrt(h))  # [B, N, S, L]
+    scores = grouped_scores(q, k, scale or 1.0 / math.sqrt(h))  # [B, N, S, L]
     keep = _padding_mask(key_padding_mask, b, s, length)  # [B, 1|S, L] or None
     if unidirectional:
         causal = jnp.arange(length)[None, :] <= (past + jnp.arange(s))[:, None]  # [S, L]
@@ -315,8 +354,8 @@ def MultiHeadAttention(
         scores = scores + jnp.where(keep, 0.0, mask_filter_value)[:, None]
     if attention_bias is not None:
         scores = scores + jnp.asarray(attention_bias).astype(jnp.float32)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = _grouped_values(probs, v).astype(q.dtype)
+    probs = masked_softmax(scores)
+    out = merge_heads(grouped_values(probs, v)).astype(q.dtype)
     return (out, k, v, probs.astype(q.dtype))[: max(ctx.num_outputs, 1)]
 
 
@@ -326,7 +365,7 @@ def _mha_inputs(query, key, value, bias, n):
         q, k, v = query[:, :, :, 0], query[:, :, :, 1], query[:, :, :, 2]
         q, k, v = _add_bias(q, k, v, bias)
         return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), False
-    q = _heads(query, n)
+    q = split_heads(query, n)
     key = jnp.asarray(key)
     if key.ndim == 5:  # packed KV: [B, L, N, 2, H]
         k, v = key[:, :, :, 0], key[:, :, :, 1]
@@ -338,7 +377,7 @@ def _mha_inputs(query, key, value, bias, n):
             q = q + jnp.reshape(jnp.asarray(bias)[:hidden], q.shape[2:])
         return q, key, jnp.asarray(value), True
     value = jnp.asarray(value)
-    k, v = _heads(key, n), _heads(value, n)
+    k, v = split_heads(key, n), split_heads(value, n)
     q, k, v = _add_bias(q, k, v, bias)
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), False
 
@@ -365,6 +404,198 @@ def _padding_mask(mask, b, s, length):
     if mask.ndim == 2:
         return (mask != 0)[:, None, -length:]
     return (mask != 0)[:, :, -length:]
+
+
+# ---------------------------------------------------------------- DecoderMaskedMultiHeadAttention
+
+
+@op("DecoderMaskedMultiHeadAttention", domain=MS)
+def DecoderMaskedMultiHeadAttention(
+    query,
+    key=None,
+    value=None,
+    mask_index=None,
+    attention_bias=None,
+    past_key=None,
+    past_value=None,
+    past_sequence_length=None,
+    beam_width=None,
+    cache_indirection=None,
+    bias=None,
+    *,
+    num_heads,
+    mask_filter_value=-10000.0,
+    output_qk=0,
+    past_present_share_buffer=0,
+    scale=0.0,
+    ctx,
+):
+    """One decoding step of self attention (the new key/value appended to past_key/past_value,
+    or written at row past_sequence_length of a shared buffer) or of cross attention (key and
+    value given as [B, N, L, H]); with beam search, cache_indirection [B, beams, max] names the
+    beam each past key and value is read from. Outputs (out, present_key, present_value, qk);
+    with a shared buffer qk covers the attended keys only when past_sequence_length is known at
+    trace time (else the whole buffer)."""
+    n = num_heads
+    query = jnp.asarray(query)
+    cross = key is not None and jnp.ndim(key) == 4
+    q, k, v = _dmmha_inputs(query, key, value, bias, n, cross)  # q: [B, 1, N, H]
+    if cross:
+        keys, values, valid, present = jnp.asarray(key), jnp.asarray(value), None, ()
+    else:
+        keys, values, valid = _dmmha_cache(
+            past_key, past_value, k, v, past_sequence_length, past_present_share_buffer
+        )
+        present = (keys, values)
+        if cache_indirection is not None:
+            keys, values = _beam_gather(keys, values, cache_indirection, valid)
+    scores = grouped_scores(q, keys, scale or 1.0 / math.sqrt(q.shape[-1]))  # [B, N, 1, T]
+    total = keys.shape[2]
+    if mask_index is not None:
+        # [B, T'] 0/1 over the attended keys; a shared buffer's rows after them are invalid.
+        keep = _fit_keys(jnp.asarray(mask_index) != 0, total)[:, None, None, :]
+        if keep.shape[-1] > jnp.shape(mask_index)[-1]:
+            keep = keep | (jnp.arange(total) >= jnp.shape(mask_index)[-1])
+        scores = scores + jnp.where(keep, 0.0, jnp.float32(mask_filter_value))
+    if attention_bias is not None:
+        scores = scores + jnp.asarray(attention_bias).astype(jnp.float32)
+    probs = masked_softmax(scores, None if valid is None else valid[:, None, None, :])
+    out = merge_heads(grouped_values(probs, values)).astype(query.dtype)
+    outs = (out, *present) if present else (out, None, None)
+    if ctx.num_outputs > 3:
+        qk = (scores if output_qk else probs).astype(query.dtype)
+        if past_present_share_buffer and isinstance(past_sequence_length, np.ndarray):
+            qk = qk[..., : int(past_sequence_length.reshape(-1)[0]) + 1]  # the attended keys
+        outs += (qk,)
+    return outs[: max(ctx.num_outputs, 1)]
+
+
+def _dmmha_inputs(query, key, value, bias, n, cross):
+    """q: [B, 1, N, H] and the new k, v: [B, N, 1, H] (None for cross attention), biased."""
+    if key is None:  # packed QKV
+        h = query.shape[-1] // 3
+        query, key, value = query[..., :h], query[..., h : 2 * h], query[..., 2 * h :]
+    q = split_heads(query, n)
+    if cross:
+        if bias is not None:
+            q = q + jnp.asarray(bias)[: q.shape[2] * q.shape[3]].reshape(q.shape[2:])
+        return q, None, None
+    k, v = split_heads(jnp.asarray(key), n), split_heads(jnp.asarray(value), n)
+    q, k, v = _add_bias(q, k, v, bias)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _dmmha_cache(past_key, past_value, k, v, past_len, shared):
+    """(present_key, present_value, valid rows [B, T] or None): the step's row appended, or
+    written at row past_len of the shared buffer (rows after it are not attended)."""
+    if not shared:
+        if past_key is None:
+            return k, v, None
+        keys = jnp.concatenate([jnp.asarray(past_key), k.astype(past_key.dtype)], axis=2)
+        values = jnp.concatenate([jnp.asarray(past_value), v.astype(past_value.dtype)], axis=2)
+        return keys, values, None
+    b = k.shape[0]
+    at = jnp.broadcast_to(jnp.asarray(past_len).astype(jnp.int32).reshape(-1)[:1], (b,))
+    keys = write_rows(jnp.asarray(past_key), k, at, axis=2)
+    values = write_rows(jnp.asarray(past_value), v, at, axis=2)
+    rows = jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
+    return keys, values, rows <= at[:, None]
+
+
+def _beam_gather(keys, values, cache_indirection, valid):
+    """The keys and values each beam reads: row t of beam j of batch entry i comes from beam
+    cache_indirection[i, j, t] (its own row for the step's token)."""
+    rows, _, total, _ = keys.shape
+    ind = jnp.asarray(cache_indirection).astype(jnp.int32)  # [B, beams, max]
+    beams = ind.shape[1]
+    ind = ind.reshape(rows, -1)[:, :total]  # [R, T]
+    step = jnp.sum(valid, axis=1, keepdims=True) - 1 if valid is not None else total - 1
+    own = jnp.arange(rows)[:, None] % beams
+    src = jnp.arange(rows)[:, None] // beams * beams + jnp.where(
+        jnp.arange(total)[None, :] == step, own, ind
+    )  # [R, T]
+    t = jnp.arange(total)[None, :]
+    gather = lambda x: jnp.swapaxes(jnp.swapaxes(x, 1, 2)[src, t], 1, 2)  # noqa: E731
+    return gather(keys), gather(values)
+
+
+# ---------------------------------------------------------------- Attention (com.microsoft)
+
+
+@op("Attention", domain=MS)
+def Attention(
+    input,
+    weights,
+    bias=None,
+    mask_index=None,
+    past=None,
+    attention_bias=None,
+    past_sequence_length=None,
+    *,
+    num_heads,
+    qkv_hidden_sizes=(),
+    unidirectional=0,
+    do_rotary=0,
+    mask_filter_value=-10000.0,
+    past_present_share_buffer=0,
+    rotary_embedding_dim=0,
+    scale=0.0,
+    ctx,
+):
+    """Multi-head attention of input [B, S, D] with one packed QKV projection weights [D, Q+K+V]
+    (split by ``qkv_hidden_sizes``, else in thirds), a mask and a KV cache past/present
+    [2, B, N, P, H]. Masked keys score ``mask_filter_value`` (not -inf), as onnxruntime's."""
+    if do_rotary or past_present_share_buffer or past_sequence_length is not None:
+        raise NotImplementedError(
+            "com.microsoft Attention with do_rotary or a shared past/present buffer"
+        )
+    x = jnp.asarray(input)
+    qkv = jnp.matmul(x, jnp.asarray(weights), precision=precision())
+    if bias is not None:
+        qkv = qkv + bias
+    sizes = list(qkv_hidden_sizes) or [qkv.shape[-1] // 3] * 3
+    q, k, v = jnp.split(qkv, np.cumsum(sizes)[:2], axis=-1)
+    n = num_heads
+    q, k, v = split_heads(q, n), split_heads(k, n), split_heads(v, n)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, N, S, H]
+    past_len = 0
+    if past is not None:
+        past = jnp.asarray(past).astype(k.dtype)  # [2, B, N, P, H]
+        past_len = past.shape[3]
+        k, v = jnp.concatenate([past[0], k], axis=2), jnp.concatenate([past[1], v], axis=2)
+    b, s = x.shape[:2]
+    total = k.shape[2]
+    scores = grouped_scores(q, k, scale or 1.0 / math.sqrt(q.shape[-1]))  # [B, N, S, T]
+    filler = jnp.float32(mask_filter_value)
+    keep = _mask_index_keep(mask_index, b, s, past_len, total)  # [B, 1|S, T] or None
+    if keep is not None:
+        scores = scores + jnp.where(keep, 0.0, filler)[:, None]
+    if unidirectional:
+        causal = visible(past_len + jnp.arange(s), jnp.arange(total))  # [S, T]
+        scores = scores + jnp.where(causal, 0.0, filler)
+    if attention_bias is not None:
+        scores = scores + jnp.asarray(attention_bias).astype(jnp.float32)
+    out = merge_heads(grouped_values(masked_softmax(scores), v)).astype(x.dtype)
+    return (out, jnp.stack([k, v])) if ctx.num_outputs > 1 else out
+
+
+def _mask_index_keep(mask, b, s, past_len, total):
+    """Attention's mask_index as keep flags [B, 1|S, T]: key counts [B] (right padding), end and
+    start positions [2B], 0/1 masks [B, T] or [B, S, T], or a 4-D [B, 1, M, M] causal mask."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    j = jnp.arange(total)[None, :]
+    if mask.ndim == 1 and mask.shape[0] == 2 * b:
+        end, start = mask[:b, None], mask[b:, None]
+        return ((j < end) & (j >= start))[:, None, :]
+    if mask.ndim == 1:
+        return (j < mask[:, None])[:, None, :]
+    if mask.ndim == 2:
+        return (mask != 0)[:, None, -total:]
+    if mask.ndim == 3:
+        return (mask != 0)[:, :, -total:]
+    return mask[:, 0, past_len : past_len + s, :total] != 0
 
 
 # ---------------------------------------------------------------- RotaryEmbedding
@@ -397,7 +628,7 @@ def RotaryEmbedding(
     pos = _positions(position_ids, b, s)
     cos = jnp.asarray(cos_cache)[:, :half]
     sin = jnp.asarray(sin_cache)[:, :half]
-    out = _rotary(bsnh, pos, cos, sin, interleaved)
+    out = rotate_at(bsnh, pos, cos, sin, interleaved)
     if x.ndim == 4:
         return out.transpose(0, 2, 1, 3)
     return out.reshape(x.shape)
@@ -440,6 +671,47 @@ def SkipSimplifiedLayerNormalization(input, skip, gamma, bias=None, *, epsilon=1
     inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
     y = x * inv * gamma
     return _norm_outputs(y.astype(total.dtype), jnp.zeros_like(inv), inv, total, ctx.num_outputs)
+
+
+@op("EmbedLayerNormalization", domain=MS)
+def EmbedLayerNormalization(
+    input_ids,
+    segment_ids,
+    word_embedding,
+    position_embedding,
+    segment_embedding=None,
+    gamma=None,
+    beta=None,
+    mask=None,
+    position_ids=None,
+    *,
+    epsilon=1e-12,
+    mask_index_type=1,
+    ctx,
+):
+    """LayerNorm(word[ids] + position[pos] + segment[segment_ids]) * gamma + beta (BERT's
+    embeddings); outputs (y [B, S, D], mask_index [B]: the ones of each mask row, or 0s,
+    embedding_sum)."""
+    ids = jnp.asarray(input_ids).astype(jnp.int32)
+    b, s = ids.shape
+    if position_ids is None:
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    else:
+        pos = jnp.broadcast_to(jnp.asarray(position_ids).astype(jnp.int32), (b, s))
+    total = jnp.take(jnp.asarray(word_embedding), ids, axis=0)
+    total = total + jnp.take(jnp.asarray(position_embedding), pos, axis=0)
+    if segment_ids is not None and segment_embedding is not None:
+        segments = jnp.asarray(segment_ids).astype(jnp.int32)
+        total = total + jnp.take(jnp.asarray(segment_embedding), segments, axis=0)
+    x = total.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True) + epsilon)
+    y = ((x - mean) * inv * gamma + beta).astype(total.dtype)
+    if mask is None:
+        mask_index = jnp.zeros((b,), jnp.int32)
+    else:
+        mask_index = jnp.sum(jnp.asarray(mask) == 1, axis=-1).astype(jnp.int32)
+    return (y, mask_index, total)[: max(ctx.num_outputs, 1)]
 
 
 def _norm_outputs(y, mean, inv, total, count):

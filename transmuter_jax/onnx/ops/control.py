@@ -1,4 +1,4 @@
-"""Graph-structure ops: Constant, If and Loop."""
+"""Graph-structure ops: Constant, If, Loop and Scan."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 from ..errors import DynamicShapeError
 from ..registry import op
 from ..trace import is_static
+from ._util import xp
 
 # A Loop with a known trip count at most this long is unrolled at trace time.
 UNROLL_LIMIT = 1024
@@ -132,3 +133,82 @@ def _while_loop(trip_count, cond, carried, n_scan, body, ctx):
     state = (jnp.asarray(0, jnp.int32), start, [jnp.asarray(c) for c in carried])
     _, _, values = jax.lax.while_loop(lambda s: jnp.logical_and(s[1], s[0] < limit), step, state)
     return tuple(values)
+
+
+def _scan_slices(values, axes, directions, steps):
+    """The per-iteration slices of the scan inputs: step t of each along its axis."""
+    for t in range(steps):
+        yield [
+            xp(v).take(v, steps - 1 - t if d else t, axis=a)
+            for v, a, d in zip(values, axes, directions, strict=True)
+        ]
+
+
+def _scan(states, scans, body, in_axes, in_dirs, out_axes, out_dirs, ctx):
+    """Runs ``body`` once per step of the scan inputs, unrolled at trace time."""
+    m = len(scans)
+    in_axes = [a % np.ndim(v) for a, v in zip(in_axes or [0] * m, scans, strict=True)]
+    in_dirs = list(in_dirs or [0] * m)
+    steps = scans[0].shape[in_axes[0]] if scans else 0
+    if steps > UNROLL_LIMIT:
+        raise DynamicShapeError(f"{ctx.label} scans more than {UNROLL_LIMIT} steps")
+    n = len(states)
+    outputs: list[list] = [[] for _ in range(len(body.output) - n)]
+    for slices in _scan_slices(scans, in_axes, in_dirs, steps):
+        out = ctx.run(body, [*states, *slices])
+        states = list(out[:n])
+        for acc, value in zip(outputs, out[n:], strict=True):
+            acc.append(value)
+    k = len(outputs)
+    out_axes, out_dirs = list(out_axes or [0] * k), list(out_dirs or [0] * k)
+    stacked = []
+    for acc, axis, d in zip(outputs, out_axes, out_dirs, strict=True):
+        acc = acc[::-1] if d else acc
+        mod = np if all(is_static(v) for v in acc) else jnp
+        axis = axis % (np.ndim(acc[0]) + 1) if acc else 0
+        stacked.append(mod.stack(acc, axis=axis) if acc else np.zeros((0,), np.float32))
+    return (*states, *stacked)
+
+
+@op("Scan", since=9, fold=False)
+def Scan(
+    *inputs,
+    body,
+    num_scan_inputs,
+    scan_input_axes=None,
+    scan_input_directions=None,
+    scan_output_axes=None,
+    scan_output_directions=None,
+    ctx,
+):
+    """Runs ``body`` over the steps of the last ``num_scan_inputs`` inputs, carrying the first
+    ones as states; outputs (final states, stacked scan outputs). Unrolled at trace time."""
+    n = len(inputs) - num_scan_inputs
+    return _scan(
+        list(inputs[:n]),
+        list(inputs[n:]),
+        body,
+        scan_input_axes,
+        scan_input_directions,
+        scan_output_axes,
+        scan_output_directions,
+        ctx,
+    )
+
+
+@op("Scan", since=8, fold=False)
+def Scan_8(sequence_lens, *inputs, body, num_scan_inputs, directions=None, ctx):
+    """Scan with a batch axis 0 (opset 8): each batch row is scanned along axis 1."""
+    if sequence_lens is not None:
+        raise NotImplementedError(f"{ctx.label}: Scan-8 with sequence_lens")
+    n = len(inputs) - num_scan_inputs
+    batch = inputs[0].shape[0]
+    rows = []
+    for b in range(batch):
+        states = [xp(v).take(v, b, axis=0) for v in inputs[:n]]
+        scans = [xp(v).take(v, b, axis=0) for v in inputs[n:]]
+        rows.append(_scan(states, scans, body, None, directions, None, None, ctx))
+    return tuple(
+        (np if all(is_static(r[i]) for r in rows) else jnp).stack([r[i] for r in rows])
+        for i in range(len(rows[0]))
+    )

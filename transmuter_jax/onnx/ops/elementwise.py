@@ -457,11 +457,37 @@ def _cast(x, dtype, saturate):
     return m.asarray(x).astype(dtype)
 
 
+def _e8m0(x, saturate, round_mode):
+    """x as float8e8m0 (a power of two): float32's exponent, rounded ``up`` (any fraction),
+    ``down`` or to ``nearest``; NaN and infinities become NaN; saturate stops at the largest."""
+    m = xp(x)
+    f32 = m.asarray(x).astype(np.float32)
+    bits = f32.view(np.uint32) if m is np else jax.lax.bitcast_convert_type(f32, jnp.uint32)
+    exponent = ((bits >> 23) & 0xFF).astype(np.int32)
+    special = exponent == 0xFF
+    if round_mode == "up":
+        bump = (bits & 0x7FFFFF) > 0
+    elif round_mode == "nearest":
+        guard, rest = (bits & 0x400000) > 0, (bits & 0x3FFFFF) > 0
+        bump = guard & (rest | (exponent > 0))
+    else:
+        bump = m.zeros(exponent.shape, bool)
+    bump = bump & ~special
+    if saturate:
+        bump = bump & (exponent != 0xFE)
+    out = m.where(special, 0xFF, exponent + bump.astype(np.int32)).astype(np.uint8)
+    if m is np:
+        return out.view(ml_dtypes.float8_e8m0fnu)
+    return jax.lax.bitcast_convert_type(out, ml_dtypes.float8_e8m0fnu)
+
+
 @op("Cast")
 def Cast(x, *, to, saturate=1, round_mode="up"):
-    """``to`` is a type name ("FLOAT") in opset 1. ``saturate`` applies to float8 targets only;
-    ``round_mode`` (float8e8m0 targets) is not supported: values round to nearest."""
+    """``to`` is a type name ("FLOAT") in opset 1. ``saturate`` applies to float8 targets;
+    ``round_mode`` to float8e8m0 targets."""
     to = TensorProto.DataType.Value(to.upper()) if isinstance(to, str) else to
+    if to == TensorProto.FLOAT8E8M0:
+        return _e8m0(x, saturate, round_mode)
     return _cast(x, onnx_dtype(to, xp(x)), saturate)
 
 
@@ -469,3 +495,30 @@ def Cast(x, *, to, saturate=1, round_mode="up"):
 def CastLike(x, target, *, saturate=1, round_mode="up"):
     """``x`` cast to the dtype of ``target``."""
     return _cast(x, target.dtype, saturate)
+
+
+@op("BitCast", since=26)
+def BitCast(x, *, to):
+    """The bits of each element of x read as type ``to`` of the same width. On the device
+    64-bit types are 32-bit (x64 off), so there they are refused."""
+    target = onnx_dtype(to)
+    if isinstance(x, np.ndarray):
+        return x.view(target)
+    if target.itemsize == 8 or np.dtype(x.dtype).itemsize == 8 or target != device_dtype(target):
+        raise NotImplementedError(f"BitCast of traced {x.dtype} to {target}: 64-bit on device")
+    if target == np.bool_ or x.dtype == np.bool_:
+        return jax.lax.bitcast_convert_type(jnp.asarray(x).astype(np.uint8), np.uint8) != 0
+    return jax.lax.bitcast_convert_type(x, target)
+
+
+@op("SwiGLU", since=28)
+def SwiGLU(a, b, *, alpha=1.0):
+    """a * sigmoid(alpha * a) * b."""
+    m = xp(a, b)
+    return (a * (1 / (1 + m.exp(-alpha * a))).astype(a.dtype) * b).astype(a.dtype)
+
+
+@op("Binarizer", domain="ai.onnx.ml")
+def Binarizer(X, *, threshold=0.0):
+    """1 where X > threshold, else 0, in X's dtype."""
+    return (X > threshold).astype(X.dtype)

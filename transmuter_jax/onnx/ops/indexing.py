@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..registry import op
-from ._util import ints, xp
+from ._util import ints, write_rows, xp
 
 
 def _wrap(m, indices, size):
@@ -138,3 +138,99 @@ def Unique(x, *, axis=None, sorted=1):  # noqa: A002 - the ONNX attribute's name
         y = np.take(y, order, axis=0 if axis is None else axis)
         first, counts, inverse = first[order], counts[order], rank[inverse]
     return y, *(a.astype(np.int64) for a in (first, inverse, counts))
+
+
+@op("TensorScatter", since=24)
+def TensorScatter(past_cache, update, write_indices=None, *, mode="linear", axis=-2):
+    """past_cache [B, ..., L, ...] with update [B, ..., S, ...] written along ``axis`` from row
+    write_indices[b] of each batch row b (0 without), wrapping around in ``circular`` mode."""
+    cache, update = jnp.asarray(past_cache), jnp.asarray(update)
+    b, axis = cache.shape[0], axis % cache.ndim
+    starts = jnp.zeros((b,), jnp.int32)
+    if write_indices is not None:
+        starts = jnp.asarray(write_indices).astype(jnp.int32).reshape(b)
+    if mode == "linear":
+        return write_rows(cache, update, starts, axis=axis)
+    length, count = cache.shape[axis], update.shape[axis]
+    rows = (starts[:, None] + jnp.arange(count)[None, :]) % length  # [B, S]
+    moved = jnp.moveaxis(cache, axis, 1)
+    new = jnp.moveaxis(update, axis, 1)
+    index = [jnp.arange(b)[:, None], rows] + [slice(None)] * (moved.ndim - 2)
+    return jnp.moveaxis(moved.at[tuple(index)].set(new.astype(moved.dtype)), 1, axis)
+
+
+@op("ReverseSequence", since=10)
+def ReverseSequence(input, sequence_lens, *, batch_axis=1, time_axis=0):
+    """Reverses the first sequence_lens[b] entries along ``time_axis`` of each batch entry b."""
+    m = xp(input, sequence_lens)
+    x = m.asarray(input)
+    lens = m.asarray(sequence_lens).astype(np.int32)
+    t = m.arange(x.shape[time_axis], dtype=np.int32)
+    shape = [1] * x.ndim
+    shape[time_axis] = x.shape[time_axis]
+    t = t.reshape(shape)
+    shape = [1] * x.ndim
+    shape[batch_axis] = x.shape[batch_axis]
+    n = lens.reshape(shape)
+    source = m.where(t < n, n - 1 - t, t)
+    source = m.broadcast_to(source, x.shape)
+    return m.take_along_axis(x, source, axis=time_axis)
+
+
+@op("TfIdfVectorizer", since=9)
+def TfIdfVectorizer(
+    X,
+    *,
+    max_gram_length,
+    max_skip_count,
+    min_gram_length,
+    mode,
+    ngram_counts,
+    ngram_indexes,
+    pool_int64s=None,
+    pool_strings=None,
+    weights=None,
+):
+    """Counts of the pool's n-grams (n in [min, max], items ``skip + 1`` apart for each skip up
+    to max_skip_count; 1-grams once) in each row of X [C] or [B, C], as TF, IDF or TFIDF
+    [B, max(ngram_indexes) + 1] float32 (columns by ngram_indexes, weights by column)."""
+    if pool_int64s is None:
+        raise NotImplementedError("TfIdfVectorizer on strings")
+    x = jnp.asarray(X).astype(jnp.int32)
+    rows = x if x.ndim == 2 else x[None]
+    length = rows.shape[-1]
+    bounds = [*ngram_counts, len(pool_int64s)]
+    size = max(ngram_indexes) + 1
+    out = jnp.zeros((rows.shape[0], size), jnp.float32)
+    k = 0
+    for n in range(1, len(ngram_counts) + 1):
+        pool = list(pool_int64s[bounds[n - 1] : bounds[n]])
+        for start in range(0, len(pool), n):
+            gram, column = pool[start : start + n], ngram_indexes[k]
+            k += 1
+            if not min_gram_length <= n <= max_gram_length:
+                continue
+            count = 0
+            for distance in range(1, (max_skip_count + 1 if n > 1 else 1) + 1):
+                starts = length - distance * (n - 1)
+                if starts <= 0:
+                    continue
+                hit = jnp.ones((rows.shape[0], starts), bool)
+                for j, item in enumerate(gram):
+                    hit = hit & (rows[:, j * distance : j * distance + starts] == item)
+                count = count + jnp.sum(hit, axis=-1)
+            out = out.at[:, column].add(count)
+    w = jnp.ones((size,), jnp.float32) if not weights else jnp.asarray(weights, jnp.float32)
+    if mode == "IDF":
+        out = jnp.where(out > 0, w, 0.0)
+    elif mode == "TFIDF":
+        out = out * w
+    return out if x.ndim == 2 else out[0]
+
+
+@op("ArrayFeatureExtractor", domain="ai.onnx.ml")
+def ArrayFeatureExtractor(X, Y):
+    """The entries Y of the last axis of X (a 1-D X gives [1, len(Y)])."""
+    m = xp(X, Y)
+    out = m.take(X, m.asarray(Y).reshape(-1).astype(np.int32), axis=-1)
+    return out.reshape(1, -1) if np.ndim(X) == 1 else out

@@ -12,7 +12,8 @@ from ... import kernels
 from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ..trace import is_static
-from ._util import onnx_dtype, precision, xp
+from . import attention_core as core
+from ._util import ints, precision, xp
 
 
 def _matmul(a, b):
@@ -648,12 +649,6 @@ def Dropout(x, ratio=None, training_mode=None, *, seed=None, ctx):
 # --- attention ------------------------------------------------------------------------------
 
 
-def _heads(x, num_heads: int):
-    """[B, S, H * D] -> [B, H, S, D]."""
-    b, s, _ = x.shape
-    return jnp.transpose(x.reshape(b, s, num_heads, -1), (0, 2, 1, 3))
-
-
 @op("Attention", since=23)
 def Attention(
     q,
@@ -680,81 +675,66 @@ def Attention(
 
     Outputs: Y (q's layout), present_key and present_value ([B, KV, P + S, D]) and
     qk_matmul_output ([B, H, S, P + S]; which stage it shows is ``qk_matmul_output_mode``).
+    Computed in float32 (``softmax_precision`` is met or exceeded).
     """
     dtype = jnp.asarray(q).dtype
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     three_d = q.ndim == 3
-    if three_d:
-        q, k, v = _heads(q, q_num_heads), _heads(k, kv_num_heads), _heads(v, kv_num_heads)
-    # q: [B, H, S, D], k: [B, KV, L, D], v: [B, KV, L, Dv]
+    if three_d:  # [B, S, H * D] -> q: [B, S, H, D]; k, v: [B, KV, L, D]
+        q = core.split_heads(q, q_num_heads)
+        k = core.split_heads(k, kv_num_heads).transpose(0, 2, 1, 3)
+        v = core.split_heads(v, kv_num_heads).transpose(0, 2, 1, 3)
+    else:
+        q = q.transpose(0, 2, 1, 3)
     if past_key is not None:
         k = jnp.concatenate([jnp.asarray(past_key).astype(dtype), k], axis=2)
         v = jnp.concatenate([jnp.asarray(past_value).astype(dtype), v], axis=2)
-    present_key, present_value = k, v  # [B, KV, P + L, D]
-    batch, heads, q_len, head_size = q.shape
+    batch, q_len, heads, head_size = q.shape
     kv_len = k.shape[2]
-    past_len = past_key.shape[2] if past_key is not None else 0
+    raw = core.grouped_scores(q, k, scale if scale is not None else 1 / math.sqrt(head_size))
+    capped = core.cap(raw, softcap)  # [B, H, S, P + L]
+    biased = capped if attn_mask is None else capped + _attention_bias(attn_mask, kv_len)
+    allowed = _attention_visible(
+        q_len, kv_len, past_key, nonpad_kv_seqlen, is_causal, left_window_size, right_window_size
+    )
+    probs = core.masked_softmax(biased, allowed)
+    y = core.grouped_values(probs, v).astype(dtype)  # [B, S, H, Dv]
+    y = y.reshape(batch, q_len, -1) if three_d else y.transpose(0, 2, 1, 3)
+    if ctx.num_outputs < 4:
+        return (y, k, v)[: ctx.num_outputs]
+    masked = jnp.where(allowed, biased, -jnp.inf)
+    qk_out = {0: raw, 1: capped, 2: masked, 3: probs}[qk_matmul_output_mode]
+    qk_out = jnp.broadcast_to(qk_out, (batch, heads, q_len, kv_len)).astype(dtype)
+    return y, k, v, qk_out
 
-    # Additive bias: [..., S, P + L], -inf where a query may not attend a key.
-    bias = jnp.zeros((q_len, kv_len), dtype)
-    if attn_mask is not None:
-        mask = jnp.asarray(attn_mask)
-        pad = kv_len - mask.shape[-1]
-        if mask.dtype == jnp.bool_:
-            mask = jnp.where(mask, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
-        if pad > 0:
-            mask = jnp.pad(
-                mask.astype(dtype),
-                [(0, 0)] * (mask.ndim - 1) + [(0, pad)],
-                constant_values=-jnp.inf,
-            )
-        bias = bias + mask.astype(dtype)
-    if nonpad_kv_seqlen is not None and past_key is None:
-        offset = jnp.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1) - q_len  # [B, 1, 1, 1]
+
+def _attention_bias(attn_mask, kv_len):
+    """attn_mask as an additive float32 bias [..., S, P + L]: bool -> 0 / -inf; a mask shorter
+    than the keys hides the keys after it."""
+    mask = jnp.asarray(attn_mask)
+    if mask.dtype == jnp.bool_:
+        mask = jnp.where(mask, 0.0, -jnp.inf)
+    mask = mask.astype(jnp.float32)
+    pad = kv_len - mask.shape[-1]
+    if pad > 0:
+        mask = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    return mask
+
+
+def _attention_visible(q_len, kv_len, past_key, nonpad, causal, left, right):
+    """[(B, 1,) S, P + L] bool: the causal and window masks at absolute positions, and the
+    non-padding keys."""
+    past_len = past_key.shape[2] if past_key is not None else 0
+    if nonpad is not None and past_key is None:
+        offset = jnp.asarray(nonpad).reshape(-1, 1, 1) - q_len  # [B, 1, 1]
     else:
         offset = past_len
-    i = jnp.arange(q_len)[:, None] + offset  # absolute query positions: [(B, 1, 1,) S, 1]
-    j = jnp.arange(kv_len)[None, :]
-    allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(i), jnp.shape(j)), bool)
-    if is_causal:
-        allowed = allowed & (j <= i)
-    if left_window_size >= 0:
-        allowed = allowed & (i - j <= left_window_size)
-    if right_window_size >= 0:
-        allowed = allowed & (j - i <= right_window_size)
-    bias = bias + jnp.where(allowed, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
-    if nonpad_kv_seqlen is not None:
-        valid = jnp.arange(kv_len) < jnp.asarray(nonpad_kv_seqlen).reshape(-1, 1, 1, 1)
-        bias = bias + jnp.where(valid, jnp.array(0, dtype), jnp.array(-jnp.inf, dtype))
-
-    # Grouped KV heads: each KV head serves heads // KV consecutive query heads.
-    groups = heads // k.shape[1]
-    if groups > 1:
-        k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
-    # q and k are each scaled by sqrt(scale), as the spec does against overflow.
-    root = jnp.array(math.sqrt(scale if scale is not None else 1 / math.sqrt(head_size)), dtype)
-    qk = jnp.einsum(
-        "bhsd,bhld->bhsl", q * root, k * root, precision=precision()
-    )  # [B, H, S, P + L]
-    raw = qk
-    if softcap > 0:
-        qk = softcap * jnp.tanh(qk / softcap)
-    capped = qk
-    qk = qk + bias
-    logits = qk.astype(onnx_dtype(softmax_precision, jnp)) if softmax_precision else qk
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.exp(logits - jnp.where(jnp.isneginf(top), 0, top))
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    probs = e / jnp.where(total == 0, 1, total)
-    # A query row that may attend no key gives zeros.
-    masked_row = jnp.isneginf(jnp.max(bias, axis=-1, keepdims=True))
-    probs = jnp.where(masked_row, 0, probs).astype(dtype)
-    y = jnp.einsum("bhsl,bhld->bhsd", probs, v, precision=precision())  # [B, H, S, Dv]
-    if three_d:
-        y = jnp.transpose(y, (0, 2, 1, 3)).reshape(batch, q_len, -1)  # [B, S, H * Dv]
-    qk_out = {0: raw, 1: capped, 2: qk, 3: probs}[qk_matmul_output_mode]
-    qk_out = jnp.broadcast_to(qk_out, (batch, heads, q_len, kv_len)).astype(dtype)
-    return (y, present_key, present_value, qk_out)[: ctx.num_outputs]
+    q_pos = jnp.arange(q_len) + offset  # [(B, 1,) S]
+    allowed = core.visible(q_pos, jnp.arange(kv_len), causal=bool(causal), left=left, right=right)
+    if nonpad is not None:
+        valid = jnp.arange(kv_len) < jnp.asarray(nonpad).reshape(-1, 1, 1, 1)
+        allowed = allowed & valid
+    return allowed
 
 
 @op("RotaryEmbedding", since=23)
@@ -770,31 +750,270 @@ def RotaryEmbedding(
 ):
     """Rotates the first ``rotary_embedding_dim`` features of each head of x: [B, H, S, D] or
     [B, S, H * D]. With position_ids [B, S] the caches are [max_position, R / 2] tables,
-    without they are [B, S, R / 2]."""
+    without they are [B, S, R / 2]. Computed in float32 (see attention_core)."""
     shape = x.shape
     x = jnp.asarray(x)
     if x.ndim == 4:
         x = jnp.transpose(x, (0, 2, 1, 3))  # [B, S, H, D]
     else:
         x = x.reshape(shape[0], shape[1], num_heads, -1)
-    rot = rotary_embedding_dim or x.shape[-1]
+    half = (rotary_embedding_dim or x.shape[-1]) // 2
+    cos, sin = jnp.asarray(cos_cache), jnp.asarray(sin_cache)
     if position_ids is not None:
-        cos_cache = jnp.take(jnp.asarray(cos_cache), jnp.asarray(position_ids), axis=0)
-        sin_cache = jnp.take(jnp.asarray(sin_cache), jnp.asarray(position_ids), axis=0)
-    cos = jnp.asarray(cos_cache)[:, :, None, :].astype(x.dtype)  # [B, S, 1, R / 2]
-    sin = jnp.asarray(sin_cache)[:, :, None, :].astype(x.dtype)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        y = core.rotate_at(x, position_ids, cos[:, :half], sin[:, :half], interleaved)
     else:
-        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
-    real = cos * x1 - sin * x2
-    imag = sin * x1 + cos * x2
-    if interleaved:
-        x_rot = jnp.stack([real, imag], axis=-1).reshape(x_rot.shape)
-    else:
-        x_rot = jnp.concatenate([real, imag], axis=-1)
-    y = jnp.concatenate([x_rot, x_pass], axis=-1)  # [B, S, H, D]
+        y = core.rotate(x, cos[..., :half], sin[..., :half], interleaved)
     if len(shape) == 4:
         return jnp.transpose(y, (0, 2, 1, 3))
     return y.reshape(shape)
+
+
+# --- losses ---------------------------------------------------------------------------------
+
+
+def _nll(log_prob, target, weight, ignore_index, reduction):
+    """-log_prob[n, target[n, ...], ...] weighted by weight[target] (0 at ``ignore_index``),
+    then reduced: none, sum, or mean (the sum over the sum of the weights)."""
+    target = jnp.asarray(target).astype(jnp.int32)  # [N, d...]
+    valid = jnp.ones(target.shape, bool) if ignore_index is None else target != ignore_index
+    safe = jnp.where(valid, target, 0)
+    picked = -jnp.take_along_axis(log_prob, safe[:, None], axis=1)[:, 0]  # [N, d...]
+    if weight is None:
+        w = jnp.ones(target.shape, log_prob.dtype)
+    else:
+        w = jnp.take(jnp.asarray(weight), safe, mode="clip").astype(log_prob.dtype)
+    w = jnp.where(valid, w, 0)
+    loss = picked * w
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return jnp.sum(loss)
+    return jnp.sum(loss) / jnp.sum(w)
+
+
+@op("NegativeLogLikelihoodLoss", since=12)
+def NegativeLogLikelihoodLoss(input, target, weight=None, *, ignore_index=None, reduction="mean"):
+    """The negative log likelihood of ``target`` [N, d...] under log-probabilities
+    input [N, C, d...]."""
+    return _nll(jnp.asarray(input), target, weight, ignore_index, reduction)
+
+
+@op("SoftmaxCrossEntropyLoss", since=12)
+def SoftmaxCrossEntropyLoss(
+    scores, labels, weights=None, *, ignore_index=None, reduction="mean", ctx
+):
+    """The cross entropy of ``labels`` [N, d...] under softmax(scores [N, C, d...]) over C;
+    outputs (loss, log_prob)."""
+    log_prob = _log_softmax(jnp.asarray(scores), 1)
+    loss = _nll(log_prob, labels, weights, ignore_index, reduction)
+    return (loss, log_prob)[: max(ctx.num_outputs, 1)]
+
+
+@op("Det", since=11)
+def Det(x):
+    """The determinant of each square matrix of x [..., M, M]."""
+    return jnp.linalg.det(jnp.asarray(x))
+
+
+@op("FlexAttention", domain="ai.onnx.preview", fold=False)
+def FlexAttention(
+    Q, K, V, *, scale=None, score_mod=None, prob_mod=None, softmax_precision=None, ctx
+):
+    """Attention of Q [B, Hq, L, E] over K, V [B, Hkv, S, E] with the graphs ``score_mod``
+    (applied to the scaled scores) and ``prob_mod`` (to the probabilities); float32 inside."""
+    q = jnp.asarray(Q).transpose(0, 2, 1, 3)  # [B, L, Hq, E]
+    scores = core.grouped_scores(q, jnp.asarray(K), scale or 1 / math.sqrt(q.shape[-1]))
+    if score_mod is not None:
+        scores = jnp.asarray(ctx.run(score_mod, [scores])[0]).astype(jnp.float32)
+    probs = core.masked_softmax(scores)
+    if prob_mod is not None:
+        probs = jnp.asarray(ctx.run(prob_mod, [probs])[0]).astype(jnp.float32)
+    return core.grouped_values(probs, jnp.asarray(V)).transpose(0, 2, 1, 3).astype(V.dtype)
+
+
+@op("ConvInteger", since=10)
+def ConvInteger(
+    x,
+    w,
+    x_zero_point=None,
+    w_zero_point=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
+    """Conv of (x - x_zero_point) and (w - w_zero_point) (per output channel) in int32."""
+    x = jnp.asarray(x).astype(jnp.int32)
+    w = jnp.asarray(w).astype(jnp.int32)
+    if x_zero_point is not None:
+        x = x - jnp.asarray(x_zero_point).astype(jnp.int32).reshape(())
+    if w_zero_point is not None:
+        zp = jnp.asarray(w_zero_point).astype(jnp.int32)
+        w = w - (zp.reshape(()) if zp.size == 1 else zp.reshape((-1,) + (1,) * (w.ndim - 1)))
+    n = x.ndim - 2
+    strides = _spatial(strides, n, 1)
+    dilations = _spatial(dilations, n, 1)
+    padding = _window_pads(auto_pad, x.shape[2:], w.shape[2:], strides, dilations, pads)
+    return lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=strides,
+        padding=padding,
+        rhs_dilation=dilations,
+        feature_group_count=group,
+        preferred_element_type=jnp.int32,
+    )
+
+
+@op("MaxUnpool", since=9, static=(2,))
+def MaxUnpool(X, I, output_shape=None, *, kernel_shape, pads=None, strides=None):
+    """The values of X put back at the flat indices I (MaxPool's) of a zero tensor of the size
+    the pooling came from, padded at the end to ``output_shape``."""
+    n = X.ndim - 2
+    strides = _spatial(strides, n, 1)
+    pads = list(pads) if pads else [0] * (2 * n)
+    spatial = [
+        (X.shape[2 + i] - 1) * strides[i] + kernel_shape[i] - pads[i] - pads[i + n]
+        for i in range(n)
+    ]
+    shape = [*X.shape[:2], *spatial]
+    y = jnp.zeros((math.prod(shape),), jnp.asarray(X).dtype)
+    y = y.at[jnp.asarray(I).reshape(-1).astype(jnp.int32)].set(jnp.asarray(X).reshape(-1))
+    y = y.reshape(shape)
+    if output_shape is not None:
+        y = jnp.pad(y, [(0, t - h) for t, h in zip(ints(output_shape), shape, strict=True)])
+    return y
+
+
+@op("Col2Im", since=18, static=(1, 2))
+def Col2Im(input, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
+    """The sum of the blocks input [N, C * prod(block), L] at their places in an image
+    [N, C, *image_shape] (the inverse of im2col)."""
+    image, block = ints(image_shape), ints(block_shape)
+    n = len(image)
+    dilations = _spatial(dilations, n, 1)
+    strides = _spatial(strides, n, 1)
+    pads = list(pads) if pads else [0] * (2 * n)
+    counts = [
+        (image[i] + pads[i] + pads[i + n] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1
+        for i in range(n)
+    ]
+    # For each (block offset, block position) its place in the padded image, flattened.
+    offsets = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"), -1)
+    places = np.stack(np.meshgrid(*[np.arange(c) for c in counts], indexing="ij"), -1)
+    offsets, places = offsets.reshape(-1, n), places.reshape(-1, n)
+    coords = places[None] * np.asarray(strides) + offsets[:, None] * np.asarray(dilations)
+    coords = coords - np.asarray(pads[:n])  # [K, L, n] in the unpadded image
+    inside = np.all((coords >= 0) & (coords < np.asarray(image)), axis=-1)  # [K, L]
+    flat = np.ravel_multi_index(tuple(np.clip(coords, 0, np.asarray(image) - 1).T), image).T
+    x = jnp.asarray(input)
+    batch, k = x.shape[0], math.prod(block)
+    x = x.reshape(batch, -1, k, x.shape[-1]) * inside  # [N, C, K, L]
+    out = jnp.zeros((batch, x.shape[1], math.prod(image)), x.dtype)
+    out = out.at[:, :, flat.reshape(-1)].add(x.reshape(batch, x.shape[1], -1))
+    return out.reshape(batch, x.shape[1], *image)
+
+
+@op("DeformConv", since=19)
+def DeformConv(
+    X,
+    W,
+    offset,
+    B=None,
+    mask=None,
+    *,
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    offset_group=1,
+    pads=None,
+    strides=None,
+):
+    """2-D deformable convolution: each kernel tap of each output reads X [N, C, H, W]
+    bilinearly (0 outside) at its place moved by offset [N, G*2*K, oH, oW] (dy, dx per tap),
+    times mask [N, G*K, oH, oW]; W [M, C / group, kH, kW]."""
+    x, w = jnp.asarray(X), jnp.asarray(W)
+    n, c, height, width = x.shape
+    kh, kw = w.shape[2:]
+    strides, dilations = _spatial(strides, 2, 1), _spatial(dilations, 2, 1)
+    pads = list(pads) if pads else [0] * 4
+    off = jnp.asarray(offset).astype(jnp.float32)
+    oh, ow = off.shape[2:]
+    k = kh * kw
+    off = off.reshape(n, offset_group, k, 2, oh, ow)
+    tap_y = (np.arange(k) // kw * dilations[0])[:, None, None]
+    tap_x = (np.arange(k) % kw * dilations[1])[:, None, None]
+    base_y = (np.arange(oh) * strides[0] - pads[0])[None, :, None] + tap_y  # [K, oH, 1]
+    base_x = (np.arange(ow) * strides[1] - pads[1])[None, None, :] + tap_x  # [K, 1, oW]
+    y = base_y + off[:, :, :, 0]  # [N, G, K, oH, oW]
+    xx = base_x + off[:, :, :, 1]
+    y0, x0 = jnp.floor(y), jnp.floor(xx)
+    planes = x.reshape(n, offset_group, c // offset_group, height * width).astype(jnp.float32)
+    cols = 0.0
+    for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        yc, xc = y0 + dy, x0 + dx
+        weight = (1 - jnp.abs(y - yc)) * (1 - jnp.abs(xx - xc))
+        inside = (yc >= 0) & (yc < height) & (xc >= 0) & (xc < width)
+        flat = (jnp.clip(yc, 0, height - 1) * width + jnp.clip(xc, 0, width - 1)).astype(jnp.int32)
+        values = jnp.take_along_axis(planes, flat.reshape(n, offset_group, 1, -1), axis=3)
+        scale = jnp.where(inside, weight, 0.0).reshape(n, offset_group, 1, -1)
+        cols = cols + values * scale  # [N, G, C / G, K * oH * oW]
+    cols = cols.reshape(n, c, k, oh, ow)
+    if mask is not None:
+        m = jnp.asarray(mask).astype(jnp.float32).reshape(n, offset_group, 1, k, oh, ow)
+        cols = (cols.reshape(n, offset_group, c // offset_group, k, oh, ow) * m).reshape(
+            n, c, k, oh, ow
+        )
+    wg = w.reshape(group, w.shape[0] // group, c // group, k).astype(jnp.float32)
+    cg = cols.reshape(n, group, c // group, k, oh, ow)
+    out = jnp.einsum("gmck,ngckhw->ngmhw", wg, cg, precision=precision())
+    out = out.reshape(n, w.shape[0], oh, ow)
+    if B is not None:
+        out = out + jnp.asarray(B).astype(jnp.float32)[None, :, None, None]
+    return out.astype(x.dtype)
+
+
+@op("QLinearConv", since=10)
+def QLinearConv(
+    x,
+    x_scale,
+    x_zero_point,
+    w,
+    w_scale,
+    w_zero_point,
+    y_scale,
+    y_zero_point,
+    B=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
+    """quantize(ConvInteger(x, w) * x_scale * w_scale (per output channel) + B, y_scale, y_zp)
+    with an exact int32 convolution; rounds half to even and saturates to y_zero_point's type."""
+    acc = ConvInteger(
+        x,
+        w,
+        x_zero_point,
+        w_zero_point,
+        auto_pad=auto_pad,
+        dilations=dilations,
+        group=group,
+        pads=pads,
+        strides=strides,
+    )
+    if B is not None:
+        acc = acc + _channel(jnp.asarray(B).astype(jnp.int32), acc.ndim)
+    ws = jnp.asarray(w_scale).astype(jnp.float32)
+    ws = ws.reshape(()) if ws.size == 1 else _channel(ws, acc.ndim)
+    factor = jnp.asarray(x_scale).astype(jnp.float32).reshape(()) * ws
+    y = jnp.round(acc.astype(jnp.float32) * factor / jnp.asarray(y_scale).astype(jnp.float32))
+    zp = jnp.asarray(y_zero_point)
+    info = jnp.iinfo(zp.dtype)
+    return jnp.clip(y + zp.astype(jnp.float32), info.min, info.max).astype(zp.dtype)

@@ -136,20 +136,32 @@ def ArgMin(data, *, axis=0, keepdims=1, select_last_index=0):
     return _arg(xp(data).argmin, data, axis, keepdims, select_last_index)
 
 
-@op("CumSum", since=11, static=(1,))
-def CumSum(x, axis, *, exclusive=0, reverse=0):
-    """``exclusive`` leaves out each element itself; ``reverse`` sums from the end."""
+def _cumulative(fn, x, axis, exclusive, reverse, identity):
+    """``fn`` (cumsum, cumprod) along ``axis``; ``exclusive`` leaves out each element itself
+    (``identity`` first); ``reverse`` runs from the end."""
     (m, x), axis = _input(x), ints(axis)[0] % max(np.ndim(x), 1)
     if reverse:
         x = m.flip(x, axis)
-    y = m.cumsum(x, axis=axis, dtype=x.dtype)
+    y = getattr(m, fn)(x, axis=axis, dtype=x.dtype)
     if exclusive:
         pad = [(0, 0)] * np.ndim(x)
         pad[axis] = (1, 0)
-        y = m.pad(y, pad)[
+        y = m.pad(y, pad, constant_values=identity)[
             tuple(slice(0, -1) if i == axis else slice(None) for i in range(np.ndim(x)))
         ]
     return m.flip(y, axis) if reverse else y
+
+
+@op("CumSum", since=11, static=(1,))
+def CumSum(x, axis, *, exclusive=0, reverse=0):
+    """``exclusive`` leaves out each element itself; ``reverse`` sums from the end."""
+    return _cumulative("cumsum", x, axis, exclusive, reverse, 0)
+
+
+@op("CumProd", since=26, static=(1,))
+def CumProd(x, axis, *, exclusive=0, reverse=0):
+    """``exclusive`` leaves out each element itself; ``reverse`` multiplies from the end."""
+    return _cumulative("cumprod", x, axis, exclusive, reverse, 1)
 
 
 @op("TopK", static=(1,))
