@@ -297,6 +297,7 @@ class _Run:
     on_token: OnToken | None
     n: int  # the caller's rows (the others pad the batch)
     members: np.ndarray = None  # [B] bool rows of the group that runs now
+    width: int = 0  # columns of the processors' history of the group that runs now
 
     @classmethod
     def start(cls, ctx, prompts, seeds, inputs, on_token, clamp) -> _Run:
@@ -323,9 +324,11 @@ class _Run:
         return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
 
     def live(self) -> bool:
+        """Whether a row of the group that runs now takes more tokens."""
         return any(not self.rows[i].done for i in np.flatnonzero(self.members))
 
     def remaining(self) -> np.ndarray:
+        """[B] prompt tokens each live row of the group has still to feed."""
         return np.array(
             [
                 len(r.prompt) - r.fed if self.members[i] and not r.done else 0
