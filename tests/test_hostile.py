@@ -586,3 +586,18 @@ def test_a_mutated_model_gives_a_result_or_this_packages_error(tmp_path, kind, b
         except tj.TransmuterError:
             return
     assert set(out) == {o.name for o in model.outputs}
+
+
+def test_a_tokenizer_folder_whose_config_is_a_json_string_is_named(tmp_path):
+    import shutil
+
+    from transmuter_jax.text.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(FIXTURES / "llama-optimum" / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)  # the class then comes from config.json
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text('"just a string"')
+    with pytest.raises(tj.ModelFileError, match="config.json must hold a JSON object"):
+        Tokenizer.from_folder(tmp_path)

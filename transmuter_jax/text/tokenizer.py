@@ -118,13 +118,20 @@ def clean_up_tokenization(text: str) -> str:
 
 
 def _read_json(path: pathlib.Path) -> Any:
+    """A JSON object file, or None when there is none; ModelFileError when it is not one."""
     if not path.is_file():
         return None
     try:
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+            value = json.load(handle)
     except (OSError, ValueError) as error:
         raise ModelFileError(f"cannot read {path}: {error}") from error
+    if not isinstance(value, dict):
+        raise ModelFileError(
+            f"{path} must hold a JSON object ({{...}}), not a {type(value).__name__}; "
+            "fix or delete it"
+        )
+    return value
 
 
 def _added_token(value: Mapping[str, Any], *, special: bool | None = None) -> AddedToken:
