@@ -19,7 +19,7 @@ import transmuter_jax as tj
 from transmuter_jax import kernels
 from transmuter_jax.kernels import build
 from transmuter_jax.onnx import prepack
-from transmuter_jax.onnx.ops.quant import INT8_ENV, _int8_round_trip, _nbits_weight
+from transmuter_jax.onnx.ops.quant import INT8_ENV, _nbits_weight, int8_product
 from transmuter_jax.testing import example_inputs
 
 needs_kernels = pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels not available")
@@ -156,31 +156,70 @@ def test_matmul_nbits_kernel(rng, monkeypatch, portable, zero_points, k, n, bloc
     _close(y, _nbits_reference(x, b, scales, zp, k, n, block), k)
 
 
+def _int8_call(x, b, scales, zp, k, n, block):
+    ref = lambda x, b, s, z: int8_product(x, b, s, z, k, n, block)
+    fn = lambda x, b, s, z: kernels.matmul_nbits(
+        x, b, s, z, n=n, block_size=block, reference=ref, int8=True
+    )
+    return np.asarray(jax.jit(fn)(x, b, scales, zp))
+
+
 @needs_kernels
-@pytest.mark.parametrize(("k", "block"), [(576, 32), (72, 32), (128, 16), (300, 128)])
+@pytest.mark.parametrize("zero_points", [None, "packed", "float"])
+@pytest.mark.parametrize(("k", "block"), [(576, 32), (72, 32), (128, 16), (300, 128), (256, 64)])
 @pytest.mark.parametrize("m", [1, 3, 8, 13])
 @pytest.mark.parametrize("portable", [False, True])
-def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, k, block, m):
-    """int8 activations (accuracy_level 4): the kernel equals the pure-JAX round trip."""
+def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, zero_points, k, block, m):
+    """int8 activations (accuracy_level 4): the kernel agrees with the pure-JAX path, and each
+    row's result is bit for bit the one it gets alone."""
     monkeypatch.setenv(kernels.PORTABLE_ENV, "1" if portable else "0")
     n = 21
-    b, scales, zp = _nbits(rng, k, n, block, "packed" if m == 3 else None)
+    b, scales, zp = _nbits(rng, k, n, block, zero_points)
     x = (rng.standard_normal((m, k)) * rng.random((m, 1)) * 4).astype(np.float32)
-    ref = lambda x, b, s, z: (
-        _int8_round_trip(x, block) @ _nbits_weight(b, s, z, None, k, n, block, 4).T
-    )
-    y = kernels.matmul_nbits(x, b, scales, zp, n=n, block_size=block, reference=ref, int8=True)
-    want = np.asarray(ref(jnp.asarray(x), b, scales, zp), np.float64)
+    x[0, : block // 2] = 0  # a block of zeros has scale 0
+    y = _int8_call(x, b, scales, zp, k, n, block)
+    want = np.asarray(jax.jit(int8_product, static_argnums=(4, 5, 6))(x, b, scales, zp, k, n, block))
     _close(y, want, k)
     assert np.abs(want - _nbits_reference(x, b, scales, zp, k, n, block)).max() > 1e-3
+    for r in {0, m - 1}:
+        np.testing.assert_array_equal(_int8_call(x[r : r + 1], b, scales, zp, k, n, block)[0], y[r])
 
 
-def test_matmul_nbits_int8_matches_onnxruntime_level_4(rng, monkeypatch):
-    """With TRANSMUTER_JAX_NBITS_INT8=1, accuracy_level 4 matches onnxruntime's int8 kernels."""
-    monkeypatch.setenv(INT8_ENV, "1")
+def test_int8_product_rows_are_independent(rng):
+    """The pure-JAX int8 path: a row's result does not depend on the other rows, bit for bit."""
+    k, n, block = 576, 50, 32
+    b, scales, zp = _nbits(rng, k, n, block, "packed")
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    fn = jax.jit(int8_product, static_argnums=(4, 5, 6))
+    whole = np.asarray(fn(x, b, scales, zp, k, n, block))
+    for rows in (x[:1], x[:8], x[[0, 5, 7]]):
+        np.testing.assert_array_equal(np.asarray(fn(rows, b, scales, zp, k, n, block))[0], whole[0])
+
+
+@needs_kernels
+def test_matmul_nbits_int8_portable_equals_simd(rng, monkeypatch):
+    """The kernel's SIMD and portable int8 code do the same float steps: equal bit for bit."""
+    k, n, block = 576, 67, 32
+    b, scales, zp = _nbits(rng, k, n, block, "packed")
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "0")
+    simd = _int8_call(x, b, scales, zp, k, n, block)
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "1")
+    np.testing.assert_array_equal(_int8_call(x, b, scales, zp, k, n, block), simd)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_matmul_nbits_int8_matches_onnxruntime_level_4(rng, monkeypatch, kernels_on):
+    """accuracy_level 4 quantizes the input to int8 by default, as onnxruntime's CPU kernels do;
+    with the kernels and with the pure-JAX path."""
+    if kernels_on and not kernels.enabled():
+        pytest.skip("CPU kernels not available")
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "enabled", lambda: False)
+    monkeypatch.delenv(INT8_ENV, raising=False)
     k, n, block = 576, 40, 32
     b, scales, _ = _nbits(rng, k, n, block, None)
-    for m in (1, 4):
+    for m in (1, 4, 130):
         inputs = {"a": rng.standard_normal((m, k)).astype(np.float32), "b": b, "scales": scales}
         check_op(
             "MatMulNBits",

@@ -9,7 +9,15 @@ import jax
 # On CPU, XLA's default alias analysis copies a donated buffer that is read and then updated in
 # place (a KV cache read by attention and given its new rows): every cache buffer, twice a step.
 # Region analysis sees that the reads come first and drops the copies.
-CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+#
+# XLA hands reductions and elementwise fusions of some shapes to YNNPACK, whose tiling depends on
+# the number of rows: a row's RMS norm then differs in the last bit between batch 1 and batch 8,
+# which int8-quantized products (MatMulNBits accuracy_level 4) turn into other tokens. Only
+# YNNPACK's dots stay on (they compute each row alike at any batch).
+CPU_OPTIONS = {
+    "xla_cpu_copy_insertion_use_region_analysis": True,
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+}
 
 
 def jit_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
