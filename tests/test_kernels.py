@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -178,7 +183,9 @@ def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, zero_points, k, bl
     x = (rng.standard_normal((m, k)) * rng.random((m, 1)) * 4).astype(np.float32)
     x[0, : block // 2] = 0  # a block of zeros has scale 0
     y = _int8_call(x, b, scales, zp, k, n, block)
-    want = np.asarray(jax.jit(int8_product, static_argnums=(4, 5, 6))(x, b, scales, zp, k, n, block))
+    want = np.asarray(
+        jax.jit(int8_product, static_argnums=(4, 5, 6))(x, b, scales, zp, k, n, block)
+    )
     _close(y, want, k)
     assert np.abs(want - _nbits_reference(x, b, scales, zp, k, n, block)).max() > 1e-3
     for r in {0, m - 1}:
@@ -431,3 +438,77 @@ def test_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "compiler", lambda: None)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         assert build._load() is None
+
+
+# ---------------------------------------------------------------- the build cache
+
+_PROBE = """
+import jax.numpy as jnp, numpy as np
+from transmuter_jax import kernels
+from transmuter_jax.kernels import build
+assert kernels.available(), "the kernels did not load"
+w = np.arange(12, dtype=np.float32).reshape(3, 4)
+y = kernels.matmul(np.ones((2, 3), np.float32), jnp.asarray(kernels.pack(w)), 4)
+np.testing.assert_allclose(np.asarray(y), np.ones((2, 3)) @ w)
+print(build.build(build.compiler()))
+"""
+
+
+def _probe(cache: pathlib.Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRANSMUTER_JAX_CACHE=str(cache))
+    env.pop(build.ENV, None)
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@needs_kernels
+def test_truncated_kernel_library_is_rebuilt_by_a_fresh_process(tmp_path):
+    """A truncated library in the cache (once a SIGBUS in ctypes.CDLL) is rebuilt, not loaded."""
+    built = build.build(build.compiler())
+    folder = tmp_path / "kernels" / built.parent.name
+    shutil.copytree(built.parent, folder, ignore=shutil.ignore_patterns("*.lock", "tmp*"))
+    library = folder / build.LIBRARY
+    good = library.read_bytes()
+    assert build.verified(library)
+    with open(library, "r+b") as handle:
+        handle.truncate(len(good) // 3)
+    assert not build.verified(library)
+    done = _probe(tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert pathlib.Path(done.stdout.split()[-1]) == library
+    assert build.verified(library) and library.stat().st_size > len(good) // 3
+    again = _probe(tmp_path)  # and the rebuilt library loads as it is
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_kernel_library_checksum(tmp_path):
+    """verified(): the library must match the sha256 kept beside it, byte for byte."""
+    library = tmp_path / build.LIBRARY
+    library.write_bytes(b"\x7fELF" + bytes(range(256)) * 4)
+    assert not build.verified(library)  # no checksum (an interrupted build)
+    (tmp_path / build.CHECKSUM).write_text(hashlib.sha256(library.read_bytes()).hexdigest())
+    assert build.verified(library)
+    data = bytearray(library.read_bytes())
+    data[100] ^= 1
+    library.write_bytes(bytes(data))
+    assert not build.verified(library)
+    library.unlink()
+    assert not build.verified(library)
+
+
+def test_kernel_cache_key_names_the_cpu(monkeypatch):
+    """A library built with -march=native for one CPU is never found by another."""
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler")
+    identity = build.cpu_identity()
+    if pathlib.Path("/proc/cpuinfo").exists():
+        assert "flags=" in identity or "Features=" in identity  # x86 or Arm
+    here = build._key(build.compiler())
+    monkeypatch.setattr(build, "cpu_identity", lambda: identity + " avx512f")
+    assert build._key(build.compiler()) != here

@@ -121,7 +121,9 @@ def test_matmul_nbits_weights_as_inputs(rng):
     check_op("MatMulNBits", inputs, domain=MS, rtol=1e-4, atol=1e-4, K=k, N=n, block_size=block)
 
 
-@pytest.mark.parametrize(("block", "zero_points"), [(16, None), (32, None), (32, "packed"), (128, "packed")])
+@pytest.mark.parametrize(
+    ("block", "zero_points"), [(16, None), (32, None), (32, "packed"), (128, "packed")]
+)
 @pytest.mark.parametrize("m", [1, 5, 200])
 def test_matmul_nbits_accuracy_level_4(rng, block, zero_points, m):
     """accuracy_level 4: the input quantized to int8 per row and block, as onnxruntime does."""

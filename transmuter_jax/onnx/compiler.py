@@ -10,13 +10,14 @@ import jax
 # place (a KV cache read by attention and given its new rows): every cache buffer, twice a step.
 # Region analysis sees that the reads come first and drops the copies.
 #
-# XLA hands reductions and elementwise fusions of some shapes to YNNPACK, whose tiling depends on
-# the number of rows: a row's RMS norm then differs in the last bit between batch 1 and batch 8,
-# which int8-quantized products (MatMulNBits accuracy_level 4) turn into other tokens. Only
-# YNNPACK's dots stay on (they compute each row alike at any batch).
+# XLA hands some dots, reductions and elementwise fusions to YNNPACK, whose tiling depends on the
+# number of rows: a row's RMS norm or attention then differs in the last bit between batch 1 and
+# batch 8, which int8-quantized products (MatMulNBits accuracy_level 4) turn into other tokens.
+# With XLA's own emitters (and the library's kernels for the large products) each row is
+# computed alike at any batch.
 CPU_OPTIONS = {
     "xla_cpu_copy_insertion_use_region_analysis": True,
-    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+    "xla_cpu_experimental_ynn_fusion_type": "",
 }
 
 

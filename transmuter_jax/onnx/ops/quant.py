@@ -175,8 +175,8 @@ def MatMulNBits(
 
     b: uint8 [N, n_blocks, block_size*bits/8], values low bits first; the weight is
     (value - zero point) * scale per block of K, the zero point 2^(bits-1) when absent. With
-    accuracy_level 4 (4 bits, uint8 zero points or none, no g_idx), a is quantized to int8 per row and block first (see
-    :func:`int8_activations` and :func:`int8_product`).
+    accuracy_level 4 (4 bits, uint8 zero points or none, no g_idx), a is quantized to int8 per
+    row and block first (see :func:`int8_activations` and :func:`int8_product`).
     """
     if weight_prepacked:
         raise NotImplementedError("MatMulNBits with weight_prepacked")
