@@ -183,30 +183,26 @@ static void int8_chunk(void* ctx, int64_t chunk) {
   thread_local std::vector<float> s, z8f;
   thread_local std::vector<int32_t> z8i;
   e.resize(static_cast<size_t>(8 * len));
-  s.resize(static_cast<size_t>(8 * blocks));
+  s.resize(static_cast<size_t>(blocks));
   z8f.resize(static_cast<size_t>(8 * blocks));
   z8i.resize(static_cast<size_t>(8 * blocks));
   int64_t col = n0;
 #ifdef TJ_HAVE_INT8_AVX2
   if (!w.portable) {
-    thread_local std::vector<float> s8, zf8;
-    thread_local std::vector<int32_t> zi8;
-    s8.resize(static_cast<size_t>(8 * blocks));
-    zf8.resize(static_cast<size_t>(8 * blocks));
-    zi8.resize(static_cast<size_t>(8 * blocks));
     for (; col + 8 <= n1; col += 8) {
-      const uint8_t* ptrs[8];
       for (int c = 0; c < 8; ++c) {
-        int8_column(job, col + c, e.data() + c * len, s.data(), z8i.data(), z8f.data());
-        ptrs[c] = e.data() + c * len;
-        for (int64_t b = 0; b < blocks; ++b) {  // per block, the 8 columns side by side
-          s8[b * 8 + c] = s[b];
-          zi8[b * 8 + c] = z8i[b];
-          zf8[b * 8 + c] = z8f[b];
+        int8_expand_column(job.b + (col + c) * job.groups * 16, blocks, bs, e.data() + c * len);
+        for (int64_t b = 0; job.zp_kind != kNone && b < blocks; ++b) {
+          // per block, the 8 columns side by side
+          const float z = zero_point(job, col + c, b);
+          z8f[b * 8 + c] = z;
+          z8i[b * 8 + c] = static_cast<int32_t>(z);
         }
       }
+      const int32_t* zi8 = job.zp_kind == kPacked ? z8i.data() : nullptr;
+      const float* zf8 = zf ? z8f.data() : nullptr;
       for (int64_t r = 0; r < job.m; ++r) {
-        int8_dot8(w.xs, r, ptrs, s8.data(), zf ? nullptr : zi8.data(), zf ? zf8.data() : nullptr,
+        int8_dot8(w.xs, r, e.data(), len, job.scales + col * blocks, zi8, zf8,
                   job.y + r * job.n + col);
       }
     }

@@ -15,8 +15,10 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__SSE2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #define TJ_HAVE_INT8_AVX2 1
 #endif
 
@@ -68,7 +70,17 @@ inline void int8_expand_column(const uint8_t* bytes, int64_t blocks, int64_t blo
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = bytes + b * half;
     uint8_t* e = out + b * block_size;
-    for (int64_t j = 0; j < half; ++j) {
+    int64_t j = 0;
+#if defined(__SSE2__)
+    const __m128i low = _mm_set1_epi8(15);
+    for (; j + 16 <= half; j += 16) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(e + j), _mm_and_si128(v, low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(e + half + j),
+                       _mm_and_si128(_mm_srli_epi16(v, 4), low));
+    }
+#endif
+    for (; j < half; ++j) {
       e[j] = p[j] & 15;
       e[half + j] = p[j] >> 4;
     }
@@ -132,28 +144,34 @@ inline __m256i int8_block_lanes(const int8_t* q, const uint8_t* e, int64_t bs) {
 }
 
 // y[r, n0 .. n0 + 8) for one row: the scheme above for 8 columns at once (the same steps per
-// column as int8_dot). scales and zero points are given per block for the 8 columns.
-inline void int8_dot8(const Int8Rows& xs, int64_t r, const uint8_t* const e[8],
-                      const float* sw8, const int32_t* zi8, const float* zf8, float* y) {
-  const int64_t bs = xs.block_size;
+// column as int8_dot). sw: the scales of the first column ([blocks] per column, columns
+// consecutive); zero points per block for the 8 columns (zi8 or zf8), or zi8 null and zf8 null
+// for the default 8.
+inline void int8_dot8(const Int8Rows& xs, int64_t r, const uint8_t* e, int64_t len,
+                      const float* sw, const int32_t* zi8, const float* zf8, float* y) {
+  const int64_t bs = xs.block_size, blocks = xs.blocks;
+  const __m256i column = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32(static_cast<int32_t>(blocks)));
+  const __m256i eight = _mm256_set1_epi32(8);
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < xs.blocks; ++b) {
-    const int8_t* q = xs.q.data() + (r * xs.blocks + b) * bs;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* q = xs.q.data() + (r * blocks + b) * bs;
     __m256i lanes[8];
-    for (int c = 0; c < 8; ++c) lanes[c] = int8_block_lanes(q, e[c] + b * bs, bs);
+    for (int c = 0; c < 8; ++c) lanes[c] = int8_block_lanes(q, e + c * len + b * bs, bs);
     const __m256i dot = int8_column_totals(lanes);
-    const int32_t sq = xs.sums[r * xs.blocks + b];
+    const int32_t sq = xs.sums[r * blocks + b];
     __m256 d;
-    if (zi8) {
-      const __m256i zp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zi8 + b * 8));
+    if (zf8 == nullptr) {
+      const __m256i zp =
+          zi8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zi8 + b * 8)) : eight;
       d = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_mullo_epi32(zp, _mm256_set1_epi32(sq))));
     } else {
       const __m256 zp = _mm256_loadu_ps(zf8 + b * 8);
       d = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), zp),
                           _mm256_set1_ps(static_cast<float>(sq)), _mm256_cvtepi32_ps(dot));
     }
-    const __m256 p = _mm256_mul_ps(_mm256_set1_ps(xs.scale[r * xs.blocks + b]),
-                                   _mm256_loadu_ps(sw8 + b * 8));
+    const __m256 w = _mm256_i32gather_ps(sw + b, column, 4);
+    const __m256 p = _mm256_mul_ps(_mm256_set1_ps(xs.scale[r * blocks + b]), w);
     acc = _mm256_fmadd_ps(d, p, acc);
   }
   _mm256_storeu_ps(y, acc);
