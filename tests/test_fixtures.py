@@ -21,6 +21,9 @@ from transmuter_jax.testing import example_inputs
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 TOLERANCE = 1e-4
+# MatMulNBits with int8 activations (accuracy_level 4): an input at a rounding boundary of the
+# int8 grid may round the other way than in onnxruntime, whose input differs in the last bits.
+INT8_TOLERANCE = 5e-4
 
 
 def _graphs():
@@ -95,12 +98,13 @@ def _compare(
     names = [o.name for o in model.outputs]
     want = dict(zip(names, session.run(names, inputs), strict=True))
     got = model(inputs)
+    tolerance = TOLERANCE if exact or 4 not in _nbits_levels(path) else INT8_TOLERANCE
     for name in names:
         actual, expected = np.asarray(got[name]), want[name]
         assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
         if expected.size:
             diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max()
-            assert diff <= TOLERANCE, f"{name}: max abs difference {diff:.3g}"
+            assert diff <= tolerance, f"{name}: max abs difference {diff:.3g}"
 
 
 def _steps(path: pathlib.Path) -> list[tuple[str, dict]]:
