@@ -85,3 +85,22 @@ def test_int4_default_model_row_0_equal_at_batch_1_and_8(default_model, monkeypa
     batched = generation.generate(eight, mixed, list(range(8)))
     assert batched[0] == alone
     assert batched[1] == generation.generate(one, [mixed[1]], [0])[0]
+
+
+def test_xla_computes_each_row_alike_at_any_batch():
+    """With the library's compiler options an RMS norm of 8 rows gives each row the bits it gets
+    alone (XLA's YNNPACK fusions, off, tile 8 rows otherwise)."""
+    import jax
+    import jax.numpy as jnp
+
+    from transmuter_jax.onnx.compiler import YNN_OPTION, cpu_options, jit_options
+
+    if jax.default_backend() != "cpu" or YNN_OPTION not in cpu_options():
+        pytest.skip("XLA CPU with YNNPACK fusions only")
+    x = np.random.default_rng(0).standard_normal((8, 1, 576)).astype(np.float32)
+
+    def norm(x):
+        return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-5)
+
+    fn = jax.jit(norm, **jit_options())
+    np.testing.assert_array_equal(np.asarray(fn(x))[:1], np.asarray(fn(x[:1])))
