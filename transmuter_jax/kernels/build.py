@@ -73,8 +73,10 @@ def cpu_identity() -> str:
             if not line.strip() and fields:
                 break  # the first processor's entries: the others are alike
             name, _, value = (part.strip() for part in line.partition(":"))
+            if name in ("flags", "Features"):  # the order of the flags is no identity
+                value = " ".join(sorted(value.split()))
             if name in CPU_FIELDS + ARM_FIELDS:
-                fields.setdefault(name, " ".join(sorted(value.split())))
+                fields.setdefault(name, value)
     parts = [f"{name}={value}" for name, value in sorted(fields.items())]
     return "\n".join([*parts, platform.machine(), platform.processor()])
 
