@@ -21,6 +21,9 @@ from transmuter_jax.testing import example_inputs
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 TOLERANCE = 1e-4
+# MatMulNBits with int8 activations (accuracy_level 4): an input at a rounding boundary of the
+# int8 grid may round the other way than in onnxruntime, whose input differs in the last bits.
+INT8_TOLERANCE = 5e-4
 
 
 def _graphs():
@@ -41,10 +44,10 @@ def _load(path: pathlib.Path) -> tj.Model:
 
 
 @functools.cache
-def _session(path: pathlib.Path, exact: bool = True) -> ort.InferenceSession:
-    """onnxruntime on the graph. ``exact``: MatMulNBits runs with accuracy_level 0 (exact
-    dequantisation), as transmuter_jax does by default; else as the file says (at level 4
-    onnxruntime's CPU kernels quantize the activations to int8)."""
+def _session(path: pathlib.Path, exact: bool = False) -> ort.InferenceSession:
+    """onnxruntime on the graph, MatMulNBits as the file says (at accuracy_level 4 the CPU kernels
+    quantize the activations to int8, as transmuter_jax does by default); ``exact``: with
+    accuracy_level 0 (exact dequantisation) everywhere."""
     proto = onnx.load(path)
     for node in proto.graph.node:
         if node.op_type == "MatMulNBits" and exact:
@@ -88,19 +91,20 @@ def _has_gqa(path: pathlib.Path) -> bool:
 
 
 def _compare(
-    path: pathlib.Path, inputs: dict[str, np.ndarray], model: tj.Model | None = None, exact=True
+    path: pathlib.Path, inputs: dict[str, np.ndarray], model: tj.Model | None = None, exact=False
 ) -> None:
     model = model or _load(path)
     session = _session(path, exact)
     names = [o.name for o in model.outputs]
     want = dict(zip(names, session.run(names, inputs), strict=True))
     got = model(inputs)
+    tolerance = TOLERANCE if exact or 4 not in _nbits_levels(path) else INT8_TOLERANCE
     for name in names:
         actual, expected = np.asarray(got[name]), want[name]
         assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
         if expected.size:
             diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max()
-            assert diff <= TOLERANCE, f"{name}: max abs difference {diff:.3g}"
+            assert diff <= tolerance, f"{name}: max abs difference {diff:.3g}"
 
 
 def _steps(path: pathlib.Path) -> list[tuple[str, dict]]:
@@ -140,14 +144,13 @@ def _nbits_levels(path: pathlib.Path) -> set[int]:
 
 
 @pytest.mark.parametrize("path", [p for p in GRAPHS if 4 in _nbits_levels(p.values[0])])
-def test_int4_graph_matches_onnxruntime_int8_when_asked(path, monkeypatch):
-    """TRANSMUTER_JAX_NBITS_INT8=1: accuracy_level 4 quantizes the input to int8 per block, as
-    onnxruntime's CPU kernels do."""
-    monkeypatch.setenv(INT8_ENV, "1")
+def test_int4_graph_matches_exact_onnxruntime_when_asked(path, monkeypatch):
+    """TRANSMUTER_JAX_NBITS_INT8=0: accuracy_level 4 dequantizes exactly, as level 0 does."""
+    monkeypatch.setenv(INT8_ENV, "0")
     model = tj.load(path)  # traced under the setting
     for label, options in _steps(path)[:4]:
         try:
-            _compare(path, example_inputs(model, **options), model, exact=False)
+            _compare(path, example_inputs(model, **options), model, exact=True)
         except AssertionError as error:
             raise AssertionError(f"{label}: {error}") from error
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -19,7 +24,7 @@ import transmuter_jax as tj
 from transmuter_jax import kernels
 from transmuter_jax.kernels import build
 from transmuter_jax.onnx import prepack
-from transmuter_jax.onnx.ops.quant import INT8_ENV, _int8_round_trip, _nbits_weight
+from transmuter_jax.onnx.ops.quant import INT8_ENV, _nbits_weight, int8_product
 from transmuter_jax.testing import example_inputs
 
 needs_kernels = pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels not available")
@@ -156,31 +161,72 @@ def test_matmul_nbits_kernel(rng, monkeypatch, portable, zero_points, k, n, bloc
     _close(y, _nbits_reference(x, b, scales, zp, k, n, block), k)
 
 
+def _int8_call(x, b, scales, zp, k, n, block):
+    ref = lambda x, b, s, z: int8_product(x, b, s, z, k, n, block)
+    fn = lambda x, b, s, z: kernels.matmul_nbits(
+        x, b, s, z, n=n, block_size=block, reference=ref, int8=True
+    )
+    return np.asarray(jax.jit(fn)(x, b, scales, zp))
+
+
 @needs_kernels
-@pytest.mark.parametrize(("k", "block"), [(576, 32), (72, 32), (128, 16), (300, 128)])
+@pytest.mark.parametrize("zero_points", [None, "packed", "float"])
+@pytest.mark.parametrize(("k", "block"), [(576, 32), (72, 32), (128, 16), (300, 128), (256, 64)])
 @pytest.mark.parametrize("m", [1, 3, 8, 13])
 @pytest.mark.parametrize("portable", [False, True])
-def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, k, block, m):
-    """int8 activations (accuracy_level 4): the kernel equals the pure-JAX round trip."""
+def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, zero_points, k, block, m):
+    """int8 activations (accuracy_level 4): the kernel agrees with the pure-JAX path, and each
+    row's result is bit for bit the one it gets alone."""
     monkeypatch.setenv(kernels.PORTABLE_ENV, "1" if portable else "0")
     n = 21
-    b, scales, zp = _nbits(rng, k, n, block, "packed" if m == 3 else None)
+    b, scales, zp = _nbits(rng, k, n, block, zero_points)
     x = (rng.standard_normal((m, k)) * rng.random((m, 1)) * 4).astype(np.float32)
-    ref = lambda x, b, s, z: (
-        _int8_round_trip(x, block) @ _nbits_weight(b, s, z, None, k, n, block, 4).T
+    x[0, : block // 2] = 0  # a block of zeros has scale 0
+    y = _int8_call(x, b, scales, zp, k, n, block)
+    want = np.asarray(
+        jax.jit(int8_product, static_argnums=(4, 5, 6))(x, b, scales, zp, k, n, block)
     )
-    y = kernels.matmul_nbits(x, b, scales, zp, n=n, block_size=block, reference=ref, int8=True)
-    want = np.asarray(ref(jnp.asarray(x), b, scales, zp), np.float64)
     _close(y, want, k)
     assert np.abs(want - _nbits_reference(x, b, scales, zp, k, n, block)).max() > 1e-3
+    for r in {0, m - 1}:
+        np.testing.assert_array_equal(_int8_call(x[r : r + 1], b, scales, zp, k, n, block)[0], y[r])
 
 
-def test_matmul_nbits_int8_matches_onnxruntime_level_4(rng, monkeypatch):
-    """With TRANSMUTER_JAX_NBITS_INT8=1, accuracy_level 4 matches onnxruntime's int8 kernels."""
-    monkeypatch.setenv(INT8_ENV, "1")
+def test_int8_product_rows_are_independent(rng):
+    """The pure-JAX int8 path: a row's result does not depend on the other rows, bit for bit."""
+    k, n, block = 576, 50, 32
+    b, scales, zp = _nbits(rng, k, n, block, "packed")
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    fn = jax.jit(int8_product, static_argnums=(4, 5, 6))
+    whole = np.asarray(fn(x, b, scales, zp, k, n, block))
+    for rows in (x[:1], x[:8], x[[0, 5, 7]]):
+        np.testing.assert_array_equal(np.asarray(fn(rows, b, scales, zp, k, n, block))[0], whole[0])
+
+
+@needs_kernels
+def test_matmul_nbits_int8_portable_equals_simd(rng, monkeypatch):
+    """The kernel's SIMD and portable int8 code do the same float steps: equal bit for bit."""
+    k, n, block = 576, 67, 32
+    b, scales, zp = _nbits(rng, k, n, block, "packed")
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "0")
+    simd = _int8_call(x, b, scales, zp, k, n, block)
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "1")
+    np.testing.assert_array_equal(_int8_call(x, b, scales, zp, k, n, block), simd)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_matmul_nbits_int8_matches_onnxruntime_level_4(rng, monkeypatch, kernels_on):
+    """accuracy_level 4 quantizes the input to int8 by default, as onnxruntime's CPU kernels do;
+    with the kernels and with the pure-JAX path."""
+    if kernels_on and not kernels.enabled():
+        pytest.skip("CPU kernels not available")
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "enabled", lambda: False)
+    monkeypatch.delenv(INT8_ENV, raising=False)
     k, n, block = 576, 40, 32
     b, scales, _ = _nbits(rng, k, n, block, None)
-    for m in (1, 4):
+    for m in (1, 4, 130):
         inputs = {"a": rng.standard_normal((m, k)).astype(np.float32), "b": b, "scales": scales}
         check_op(
             "MatMulNBits",
@@ -392,3 +438,77 @@ def test_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "compiler", lambda: None)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         assert build._load() is None
+
+
+# ---------------------------------------------------------------- the build cache
+
+_PROBE = """
+import jax.numpy as jnp, numpy as np
+from transmuter_jax import kernels
+from transmuter_jax.kernels import build
+assert kernels.available(), "the kernels did not load"
+w = np.arange(12, dtype=np.float32).reshape(3, 4)
+y = kernels.matmul(np.ones((2, 3), np.float32), jnp.asarray(kernels.pack(w)), 4)
+np.testing.assert_allclose(np.asarray(y), np.ones((2, 3)) @ w)
+print(build.build(build.compiler()))
+"""
+
+
+def _probe(cache: pathlib.Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRANSMUTER_JAX_CACHE=str(cache))
+    env.pop(build.ENV, None)
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@needs_kernels
+def test_truncated_kernel_library_is_rebuilt_by_a_fresh_process(tmp_path):
+    """A truncated library in the cache (once a SIGBUS in ctypes.CDLL) is rebuilt, not loaded."""
+    built = build.build(build.compiler())
+    folder = tmp_path / "kernels" / built.parent.name
+    shutil.copytree(built.parent, folder, ignore=shutil.ignore_patterns("*.lock", "tmp*"))
+    library = folder / build.LIBRARY
+    good = library.read_bytes()
+    assert build.verified(library)
+    with open(library, "r+b") as handle:
+        handle.truncate(len(good) // 3)
+    assert not build.verified(library)
+    done = _probe(tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert pathlib.Path(done.stdout.split()[-1]) == library
+    assert build.verified(library) and library.stat().st_size > len(good) // 3
+    again = _probe(tmp_path)  # and the rebuilt library loads as it is
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_kernel_library_checksum(tmp_path):
+    """verified(): the library must match the sha256 kept beside it, byte for byte."""
+    library = tmp_path / build.LIBRARY
+    library.write_bytes(b"\x7fELF" + bytes(range(256)) * 4)
+    assert not build.verified(library)  # no checksum (an interrupted build)
+    (tmp_path / build.CHECKSUM).write_text(hashlib.sha256(library.read_bytes()).hexdigest())
+    assert build.verified(library)
+    data = bytearray(library.read_bytes())
+    data[100] ^= 1
+    library.write_bytes(bytes(data))
+    assert not build.verified(library)
+    library.unlink()
+    assert not build.verified(library)
+
+
+def test_kernel_cache_key_names_the_cpu(monkeypatch):
+    """A library built with -march=native for one CPU is never found by another."""
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler")
+    identity = build.cpu_identity()
+    if pathlib.Path("/proc/cpuinfo").exists():
+        assert "flags=" in identity or "Features=" in identity  # x86 or Arm
+    here = build._key(build.compiler())
+    monkeypatch.setattr(build, "cpu_identity", lambda: identity + " avx512f")
+    assert build._key(build.compiler()) != here

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx_cases import check_op
+from onnx_cases import check_op, node_model, run_jax, run_ort
 
 MS = "com.microsoft"
 
@@ -121,22 +121,65 @@ def test_matmul_nbits_weights_as_inputs(rng):
     check_op("MatMulNBits", inputs, domain=MS, rtol=1e-4, atol=1e-4, K=k, N=n, block_size=block)
 
 
-def test_matmul_nbits_accuracy_level_4(rng):  # onnxruntime quantizes a to int8: looser match
-    k, n, block = 128, 16, 32
-    b, scales, zp = _nbits_inputs(rng, k, n, block, 4, None)
-    inputs = {"a": rng.standard_normal((4, k)).astype(np.float32), "b": b, "scales": scales}
+@pytest.mark.parametrize(
+    ("block", "zero_points"), [(16, None), (32, None), (32, "packed"), (128, "packed")]
+)
+@pytest.mark.parametrize("m", [1, 5, 200])
+def test_matmul_nbits_accuracy_level_4(rng, block, zero_points, m):
+    """accuracy_level 4: the input quantized to int8 per row and block, as onnxruntime does."""
+    k, n = 256, 48
+    b, scales, zp = _nbits_inputs(rng, k, n, block, 4, zero_points)
+    inputs = {"a": rng.standard_normal((m, k)).astype(np.float32), "b": b, "scales": scales}
+    inputs["zp"] = zp
     check_op(
         "MatMulNBits",
         inputs,
         domain=MS,
-        constants=("b", "scales"),
-        rtol=0.05,
-        atol=0.1,
+        constants=("b", "scales", "zp"),
+        rtol=1e-5,
+        atol=2e-5,
         K=k,
         N=n,
         block_size=block,
         accuracy_level=4,
     )
+
+
+def test_matmul_nbits_accuracy_level_4_float_zero_points(rng):
+    """With float zero points onnxruntime dequantizes exactly at level 4, and so do we."""
+    k, n, block = 256, 48, 32
+    b, scales, zp = _nbits_inputs(rng, k, n, block, 4, "float")
+    inputs = {"a": rng.standard_normal((3, k)).astype(np.float32), "b": b, "scales": scales}
+    inputs["zp"] = zp
+    check_op(
+        "MatMulNBits",
+        inputs,
+        domain=MS,
+        constants=("b", "scales", "zp"),
+        rtol=1e-5,
+        atol=1e-4,
+        K=k,
+        N=n,
+        block_size=block,
+        accuracy_level=4,
+    )
+
+
+def test_matmul_nbits_accuracy_level_4_exact_when_asked(rng, monkeypatch):
+    """TRANSMUTER_JAX_NBITS_INT8=0: level 4 dequantizes exactly, as onnxruntime does at level 0."""
+    from transmuter_jax.onnx.ops.quant import INT8_ENV
+
+    monkeypatch.setenv(INT8_ENV, "0")
+    k, n, block = 128, 16, 32
+    b, scales, _ = _nbits_inputs(rng, k, n, block, 4, None)
+    inputs = {"a": rng.standard_normal((4, k)).astype(np.float32), "b": b, "scales": scales}
+    options = dict(domain=MS, constants=("b", "scales"), K=k, N=n, block_size=block)
+    feeds = {"a": inputs["a"]}
+    ours = run_jax(node_model("MatMulNBits", inputs, ("y",), accuracy_level=4, **options), feeds)
+    exact = run_ort(node_model("MatMulNBits", inputs, ("y",), accuracy_level=0, **options), feeds)
+    int8 = run_ort(node_model("MatMulNBits", inputs, ("y",), accuracy_level=4, **options), feeds)
+    np.testing.assert_allclose(ours["y"], exact["y"], rtol=1e-5, atol=1e-4)
+    assert np.abs(int8["y"] - exact["y"]).max() > 1e-3  # the setting matters
 
 
 # ---------------------------------------------------------------- GatherBlockQuantized

@@ -26,8 +26,8 @@ import numpy as np
 from .build import library
 
 STRIP = 32  # columns per strip of a packed weight; the C++ kernel checks it
-# More rows than this: MatMulNBits leaves the product to XLA (dequantize, then one large dot),
-# which is faster there.
+# More rows than this: exact MatMulNBits leaves the product to XLA (dequantize, then one large
+# dot), which is faster there. int8 activations run in the kernel at any number of rows.
 NBITS_MAX_ROWS = 96
 # "1": MatMulNBits runs its portable code even where the CPU has AVX512-VNNI (for testing).
 PORTABLE_ENV = "TRANSMUTER_JAX_KERNEL_PORTABLE"
@@ -152,7 +152,8 @@ def matmul_nbits(
 ) -> jax.Array:
     """The kernel of MatMulNBits without bias: ``x [..., K]`` float32 -> ``[..., N]`` float32.
 
-    ``int8``: quantize ``x`` to int8 per block first, as onnxruntime does for accuracy_level 4.
+    ``int8``: quantize ``x`` to int8 per row and block, as onnxruntime does for accuracy_level 4
+    (the steps of :func:`transmuter_jax.onnx.ops.quant.int8_product`).
     ``reference(x, b, scales, zero_points)`` is the same computation in pure JAX, used for
     gradients and for vmap over the weights. Call only when :func:`nbits_supported` says so.
     """

@@ -1,9 +1,14 @@
-"""Builds the C++ kernels with the system compiler, once per source, flags and jaxlib version.
+"""Builds the C++ kernels with the system compiler, once per source, flags, jaxlib and CPU.
 
 The shared library goes to ``<cache folder>/kernels/<key>/`` (see
-:func:`transmuter_jax.default.cache_dir`); a file lock keeps concurrent processes (pytest-xdist
-workers) from building it twice. ``TRANSMUTER_JAX_KERNELS=0`` turns the kernels off; a missing
-compiler or a failed build turns them off with one warning.
+:func:`transmuter_jax.default.cache_dir`). The key covers the sources, the flags, the compiler,
+jaxlib and the CPU's identity (``-march=native`` code runs only on the CPU it was built for), so
+a cache folder shared between machines holds one library per CPU. The library is written to a
+temporary file and renamed into place, with its sha256 beside it (``libtj_kernels.so.sha256``);
+a library that does not match its checksum (truncated, damaged, or left by an interrupted build)
+is rebuilt before it is loaded. A file lock keeps concurrent processes (pytest-xdist workers)
+from building it twice. ``TRANSMUTER_JAX_KERNELS=0`` turns the kernels off; a missing compiler or
+a failed build turns them off with one warning.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -33,6 +40,10 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
 TARGETS = {"tj_gemm_f32": "TjGemmF32", "tj_matmul_nbits": "TjMatMulNBits"}
 LIBRARY = "libtj_kernels.so"
+CHECKSUM = LIBRARY + ".sha256"
+# /proc/cpuinfo fields that name what -march=native compiles for (x86, then Arm).
+CPU_FIELDS = ("vendor_id", "model name", "cpu family", "model", "flags")
+ARM_FIELDS = ("CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -52,13 +63,31 @@ def compiler() -> str | None:
     return None
 
 
+@functools.cache
+def cpu_identity() -> str:
+    """This CPU's model and feature flags: the first processor's entries of /proc/cpuinfo, and
+    the machine and processor names of :mod:`platform`."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+        for line in handle:
+            if not line.strip() and fields:
+                break  # the first processor's entries: the others are alike
+            name, _, value = (part.strip() for part in line.partition(":"))
+            if name in ("flags", "Features"):  # the order of the flags is no identity
+                value = " ".join(sorted(value.split()))
+            if name in CPU_FIELDS + ARM_FIELDS:
+                fields.setdefault(name, value)
+    parts = [f"{name}={value}" for name, value in sorted(fields.items())]
+    return "\n".join([*parts, platform.machine(), platform.processor()])
+
+
 def _key(cxx: str) -> str:
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.iterdir()):
         if path.suffix in (".cc", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    for part in (*FLAGS, cxx, version, jaxlib.__version__, sys.platform):
+    for part in (*FLAGS, cxx, version, jaxlib.__version__, sys.platform, cpu_identity()):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:20]
 
@@ -73,17 +102,49 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verified(target: Path) -> bool:
+    """Whether the library ``target`` exists and matches the checksum kept beside it."""
+    try:
+        want = (target.parent / CHECKSUM).read_text().strip()
+        return bool(want) and _sha256(target) == want
+    except OSError:
+        return False
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
 def build(cxx: str) -> Path:
-    """The path of the built library, compiling it first if the cache lacks it."""
+    """The path of the built library, verified; compiled first if the cache lacks it or holds a
+    library that does not match its checksum."""
     from ..default import cache_dir
 
     folder = cache_dir() / "kernels" / _key(cxx)
     target = folder / LIBRARY
-    if target.exists():
+    if verified(target):
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with _file_lock(folder / "build.lock"):
-        if target.exists():
+        if verified(target):  # another process built it meanwhile
             return target
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             out = Path(scratch) / LIBRARY
@@ -99,7 +160,17 @@ def build(cxx: str) -> Path:
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+            with open(out, "rb+") as file:
+                os.fsync(file.fileno())
+            checksum = _sha256(out)
+            # The old checksum goes first: a library renamed into place before its checksum is
+            # written is rebuilt, never loaded.
+            with contextlib.suppress(OSError):
+                (folder / CHECKSUM).unlink()
             os.replace(out, target)
+            _write_atomically(folder / CHECKSUM, (checksum + "\n").encode())
+        if not verified(target):
+            raise RuntimeError(f"the library built at {target} does not match its checksum")
     return target
 
 

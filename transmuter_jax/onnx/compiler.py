@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import numpy as np
 
 # On CPU, XLA's default alias analysis copies a donated buffer that is read and then updated in
 # place (a KV cache read by attention and given its new rows): every cache buffer, twice a step.
 # Region analysis sees that the reads come first and drops the copies.
-CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+#
+# XLA hands some dots, reductions and elementwise fusions to YNNPACK, whose tiling depends on the
+# number of rows: a row's RMS norm or attention then differs in the last bit between batch 1 and
+# batch 8, which int8-quantized products (MatMulNBits accuracy_level 4) turn into other tokens.
+# With XLA's own emitters (and the library's kernels for the large products) each row is
+# computed alike at any batch.
+YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True, YNN_OPTION: ""}
+
+
+@functools.cache
+def cpu_options() -> dict[str, Any]:
+    """:data:`CPU_OPTIONS` less the YNNPACK option where this XLA does not know it (older)."""
+    options = dict(CPU_OPTIONS)
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
+    except Exception:  # noqa: BLE001 - an XLA without YNNPACK fusions: nothing to turn off
+        options.pop(YNN_OPTION)
+    return options
 
 
 def jit_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -17,5 +37,5 @@ def jit_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
     ``compiler_options`` win)."""
     options = dict(options or {})
     if jax.default_backend() == "cpu":
-        options["compiler_options"] = {**CPU_OPTIONS, **options.get("compiler_options", {})}
+        options["compiler_options"] = {**cpu_options(), **options.get("compiler_options", {})}
     return options

@@ -2,8 +2,10 @@
 // packed weights as they are stored: B[N, blocks, block_size / 2], two values per byte (low
 // nibble first), weight = (value - zero point) * scale per block of K.
 //
-// With AVX512-VNNI, integer dot products (nbits_vnni.h), for any number of rows of X: per row they
-// cost about what a float32 product would. Otherwise X is rearranged to match the nibbles: for each group of 32 values of
+// int8 activations (accuracy_level 4): onnxruntime's CompInt8 scheme, strictly per row
+// (nbits_int8.h), for any number of rows. Exact products: with AVX512-VNNI, integer dot products
+// (nbits_vnni.h), for any number of rows of X: per row they cost about what a float32 product
+// would. Otherwise X is rearranged to match the nibbles: for each group of 32 values of
 // K, the 16 even positions (low nibbles) then the 16 odd ones (high nibbles), zero-padded past K.
 // Few rows of X: each weight is dequantized in registers and used for every row. More rows: a
 // chunk of weight rows is dequantized once into a buffer, then multiplied with all rows of X.
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "nbits_int8.h"
 #include "nbits_vnni.h"
 #include "pool.h"
 
@@ -146,19 +149,69 @@ static void vnni_chunk(void* ctx, int64_t chunk) {
 }
 #endif
 
-// X as onnxruntime's accuracy_level 4 sees it: per block, round(x * 127 / max|x|) * max|x| / 127.
-static void int8_round_trip(float* x, int64_t m, int64_t k, int64_t block_size) {
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t begin = 0; begin < k; begin += block_size) {
-      float* v = x + r * k + begin;
-      const int64_t len = std::min(block_size, k - begin);
-      float amax = 0.0f;
-      for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-      for (int64_t i = 0; i < len; ++i) {
-        v[i] = std::clamp(std::nearbyint(v[i] * inv), -127.0f, 127.0f) * scale;
+// int8 activations (nbits_int8.h): chunks of columns, 8 at a time where AVX2 runs.
+struct Int8Job {
+  const NbitsJob* job;
+  Int8Rows xs;
+  bool portable;
+  int64_t cols_per_chunk;
+};
+
+// The expanded weights, scales and zero points of column `row` of B (a row of B is a column of
+// the product).
+static void int8_column(const NbitsJob& job, int64_t row, uint8_t* e, float* s, int32_t* zi,
+                        float* zf) {
+  const int64_t bs = job.block_size;
+  int8_expand_column(job.b + row * job.groups * 16, job.blocks, bs, e);
+  for (int64_t b = 0; b < job.blocks; ++b) {
+    s[b] = job.scales[row * job.blocks + b];
+    if (job.zp_kind == kFloat) {
+      zf[b] = zero_point(job, row, b);
+    } else {
+      zi[b] = static_cast<int32_t>(zero_point(job, row, b));
+    }
+  }
+}
+
+static void int8_chunk(void* ctx, int64_t chunk) {
+  const Int8Job& w = *static_cast<const Int8Job*>(ctx);
+  const NbitsJob& job = *w.job;
+  const int64_t bs = job.block_size, blocks = job.blocks, len = blocks * bs;
+  const int64_t n0 = chunk * w.cols_per_chunk, n1 = std::min(job.n, n0 + w.cols_per_chunk);
+  const bool zf = job.zp_kind == kFloat;
+  thread_local std::vector<uint8_t> e;
+  thread_local std::vector<float> s, z8f;
+  thread_local std::vector<int32_t> z8i;
+  e.resize(static_cast<size_t>(8 * len));
+  s.resize(static_cast<size_t>(blocks));
+  z8f.resize(static_cast<size_t>(8 * blocks));
+  z8i.resize(static_cast<size_t>(8 * blocks));
+  int64_t col = n0;
+#ifdef TJ_HAVE_INT8_AVX2
+  if (!w.portable) {
+    for (; col + 8 <= n1; col += 8) {
+      for (int c = 0; c < 8; ++c) {
+        int8_expand_column(job.b + (col + c) * job.groups * 16, blocks, bs, e.data() + c * len);
+        for (int64_t b = 0; job.zp_kind != kNone && b < blocks; ++b) {
+          // per block, the 8 columns side by side
+          const float z = zero_point(job, col + c, b);
+          z8f[b * 8 + c] = z;
+          z8i[b * 8 + c] = static_cast<int32_t>(z);
+        }
+      }
+      const int32_t* zi8 = job.zp_kind == kPacked ? z8i.data() : nullptr;
+      const float* zf8 = zf ? z8f.data() : nullptr;
+      for (int64_t r = 0; r < job.m; ++r) {
+        int8_dot8(w.xs, r, e.data(), len, job.scales + col * blocks, zi8, zf8,
+                  job.y + r * job.n + col);
       }
     }
+  }
+#endif
+  for (; col < n1; ++col) {
+    int8_column(job, col, e.data(), s.data(), z8i.data(), z8f.data());
+    const Int8Column c{e.data(), s.data(), zf ? nullptr : z8i.data(), zf ? z8f.data() : nullptr};
+    for (int64_t r = 0; r < job.m; ++r) job.y[r * job.n + col] = int8_dot(w.xs, r, c);
   }
 }
 
@@ -271,19 +324,19 @@ static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   const int64_t target = 8 * static_cast<int64_t>(pool.threads());
   job.rows_per_chunk = std::max<int64_t>(4, (n + target - 1) / target);
   const int64_t chunks = (job.n + job.rows_per_chunk - 1) / job.rows_per_chunk;
+  if (int8) {
+    Int8Job w{&job, {}, portable, 8 * ((job.rows_per_chunk + 7) / 8)};
+    int8_quantize(xin, m, k, block_size, blocks, &w.xs);
+    pool.run((n + w.cols_per_chunk - 1) / w.cols_per_chunk, int8_chunk, &w);
+    return ffi::Error::Success();
+  }
 #ifdef TJ_HAVE_VNNI
   if (!portable) {
-    quantize_rows(xin, m, k, padded, block_size, int8 ? 1 : 3, &job.vnni);
+    quantize_rows(xin, m, k, padded, block_size, 3, &job.vnni);
     pool.run(chunks, vnni_chunk, &job);
     return ffi::Error::Success();
   }
 #endif
-  std::vector<float> rounded;
-  if (int8) {
-    rounded.assign(xin, xin + m * k);
-    int8_round_trip(rounded.data(), m, k, block_size);
-    xin = rounded.data();
-  }
   std::vector<float> xr(static_cast<size_t>(m * groups * kGroup));
   rearrange(xin, m, k, groups, xr.data());
   job.xr = xr.data();

@@ -4,7 +4,8 @@
 // X is held per block (the weights' blocks) as signed base-256 digits of round(x / scale):
 // - 3 digits, scale = max|x| / 8355711 (exact mode): X is kept to 2^-24 of its block's largest
 //   value, so the error is of the order of float32 rounding of the block's largest product;
-// - 1 digit, scale = max|x| / 127 (int8 mode): what onnxruntime does for accuracy_level 4.
+// - 1 digit, scale = max|x| / 127 (unused: int8 activations run in nbits_int8.h, strictly per
+//   row).
 // Each 32-bit lane sums value * digit over 8 weights exactly; the default zero point (8) is
 // subtracted exactly in the integers, other zero points as a per-block correction in float.
 #pragma once

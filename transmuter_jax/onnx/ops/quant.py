@@ -14,15 +14,15 @@ from ..registry import op
 from ._util import onnx_dtype, precision, xp
 
 MS = "com.microsoft"
-# MatMulNBits dequantizes exactly by default. "1": nodes with accuracy_level 4 quantize their input
-# to int8 per block first, as onnxruntime's CPU kernels do (faster; the tokens then depend on
-# rounding, and so on the batch, more than exact products do).
+# MatMulNBits nodes with accuracy_level 4 quantize their input to int8 per row and block, as
+# onnxruntime's CPU kernels do; "0" dequantizes the weights exactly at every level instead.
 INT8_ENV = "TRANSMUTER_JAX_NBITS_INT8"
 
 
 def int8_activations(accuracy_level: int) -> bool:
-    """Whether a MatMulNBits node of ``accuracy_level`` rounds its input to int8 per block."""
-    return accuracy_level == 4 and os.environ.get(INT8_ENV, "") == "1"
+    """Whether a MatMulNBits node of ``accuracy_level`` quantizes its input to int8: at level 4,
+    unless ``TRANSMUTER_JAX_NBITS_INT8=0``."""
+    return accuracy_level == 4 and os.environ.get(INT8_ENV, "").strip() != "0"
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -175,23 +175,31 @@ def MatMulNBits(
 
     b: uint8 [N, n_blocks, block_size*bits/8], values low bits first; the weight is
     (value - zero point) * scale per block of K, the zero point 2^(bits-1) when absent. With
-    accuracy_level 4, a is first rounded to int8 per block (see :func:`int8_activations`).
+    accuracy_level 4 (4 bits, uint8 zero points or none, no g_idx), a is quantized to int8 per
+    row and block first (see :func:`int8_activations` and :func:`int8_product`).
     """
     if weight_prepacked:
         raise NotImplementedError("MatMulNBits with weight_prepacked")
     a = jnp.asarray(a)
-    int8 = int8_activations(accuracy_level)
+    # onnxruntime quantizes the input only with 4 bits and integer zero points (or none).
+    int8 = (
+        int8_activations(accuracy_level)
+        and bits == 4
+        and g_idx is None
+        and (zero_points is None or jnp.asarray(zero_points).dtype == jnp.uint8)
+    )
 
     def reference(x, b, scales, zero_points):
+        if int8:
+            return int8_product(x, b, scales, zero_points, K, N, block_size)
         weight = _nbits_weight(b, scales, zero_points, g_idx, K, N, block_size, bits)  # [N, K]
-        x = _int8_round_trip(x, block_size) if int8 else x
         return jnp.matmul(x, weight.T, precision=precision())  # [..., N]
 
     x = a.astype(jnp.float32)
     rows = int(np.prod(x.shape[:-1]))
     if (
         np.size(b)
-        and rows <= kernels.NBITS_MAX_ROWS
+        and (int8 or rows <= kernels.NBITS_MAX_ROWS)
         and kernels.nbits_supported(bits, block_size, K, g_idx, scales, zero_points)
     ):
         y = kernels.matmul_nbits(
@@ -204,17 +212,64 @@ def MatMulNBits(
     return y.astype(a.dtype)
 
 
-def _int8_round_trip(x, block_size):
-    """x as onnxruntime's accuracy_level 4 sees it: per block of K, round(x * (1 / s)) * s with
-    s = max|x| / 127 in float32, rounding half to even."""
+def int8_quantize(x, block_size):
+    """x [..., K] quantized per row and block of K as onnxruntime's CompInt8 does: with
+    s = max|x| / 127 per block, q = round_half_even(x * (1 / s)) (0 where s is 0).
+
+    Returns:
+        q [..., blocks, block_size] (int8 values in float32, zero past K) and s [..., blocks].
+    """
     k = x.shape[-1]
     blocks = -(-k // block_size)
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block_size - k)])
     v = padded.reshape(*x.shape[:-1], blocks, block_size)
-    scale = jnp.max(jnp.abs(v), axis=-1, keepdims=True) / 127.0
-    inv = jnp.where(scale != 0, 1.0 / jnp.where(scale != 0, scale, 1.0), 0.0)
-    q = jnp.clip(jnp.round(v * inv), -127.0, 127.0) * scale
-    return q.reshape(*x.shape[:-1], blocks * block_size)[..., :k]
+    scale = jnp.max(jnp.abs(v), axis=-1) / jnp.float32(127.0)
+    safe = jnp.where(scale != 0, scale, jnp.float32(1.0))
+    inv = jnp.where(scale != 0, jnp.float32(1.0) / safe, jnp.float32(0.0))
+    q = jnp.clip(jnp.round(v * inv[..., None]), -127.0, 127.0)
+    return q, scale
+
+
+def int8_product(x, b, scales, zero_points, k, n, block_size):
+    """MatMulNBits (4 bits) with x quantized to int8 (:func:`int8_quantize`), strictly per row.
+
+    Per block b of K, d = sum(q * value) - zero_point * sum(q) (integers, exact in float32),
+    and y = fma(d_b, s_b * scale_b, y) in block order from 0: the steps of the C++ kernel.
+    Returns float32 ``[..., N]``.
+    """
+    lead = x.shape[:-1]
+    blocks = -(-k // block_size)
+    if np.size(b) == 0:
+        return jnp.zeros((*lead, n), jnp.float32)
+    q, sx = int8_quantize(jnp.asarray(x, jnp.float32).reshape(-1, k), block_size)  # [M, B, bs]
+    sq = jnp.sum(q, axis=-1)  # [M, B], exact
+    packed = jnp.reshape(jnp.asarray(b), (n, blocks, block_size // 2))
+    sw = jnp.asarray(scales).astype(jnp.float32).reshape(n, blocks)
+    if zero_points is None:
+        zp = jnp.full((n, blocks), 8.0, jnp.float32)
+    elif jnp.asarray(zero_points).dtype == jnp.uint8:
+        zp = _unpack(jnp.reshape(zero_points, (n, -1)), 4)[:, :blocks].astype(jnp.float32)
+    else:
+        zp = jnp.asarray(zero_points).astype(jnp.float32).reshape(n, blocks)
+
+    def step(acc, block):
+        q_b, sx_b, sq_b, packed_b, sw_b, zp_b = block  # [M, bs], [M], [M], [N, bs/2], [N], [N]
+        values = _unpack(packed_b, 4).astype(jnp.float32)  # [N, bs]
+        dot = jnp.matmul(q_b, values.T, precision=jax.lax.Precision.HIGHEST)  # [M, N], exact
+        d = dot - zp_b[None, :] * sq_b[:, None]
+        return acc + d * (sx_b[:, None] * sw_b[None, :]), None
+
+    blocks_first = (
+        jnp.moveaxis(q, 1, 0),
+        sx.T,
+        sq.T,
+        jnp.moveaxis(packed, 1, 0),
+        sw.T,
+        zp.T,
+    )
+    acc = jnp.zeros((q.shape[0], n), jnp.float32)
+    acc, _ = jax.lax.scan(step, acc, blocks_first)
+    return acc.reshape(*lead, n)
 
 
 def _nbits_weight(b, scales, zero_points, g_idx, k, n, block_size, bits):
