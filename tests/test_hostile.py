@@ -601,3 +601,91 @@ def test_a_tokenizer_folder_whose_config_is_a_json_string_is_named(tmp_path):
     (tmp_path / "config.json").write_text('"just a string"')
     with pytest.raises(tj.ModelFileError, match="config.json must hold a JSON object"):
         Tokenizer.from_folder(tmp_path)
+
+
+# -- generation options, property-based -------------------------------------------------------
+
+_OPTION_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.lists(st.integers(-5, 600), max_size=3),
+    st.lists(st.lists(st.integers(-5, 600), max_size=3), max_size=2),
+)
+_OPTION_NAMES = st.sampled_from(
+    sorted(__import__("transmuter_jax.generation.options", fromlist=["NAMES"]).NAMES)
+    + ["temprature", "diversity_penalty", "guidance_scale", "stop_strings"]
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(_OPTION_NAMES, _OPTION_VALUES, max_size=4))
+def test_any_generation_options_give_options_or_a_generation_error(options):
+    from transmuter_jax.generation import GenerationError
+    from transmuter_jax.generation.options import merge
+
+    try:
+        merged = merge({}, {}, options)
+        merged.check_supported(VOCAB)
+    except GenerationError:
+        return
+    except (TypeError, ValueError) as error:  # a value of the wrong kind
+        assert not isinstance(error, GenerationError)
+        pytest.fail(f"{options!r} raised {type(error).__name__}: {error}")
+    hash(merged)  # frozen and hashable: it keys compiled programs
+
+
+@pytest.fixture(scope="module")
+def small_context():
+    from transmuter_jax import generation
+
+    model = tj.load(LLAMA / "model.onnx")
+    return lambda **options: generation.compile(
+        generation.context(LLAMA, model, max_new_tokens=3, **options), 2
+    )
+
+
+_RUN_OPTIONS = st.fixed_dictionaries(
+    {},
+    optional={
+        "do_sample": st.booleans(),
+        "temperature": st.floats(0.05, 5.0),
+        "top_k": st.integers(0, 600),
+        "top_p": st.floats(0.01, 1.0),
+        "min_p": st.floats(0.0, 1.0),
+        "repetition_penalty": st.floats(0.1, 5.0),
+        "no_repeat_ngram_size": st.integers(0, 4),
+        "min_new_tokens": st.integers(0, 5),
+        "eos_token_id": st.lists(st.integers(0, VOCAB - 1), max_size=2),
+        "suppress_tokens": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+        "decode_steps": st.integers(1, 4),
+        "token_logprobs": st.booleans(),
+    },
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_RUN_OPTIONS, st.integers(-(2**70), 2**70))
+def test_generation_under_any_valid_options_gives_tokens_in_the_vocabulary(
+    small_context, options, seed
+):
+    from transmuter_jax.generation import GenerationError
+
+    try:
+        ctx = small_context(**options)
+    except GenerationError:
+        return
+    out = generate_rows(ctx, seed)
+    for row in out:
+        for item in row:
+            token, logprob = item if isinstance(item, tuple) else (item, 0.0)
+            assert 0 <= token < VOCAB
+            assert not np.isnan(logprob)
+
+
+def generate_rows(ctx, seed):
+    from transmuter_jax import generation
+
+    return generation.generate(ctx, [[5, 6, 7], [9]], [seed, seed + 1])

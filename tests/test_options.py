@@ -34,7 +34,7 @@ def test_defaults_are_generation_config_defaults_where_transformers_has_them():
         ({}, {"sequence_bias": []}, "sequence_bias must not be empty"),
         ({}, {"sequence_bias": [[[-1], 1.0]]}, "ids must be non-negative"),
         ({}, {"exponential_decay_length_penalty": (3,)}, "start index, decay factor"),
-        ({}, {"num_beams": True}, "num_beams must be a positive integer"),
+        ({}, {"num_beams": True}, "num_beams must be an integer"),
     ],
 )
 def test_bad_or_unsupported_options_are_named(file, options, message):

@@ -8,6 +8,7 @@ cache; prompts run in power-of-two steps, new tokens in chunks of ``decode_steps
 from .cache import CacheEntry, CacheLayout, Mode
 from .context import Context, cache_mode, context, max_new_tokens, outputs
 from .decode import DecodeState
+from .errors import GenerationError
 from .loop import compile, generate, new_tokens, on_device
 from .options import Options
 from .processors import Rows
@@ -19,6 +20,7 @@ __all__ = [
     "CacheLayout",
     "Context",
     "DecodeState",
+    "GenerationError",
     "Mode",
     "Options",
     "cache_mode",

@@ -28,6 +28,7 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.ops._util import write_rows
 from ..stored import AutoStoredJit
+from .errors import GenerationError
 
 SEQ = 2  # the sequence axis of a cache array
 
@@ -83,7 +84,9 @@ def layout(model: Model, config: dict) -> CacheLayout:
         suffix = info.name.split(".", 1)[1]
         output = f"present.{suffix}"
         if output not in outputs:
-            raise ValueError(f"{model.path!r}: cache input {info.name!r} has no output {output!r}")
+            raise GenerationError(
+                f"{model.path!r}: cache input {info.name!r} has no output {output!r}"
+            )
         shape = info.shape or (None,) * 4
         heads = shape[1] if isinstance(shape[1], int) else heads_default
         size = shape[3] if isinstance(shape[3], int) else size_default
@@ -92,7 +95,7 @@ def layout(model: Model, config: dict) -> CacheLayout:
             text = config.get("text_config", config)
             heads = shape[1] if isinstance(shape[1], int) else text.get("decoder_attention_heads")
         if not heads or not size:
-            raise ValueError(f"cannot tell the heads and head size of {info.name!r} {shape}")
+            raise GenerationError(f"cannot tell the heads and head size of {info.name!r} {shape}")
         dtype = device_dtype(np.dtype(info.dtype))
         entries.append(CacheEntry(info.name, output, int(heads), int(size), dtype, cross))
     return CacheLayout(tuple(entries))
@@ -286,7 +289,7 @@ def mode(name: str, padded: bool = False, buckets: bool = False) -> Mode:
     if name == "append":
         return Append()
     if name != "grow":
-        raise ValueError(f"unknown cache mode {name!r}")
+        raise GenerationError(f"unknown cache mode {name!r}")
     if not padded:
         return GrowExact()
     return GrowBuckets() if buckets else GrowPadded()

@@ -13,6 +13,7 @@ from .. import hub
 from ..onnx.model import Model
 from ..onnx.trace import value_sources
 from .cache import CacheLayout, layout
+from .errors import GenerationError
 from .options import Options, merge
 from .processors import from_options
 
@@ -139,14 +140,16 @@ def context(
     names = {i.name for i in model.inputs}
     missing = [g for g in given if g not in names]
     if missing:
-        raise ValueError(f"given inputs {missing} are not inputs of the decoder {model.path!r}")
+        raise GenerationError(
+            f"given inputs {missing} are not inputs of the decoder {model.path!r}"
+        )
     if "inputs_embeds" in names and "input_ids" not in names and embed is None:
-        raise ValueError(
+        raise GenerationError(
             f"{model.path!r} takes inputs_embeds: pass embed=, the model of the embeddings"
         )
     cache = layout(model, config)
     if not cache.entries:
-        raise ValueError(f"{model.path!r} has no KV cache inputs (past_key_values.*)")
+        raise GenerationError(f"{model.path!r} has no KV cache inputs (past_key_values.*)")
     ctx = Context(
         model=model,
         mode=cache_mode(model),

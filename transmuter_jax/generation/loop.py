@@ -23,6 +23,7 @@ from . import cache as cache_modes
 from .beam import BeamPrompt
 from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
+from .errors import GenerationError
 from .processors import Rows, static_masks
 from .select import beam_selection, selection
 from .steps import Steps, chunk, pad_grow
@@ -81,9 +82,9 @@ def compile(  # noqa: A001
         A context that owns the cache of compiled shapes: call this in the serving process.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise GenerationError(f"batch_size must be a positive integer, got {batch_size!r}")
     if grow_cache not in GROW_CACHES:
-        raise ValueError(f"grow_cache must be one of {GROW_CACHES}, got {grow_cache!r}")
+        raise GenerationError(f"grow_cache must be one of {GROW_CACHES}, got {grow_cache!r}")
     ready = dataclasses.replace(ctx, batch_size=batch_size, jit_options=dict(jit_options))
     options = ctx.options
     masks = static_masks(options, ctx.vocab_size or 0)  # once, not every step
@@ -116,7 +117,7 @@ def _decoder(ctx: Context, steps: Steps, select) -> Decoder | None:
 def on_device(ctx: Context) -> bool:
     """Whether ``ctx`` decodes in chunks on the device (else one step at a time on the host)."""
     if ctx.compiled is None:
-        raise ValueError("call generation.compile(ctx, batch_size) first")
+        raise GenerationError("call generation.compile(ctx, batch_size) first")
     decoder = ctx.compiled.decoder
     custom = any(not isinstance(p, str) for p in ctx.processors)  # added after compile
     return decoder is not None and not custom
@@ -190,38 +191,40 @@ def generate(
 
 def _validate(ctx: Context, prompts, seeds, inputs) -> None:
     if ctx.batch_size is None or ctx.compiled is None:
-        raise ValueError("call generation.compile(ctx, batch_size) before generate")
+        raise GenerationError("call generation.compile(ctx, batch_size) before generate")
     if len(prompts) > ctx.batch_size:
-        raise ValueError(
+        raise GenerationError(
             f"{len(prompts)} prompts but the context is compiled for batches of {ctx.batch_size}"
         )
     if len(seeds) != len(prompts):
-        raise ValueError(f"seeds has {len(seeds)} values for {len(prompts)} prompts")
+        raise GenerationError(f"seeds has {len(seeds)} values for {len(prompts)} prompts")
     for i, seed in enumerate(seeds):
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-            raise ValueError(f"seed {i} must be an integer, got {seed!r}")
+            raise GenerationError(f"seed {i} must be an integer, got {seed!r}")
     vocab, limit = ctx.vocab_size, ctx.position_limit
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < (vocab or 2**31)]
         if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary of {vocab}: {bad}")
+            raise GenerationError(
+                f"prompt {i} has token ids outside the vocabulary of {vocab}: {bad}"
+            )
         if limit is not None and len(prompt) > limit:
-            raise ValueError(
+            raise GenerationError(
                 f"prompt {i} has {len(prompt)} tokens, more than the model's {limit} positions"
             )
     features = inputs.get("image_features")
     if features is not None and ctx.image_token is not None:
         count = sum(list(p).count(ctx.image_token) for p in prompts)
         if count > np.shape(features)[0]:
-            raise ValueError(
+            raise GenerationError(
                 f"the prompts have {count} image tokens but image_features has "
                 f"{np.shape(features)[0]} rows"
             )
     for name in ctx.given:
         if name not in inputs:
-            raise ValueError(f"missing input {name!r}, which the context says is given")
+            raise GenerationError(f"missing input {name!r}, which the context says is given")
         if np.shape(inputs[name])[0] != len(prompts):
-            raise ValueError(
+            raise GenerationError(
                 f"input {name!r} has {np.shape(inputs[name])[0]} rows for {len(prompts)} prompts"
             )
 
@@ -243,7 +246,7 @@ def _rows(ctx: Context, prompts, seeds, inputs, clamp: bool) -> list[_Row]:
         room = None if limit is None else max(limit - len(prompt) - max(row.delta, 0), 0)
         if room is not None and row.max_new > room:
             if not clamp:
-                raise ValueError(
+                raise GenerationError(
                     f"prompt {len(rows)} has {len(prompt)} tokens and asks for {row.max_new} "
                     f"new ones, more than the model's {limit} positions: ask for at most {room}"
                 )

@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import GenerationError
+
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 DECODE_STEPS = 16  # new tokens per dispatch of the decode program (see docs/generation.md)
 # transformers 4.57 GenerationConfig fields that change the tokens and that this engine does not
@@ -29,18 +31,53 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _ids(value: Any) -> tuple[int, ...] | None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(name: str, value: Any) -> tuple[int, ...] | None:
     """A token id or a list of them as a tuple (None stays None)."""
     if value is None:
         return None
-    if isinstance(value, int):
-        return (int(value),)
-    return tuple(int(v) for v in value)
+    if _is_int(value):
+        return (value,)
+    if isinstance(value, list | tuple) and all(_is_int(v) and v >= 0 for v in value):
+        return tuple(value)
+    raise GenerationError(f"{name} must be a token id or a list of token ids, got {value!r}")
+
+
+# The kinds of the scalar options (None is allowed where the default is None).
+_INTS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams",
+         "num_return_sequences", "top_k", "no_repeat_ngram_size", "forced_bos_token_id",
+         "bos_token_id", "pad_token_id", "decoder_start_token_id", "top_logprobs",
+         "decode_steps")  # fmt: skip
+_FLOATS = ("length_penalty", "temperature", "top_p", "repetition_penalty", "min_p", "typical_p",
+           "epsilon_cutoff", "eta_cutoff")  # fmt: skip
+_BOOLS = ("do_sample", "renormalize_logits", "remove_invalid_values", "token_logprobs")
+
+
+def _check_kinds(options: Options) -> None:
+    """Raises GenerationError for a scalar option of the wrong kind (a bool for a number, ...)."""
+    for name in _INTS + _FLOATS + _BOOLS:
+        value = getattr(options, name)
+        if value is None and name not in _BOOLS:
+            continue
+        if name in _INTS:
+            ok = _is_int(value)
+        elif name in _FLOATS:
+            ok = (_is_int(value) or isinstance(value, float)) and not math.isnan(value)
+        else:
+            ok = isinstance(value, bool)
+        if not ok:
+            kind = "an integer" if name in _INTS else "a number" if name in _FLOATS else "a bool"
+            raise GenerationError(f"{name} must be {kind}, got {value!r}")
 
 
 def _sequence_bias(value: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
     """sequence_bias as transformers takes it ({(ids...): bias} or [[ids, bias], ...]) as a
     tuple of (ids, bias) pairs in the given order."""
+    if not isinstance(value, Mapping | list | tuple):
+        raise GenerationError(f"sequence_bias must be [[ids, bias], ...], got {value!r}")
     pairs = value.items() if isinstance(value, Mapping) else value
     out = []
     for pair in pairs:
@@ -49,14 +86,16 @@ def _sequence_bias(value: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
             ids = (int(ids),) if isinstance(ids, int) else tuple(int(t) for t in ids)
             bias = float(bias)
         except (TypeError, ValueError):
-            raise ValueError(f"sequence_bias entries are [token ids, bias], got {pair!r}") from None
+            raise GenerationError(
+                f"sequence_bias entries are [token ids, bias], got {pair!r}"
+            ) from None
         if not ids or min(ids) < 0 or math.isnan(bias):
-            raise ValueError(
+            raise GenerationError(
                 f"sequence_bias entry {pair!r}: ids must be non-negative, bias a number"
             )
         out.append((ids, bias))
     if not out:
-        raise ValueError("sequence_bias must not be empty")
+        raise GenerationError("sequence_bias must not be empty")
     return tuple(out)
 
 
@@ -106,21 +145,26 @@ class Options:
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        fix("eos_token_id", _ids(self.eos_token_id) or ())
+        _check_kinds(self)
+        fix("eos_token_id", _ids("eos_token_id", self.eos_token_id) or ())
         for name in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens"):
-            fix(name, _ids(getattr(self, name)))
+            fix(name, _ids(name, getattr(self, name)))
         if self.bad_words_ids is not None:
-            fix("bad_words_ids", tuple(tuple(int(t) for t in w) for w in self.bad_words_ids))
+            words = self.bad_words_ids
+            if not isinstance(words, list | tuple) or not words:
+                raise GenerationError(f"bad_words_ids must be a list of id lists, got {words!r}")
+            fix("bad_words_ids", tuple(_ids("bad_words_ids", w) or () for w in words))
         if self.sequence_bias is not None:
             fix("sequence_bias", _sequence_bias(self.sequence_bias))
         decay = self.exponential_decay_length_penalty
         if decay is not None:
-            if isinstance(decay, str) or len(decay) != 2:
-                raise ValueError(
+            ok = isinstance(decay, list | tuple) and len(decay) == 2 and _is_int(decay[0])
+            if not ok or not isinstance(decay[1], int | float) or isinstance(decay[1], bool):
+                raise GenerationError(
                     "exponential_decay_length_penalty must be (start index, decay factor), "
                     f"got {decay!r}"
                 )
-            fix("exponential_decay_length_penalty", (int(decay[0]), float(decay[1])))
+            fix("exponential_decay_length_penalty", (decay[0], float(decay[1])))
         self._validate()
 
     def _validate(self) -> None:
@@ -128,7 +172,7 @@ class Options:
             low = 0 if zero else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 kind = "a non-negative" if zero else "a positive"
-                raise ValueError(f"{name} must be {kind} integer, got {value!r}")
+                raise GenerationError(f"{name} must be {kind} integer, got {value!r}")
 
         positive_int("num_beams", self.num_beams)
         positive_int("decode_steps", self.decode_steps)
@@ -141,36 +185,38 @@ class Options:
                 positive_int(name, getattr(self, name), zero=True)
         penalty = self.repetition_penalty
         if penalty is not None and not (isinstance(penalty, int | float) and penalty > 0):
-            raise ValueError(f"repetition_penalty must be a positive number, got {penalty!r}")
+            raise GenerationError(f"repetition_penalty must be a positive number, got {penalty!r}")
         if not isinstance(self.length_penalty, int | float) or math.isnan(self.length_penalty):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+            raise GenerationError(f"length_penalty must be a number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
+            raise GenerationError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
             )
         if self.num_return_sequences > self.num_beams:
-            raise ValueError(
+            raise GenerationError(
                 f"num_return_sequences {self.num_return_sequences} is more than num_beams "
                 f"{self.num_beams}"
             )
         for words in self.bad_words_ids or ():
             if not words or min(words) < 0:
-                raise ValueError(f"bad_words_ids entries must be non-empty lists of ids: {words}")
+                raise GenerationError(
+                    f"bad_words_ids entries must be non-empty lists of ids: {words}"
+                )
         if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise GenerationError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.typical_p is not None and not 0 < self.typical_p <= 1:
-            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p!r}")
+            raise GenerationError(f"typical_p must be in (0, 1], got {self.typical_p!r}")
         for name in ("epsilon_cutoff", "eta_cutoff"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+                raise GenerationError(f"{name} must be in [0, 1), got {value!r}")
         if self.do_sample:
             t = self.temperature
             if t is not None and not (isinstance(t, int | float) and t > 0):
-                raise ValueError(f"temperature must be positive when sampling, got {t!r}")
+                raise GenerationError(f"temperature must be positive when sampling, got {t!r}")
             p = self.top_p
             if p is not None and not (isinstance(p, int | float) and 0 < p <= 1):
-                raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+                raise GenerationError(f"top_p must be in (0, 1], got {p!r}")
             if self.top_k is not None:
                 positive_int("top_k", self.top_k, zero=True)
 
@@ -178,37 +224,43 @@ class Options:
         """Raises ValueError for what generation cannot do: options this engine does not
         support, and token ids outside a vocabulary of ``vocab`` tokens."""
         if self.num_return_sequences > 1:
-            raise ValueError("num_return_sequences above 1 is not supported: one result per prompt")
+            raise GenerationError(
+                "num_return_sequences above 1 is not supported: one result per prompt"
+            )
         if self.num_beams > 1 and self.do_sample:
-            raise ValueError(
+            raise GenerationError(
                 "beam search with sampling (do_sample with num_beams > 1) is not supported"
             )
         if vocab is None:
             return
         if self.num_beams > vocab:
-            raise ValueError(f"num_beams {self.num_beams} is more than the vocabulary of {vocab}")
+            raise GenerationError(
+                f"num_beams {self.num_beams} is more than the vocabulary of {vocab}"
+            )
         if self.top_logprobs > vocab:
-            raise ValueError(
+            raise GenerationError(
                 f"top_logprobs {self.top_logprobs} is more than the vocabulary of {vocab}"
             )
         for words in self.bad_words_ids or ():
             if max(words) >= vocab:
-                raise ValueError(
+                raise GenerationError(
                     f"bad_words_ids entry {list(words)} is outside the vocabulary of {vocab}"
                 )
         for ids, _ in self.sequence_bias or ():
             if max(ids) >= vocab:
-                raise ValueError(
+                raise GenerationError(
                     f"sequence_bias entry {list(ids)} is outside the vocabulary of {vocab}"
                 )
         for name in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
             for token in getattr(self, name) or ():
                 if not 0 <= token < vocab:
-                    raise ValueError(f"{name} entry {token} is outside the vocabulary of {vocab}")
+                    raise GenerationError(
+                        f"{name} entry {token} is outside the vocabulary of {vocab}"
+                    )
         for name in ("forced_bos_token_id", "decoder_start_token_id"):
             token = getattr(self, name)
             if token is not None and not 0 <= token < vocab:
-                raise ValueError(f"{name} {token} is outside the vocabulary of {vocab}")
+                raise GenerationError(f"{name} {token} is outside the vocabulary of {vocab}")
 
     @property
     def logprobs(self) -> bool:
@@ -239,12 +291,12 @@ def check_names(options: Mapping[str, Any]) -> None:
     for name in options:
         if name in UNSUPPORTED:
             if not _harmless(name, options[name]):
-                raise ValueError(f"the generation option {name!r} is not supported")
+                raise GenerationError(f"the generation option {name!r} is not supported")
             continue
         if name not in NAMES:
             near = difflib.get_close_matches(name, NAMES, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(f"unknown generation option {name!r}{hint}")
+            raise GenerationError(f"unknown generation option {name!r}{hint}")
 
 
 def merge(repo_config: Mapping, file: Mapping, options: Mapping[str, Any]) -> Options:
@@ -257,7 +309,7 @@ def merge(repo_config: Mapping, file: Mapping, options: Mapping[str, Any]) -> Op
     check_names(options)
     for name in UNSUPPORTED:
         if name in file and name not in options and not _harmless(name, file[name]):
-            raise ValueError(
+            raise GenerationError(
                 f"generation_config.json sets {name}={file[name]!r}, which is not supported; "
                 f"pass {name}=None to generate without it"
             )
