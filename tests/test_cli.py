@@ -45,6 +45,7 @@ def test_generate_streams_to_stdout_and_json_has_tokens():
         (["generate", "/no/such/folder", "hi"], "no model folder '/no/such/folder'"),
         (["generate", str(FIXTURES / "processors"), "hi"], "has no decoder"),
         (["generate", MODEL, "hi", "--num-beams", "0"], "num_beams"),
+        (["generate", MODEL, "hi", "--max-new-tokens", "-3"], "max_new_tokens must be a non-neg"),
         (["generate", MODEL, "-"], "empty"),
         (
             ["translate", MODEL, "hi"],
