@@ -35,6 +35,17 @@ CONFIG = dict(
 )
 
 
+def _builder():
+    """transmuter_jax/default/genai_builder.py, loaded by its path (run in the tools' env)."""
+    import importlib.util
+
+    path = os.path.join(HERE, "..", "transmuter_jax", "default", "genai_builder.py")
+    spec = importlib.util.spec_from_file_location("genai_builder", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -59,21 +70,8 @@ def main() -> None:
         raw = os.path.join(work, "out")
         if args.exporter.startswith("genai"):
             precision = args.exporter.split("-")[1]
-            cmd = [
-                sys.executable,
-                "-m",
-                "onnxruntime_genai.models.builder",
-                "-i",
-                hf,
-                "-o",
-                raw,
-                "-p",
-                precision,
-                "-e",
-                "cpu",
-                "-c",
-                os.path.join(work, "cache"),
-            ]
+            cache = os.path.join(work, "cache")
+            cmd = _builder().command(hf, raw, precision, cache, extra_options=())
         else:
             code = (
                 "import sys; from optimum.exporters.onnx import main_export; "

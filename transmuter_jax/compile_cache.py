@@ -1,7 +1,7 @@
 """The persistent compilation cache: this package's compiled programs kept on disk.
 
 Nothing is set when transmuter_jax is imported. The first model load (or :func:`enable`) picks
-the folder: ``<cache folder>/jax`` (see :func:`transmuter_jax.default.cache_dir`), moved by the
+the folder: ``<cache folder>/jax`` (see :func:`transmuter_jax.paths.cache_dir`), moved by the
 environment variable ``TRANSMUTER_JAX_COMPILE_CACHE`` (a folder) or turned off by it (``0``,
 ``off``, ``false`` or ``no``). JAX's global configuration is never changed: the programs this
 package compiles are compiled inside :func:`scope`, which lends JAX's cache machinery a cache of
@@ -90,7 +90,7 @@ def enable(path: str | os.PathLike | None = None) -> str:
         The folder.
     """
     if path is None:
-        from .default import cache_dir
+        from .paths import cache_dir
 
         path = cache_dir() / "jax"
     folder = Path(path).expanduser()

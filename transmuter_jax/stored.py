@@ -32,17 +32,14 @@ import numpy as np
 import onnx
 
 from . import compile_cache
+from .onnx.model import TRACE_ENVIRONMENT
 
 MAX_BYTES = 256 << 20  # oldest programs go beyond this
 # The files hold their key (see compile_cache.seal); older versions' files end in .jaxexport
 # alone, so the two never read each other's, and the old ones go first when the folder is full.
 SUFFIX = ".tj1.jaxexport"
 # Environment variables that change what a traced program computes.
-ENVIRONMENT = (
-    "TRANSMUTER_JAX_KERNELS",
-    "TRANSMUTER_JAX_NBITS_INT8",
-    "TRANSMUTER_JAX_KERNEL_PORTABLE",
-)
+ENVIRONMENT = TRACE_ENVIRONMENT
 # The custom calls of the CPU kernels (jax.export refuses unknown ones unless told).
 CUSTOM_CALLS = ("tj_gemm_f32", "tj_matmul_nbits")
 # Programs this process traced and stored ("exported"), and read back instead ("read").

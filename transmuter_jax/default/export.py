@@ -136,28 +136,21 @@ def _copy_tokenizer(hf: Path, out: Path) -> None:
             shutil.copy(hf / name, out / name)
 
 
+def _builder():
+    """default/genai_builder.py, loaded by its path (this script runs outside the package)."""
+    import importlib.util
+
+    path = Path(__file__).with_name("genai_builder.py")
+    spec = importlib.util.spec_from_file_location("genai_builder", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def export_genai(hf: Path, out: Path, precision: str) -> None:
     raw = out.parent / (out.name + ".raw")
     shutil.rmtree(raw, ignore_errors=True)
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "onnxruntime_genai.models.builder",
-            "-i",
-            hf,
-            "-o",
-            raw,
-            "-p",
-            precision,
-            "-e",
-            "cpu",
-            "-c",
-            out.parent / "genai-cache",
-            "--extra_options",
-            "hf_token=false",
-        ]
-    )
+    _run(_builder().command(hf, raw, precision, out.parent / "genai-cache"))
     out.mkdir(parents=True, exist_ok=True)
     for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
         shutil.move(raw / name, out / name)

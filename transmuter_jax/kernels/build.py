@@ -1,7 +1,7 @@
 """Builds the C++ kernels with the system compiler, once per source, flags, jaxlib and CPU.
 
 The shared library goes to ``<cache folder>/kernels/<key>/`` (see
-:func:`transmuter_jax.default.cache_dir`). The key covers the sources, the flags, the compiler,
+:func:`transmuter_jax.paths.cache_dir`). The key covers the sources, the flags, the compiler,
 jaxlib and the CPU's identity (``-march=native`` code runs only on the CPU it was built for), so
 a cache folder shared between machines holds one library per CPU. The library is written to a
 temporary file and renamed into place, with its sha256 beside it (``libtj_kernels.so.sha256``);
@@ -136,7 +136,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def build(cxx: str) -> Path:
     """The path of the built library, verified; compiled first if the cache lacks it or holds a
     library that does not match its checksum."""
-    from ..default import cache_dir
+    from ..paths import cache_dir
 
     folder = cache_dir() / "kernels" / _key(cxx)
     target = folder / LIBRARY
