@@ -8,7 +8,7 @@ cache; prompts run in power-of-two steps, new tokens in chunks of ``decode_steps
 from .cache import CacheEntry, CacheLayout, Mode
 from .context import Context, cache_mode, context, max_new_tokens, outputs
 from .decode import DecodeState
-from .loop import compile, generate, new_tokens, on_device
+from .loop import compile, generate, new_tokens, on_device, return_seed
 from .options import Options
 from .processors import Rows
 from .prompt import prompt_inputs
@@ -32,5 +32,6 @@ __all__ = [
     "on_device",
     "outputs",
     "prompt_inputs",
+    "return_seed",
     "to_bits",
 ]
