@@ -9,7 +9,7 @@ from .cache import CacheEntry, CacheLayout, Mode
 from .context import Context, cache_mode, context, max_new_tokens, outputs
 from .decode import DecodeState
 from .errors import GenerationError
-from .loop import compile, generate, new_tokens, on_device
+from .loop import compile, generate, new_tokens, on_device, return_seed
 from .options import Options
 from .processors import Rows
 from .prompt import prompt_inputs
@@ -34,5 +34,6 @@ __all__ = [
     "on_device",
     "outputs",
     "prompt_inputs",
+    "return_seed",
     "to_bits",
 ]

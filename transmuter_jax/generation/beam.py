@@ -101,8 +101,14 @@ class BeamPrompt:
 
     def result(self) -> tuple[list[int], list[float], float]:
         """The best hypothesis: new tokens without the eos, their log-probabilities, its score."""
-        best = self.hypotheses[0]
-        tokens, logprobs = list(best.tokens), list(best.logprobs)
-        if tokens and tokens[-1] in self.eos:
-            tokens = tokens[:-1]
-        return tokens, logprobs, float(best.score)
+        return self.results(1)[0]
+
+    def results(self, n: int) -> list[tuple[list[int], list[float], float]]:
+        """The ``n`` best hypotheses (``n`` <= beams), best first, as :meth:`result` gives one."""
+        out = []
+        for best in self.hypotheses[:n]:
+            tokens, logprobs = list(best.tokens), list(best.logprobs)
+            if tokens and tokens[-1] in self.eos:
+                tokens = tokens[:-1]
+            out.append((tokens, logprobs, float(best.score)))
+        return out

@@ -29,6 +29,7 @@ from .select import beam_selection, selection
 from .steps import Steps, chunk, pad_grow
 
 OnToken = Callable[[dict[str, np.ndarray]], None]
+RETURN_STRIDE = 0x9E3779B9  # 2**32 / golden ratio: the seeds of a prompt's sequences step by it
 
 
 @dataclasses.dataclass
@@ -163,14 +164,18 @@ def generate(
     Args:
         ctx: from :func:`compile`.
         prompts: token ids of each prompt; an empty prompt is a padding row that gives no tokens.
-        seeds: the sampling seed of each row (any integer: its low 32 bits are used).
+        seeds: the sampling seed of each prompt (any integer: its low 32 bits are used); with
+            num_return_sequences n > 1, sequence j of a prompt samples with
+            :func:`return_seed` (seed, j), so sequence 0 is the one n = 1 gives.
         inputs: the inputs the context names in ``given`` (one row per prompt); also
             "image_features" [count, hidden] (the features of the image tokens of all rows, in
             order) and "position_ids" (per prompt: positions per axis per token, or empty).
         on_token: called after each step with "token" [rows] int32 (-1: no new token) and
             "finished" [rows] bool (and "logprob"; with top_logprobs "top_ids" and
-            "top_logprobs" [rows, k]; in beam search "score"); in order, one call per step,
-            delivered as each decode chunk returns.
+            "top_logprobs" [rows, k]; in beam search "score", and with num_return_sequences
+            n > 1 "scores" [prompts, n]); in order, one call per step, delivered as each decode
+            chunk returns. When sampling with n > 1 the rows are the sequences: prompt p's
+            sequence j is row p * n + j; in beam search they are the prompts.
         clamp: give a row no more new tokens than the model has positions left for
             (``ctx.position_limit``); without it, a row that would run past them is refused.
 
@@ -178,6 +183,8 @@ def generate(
         The new tokens of each row, without the eos token; with the option token_logprobs,
         (token, log-probability) pairs; with top_logprobs=k, (token, log-probability, top)
         triples, ``top`` the k most probable (token, log-probability) pairs, best first.
+        With num_return_sequences n > 1, each prompt's entry is the list of its n sequences
+        (beam search: its n best hypotheses, best first).
     """
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
@@ -298,7 +305,7 @@ class _Run:
     features: np.ndarray | None
     strategy: Sampler | BeamSearch
     on_token: OnToken | None
-    n: int  # the caller's rows (the others pad the batch)
+    n: int  # the caller's rows (the others pad the batch); in beam search, the prompts
     members: np.ndarray = None  # [B] bool rows of the group that runs now
     width: int = 0  # columns of the processors' history of the group that runs now
 
@@ -308,13 +315,16 @@ class _Run:
         features = None if features is None else np.asarray(features)
         rows = _rows(ctx, prompts, seeds, inputs, clamp)
         given = _given(ctx, inputs)
+        n, returns = len(prompts), int(ctx.options.num_return_sequences)
         if ctx.options.num_beams > 1:
-            strategy = BeamSearch(ctx, rows, len(prompts))
-            rows = strategy.rows
-            given = {name: jnp.repeat(v, strategy.k, axis=0) for name, v in given.items()}
+            strategy = BeamSearch(ctx, rows, n)
+            rows, expand = strategy.rows, strategy.k
         else:
-            strategy = Sampler()
-        return cls(ctx, rows, given, features, strategy, on_token, len(prompts))
+            strategy = Sampler(returns)
+            rows, expand, n = _returns(rows, returns), returns, n * returns
+        if expand > 1:
+            given = {name: jnp.repeat(v, expand, axis=0) for name, v in given.items()}
+        return cls(ctx, rows, given, features, strategy, on_token, n)
 
     def groups(self) -> list[list[int]]:
         """The rows that share a cache: all of them, or in grow those with prompts of one
@@ -505,7 +515,11 @@ class _Run:
 
 
 class Sampler:
-    """Greedy or sampled selection: one token per row per step."""
+    """Greedy or sampled selection: one token per row per step; with ``returns`` > 1 (sampling
+    with num_return_sequences), rows p*returns ... p*returns + returns - 1 are prompt p's."""
+
+    def __init__(self, returns: int = 1):
+        self.returns = returns
 
     def select(self, run: _Run, logits, step: _Step) -> None:
         """Gives each row that finished its prompt, or is generating, its selected token."""
@@ -539,10 +553,13 @@ class Sampler:
     def results(self, run: _Run) -> list:
         rows, options = run.rows[: run.n], run.ctx.options
         if options.top_logprobs:
-            return [list(zip(r.generated, r.logprobs, r.tops, strict=True)) for r in rows]
-        if options.token_logprobs:
-            return [list(zip(r.generated, r.logprobs, strict=True)) for r in rows]
-        return [row.generated for row in rows]
+            out = [list(zip(r.generated, r.logprobs, r.tops, strict=True)) for r in rows]
+        elif options.token_logprobs:
+            out = [list(zip(r.generated, r.logprobs, strict=True)) for r in rows]
+        else:
+            out = [row.generated for row in rows]
+        r = self.returns
+        return out if r == 1 else [out[i : i + r] for i in range(0, len(out), r)]
 
 
 class BeamSearch:
@@ -574,7 +591,11 @@ class BeamSearch:
         running = np.zeros(len(rows), np.float32)
         for p, beam in beams.items():
             running[p * k : (p + 1) * k] = beam.scores
-        out = np.asarray(run.ctx.compiled.select(logits, running, run.views(), run.states()))
+        heads = rows[::k]  # each prompt's first beam: its seed and its new tokens so far
+        seeds = _seeds(heads)
+        steps = np.array([len(r.generated) for r in heads], np.int32)
+        select = run.ctx.compiled.select
+        out = np.asarray(select(logits, running, seeds, steps, run.views(), run.states()))
         order = np.arange(len(rows))
         token = np.full(n, -1, np.int32)
         for p, beam in beams.items():
@@ -597,22 +618,28 @@ class BeamSearch:
             token[p] = beam.tokens[0][-1]
         if run.on_token is not None:
             done = np.array([p not in beams or beams[p].done for p in range(n)])
-            best = [beams[p].hypotheses[0] if p in beams else None for p in range(n)]
-            score = np.array([h.score if h and h.finished else np.nan for h in best], np.float32)
-            run.on_token({"token": token, "finished": done, "score": score})
+            r = int(run.ctx.options.num_return_sequences)
+            best = [beams[p].hypotheses[:r] if p in beams else [None] * r for p in range(n)]
+            scores = np.array(
+                [[h.score if h and h.finished else np.nan for h in b] for b in best], np.float32
+            )
+            event = {"token": token, "finished": done, "score": scores[:, 0]}
+            if r > 1:
+                event["scores"] = scores
+            run.on_token(event)
         return order if (order != np.arange(len(rows))).any() else None
 
     def results(self, run: _Run) -> list:
+        """Each prompt's best hypothesis; with num_return_sequences r > 1, its r best."""
+        r = int(run.ctx.options.num_return_sequences)
         results = []
         for p in range(run.n):
-            if p not in self.beams:
-                results.append([])
-                continue
-            tokens, logprobs, _ = self.beams[p].result()
+            best = self.beams[p].results(r) if p in self.beams else [([], [], 0.0)] * r
             if run.ctx.options.token_logprobs:
-                results.append(list(zip(tokens, logprobs, strict=False)))
+                out = [list(zip(t, lp, strict=False)) for t, lp, _ in best]
             else:
-                results.append(tokens)
+                out = [list(t) for t, _, _ in best]
+            results.append(out if r > 1 else out[0])
         return results
 
 
@@ -625,6 +652,24 @@ def _keep(row: _Row, token: int, logprob, top, i: int) -> None:
         pairs = top[i].reshape(-1, 2)
         values = pairs[:, 1].copy().view(np.float32)
         row.tops.append([(int(t), float(v)) for t, v in zip(pairs[:, 0], values, strict=True)])
+
+
+def return_seed(seed: int, j: int) -> int:
+    """The sampling seed of sequence ``j`` of a prompt of seed ``seed`` with num_return_sequences
+    above 1: ``seed`` for j = 0, else ``(seed + j * 0x9E3779B9) mod 2**32``."""
+    return int(seed) if j == 0 else (int(seed) + j * RETURN_STRIDE) & 0xFFFFFFFF
+
+
+def _returns(rows: list[_Row], returns: int) -> list[_Row]:
+    """Each row as ``returns`` adjacent rows (transformers' repeat_interleave), with the seeds of
+    :func:`return_seed`."""
+    if returns == 1:
+        return rows
+    return [
+        dataclasses.replace(r, seed=return_seed(r.seed, j), generated=[], logprobs=[], tops=[])
+        for r in rows
+        for j in range(returns)
+    ]
 
 
 def _seeds(rows: list[_Row]) -> np.ndarray:

@@ -192,7 +192,12 @@ class Options:
             raise GenerationError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
             )
-        if self.num_return_sequences > self.num_beams:
+        if self.num_return_sequences > 1 and self.num_beams == 1 and not self.do_sample:
+            raise GenerationError(
+                f"num_return_sequences {self.num_return_sequences} needs sampling (do_sample=True) "
+                "or beam search (num_beams > 1): greedy decoding gives one sequence"
+            )
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise GenerationError(
                 f"num_return_sequences {self.num_return_sequences} is more than num_beams "
                 f"{self.num_beams}"
@@ -223,14 +228,6 @@ class Options:
     def check_supported(self, vocab: int | None) -> None:
         """Raises ValueError for what generation cannot do: options this engine does not
         support, and token ids outside a vocabulary of ``vocab`` tokens."""
-        if self.num_return_sequences > 1:
-            raise GenerationError(
-                "num_return_sequences above 1 is not supported: one result per prompt"
-            )
-        if self.num_beams > 1 and self.do_sample:
-            raise GenerationError(
-                "beam search with sampling (do_sample with num_beams > 1) is not supported"
-            )
         if vocab is None:
             return
         if self.num_beams > vocab:

@@ -194,23 +194,39 @@ def beam_selection(
     masks: Mapping[str, np.ndarray],
     **jit_options: Any,
 ):
-    """The jitted beam step ``(logits [P*k, V], running [P*k], rows, states) -> int32 [P, K, 4]``.
+    """The jitted beam step ``(logits [P*k, V], running [P*k], seeds [P], steps [P], rows,
+    states) -> int32 [P, K, 4]``.
 
-    For each prompt: the K = max(2, 1 + eos tokens) * k best candidates of log-softmax, then the
-    processors, plus the beam's score: (token, source beam, bits of the accumulated score, bits of
-    the token's log-probability of the processed scores).
+    For each prompt, K = max(2, 1 + eos tokens) * k candidates of log-softmax, then the
+    processors (and the warpers with do_sample), plus the beam's score: (token, source beam, bits
+    of the accumulated score, bits of the token's log-probability of the processed scores).
+    Greedy: the K best, best first. do_sample: K drawn without replacement from the softmax of
+    the accumulated scores, in the order drawn (transformers' ``torch.multinomial``), by the
+    Gumbel top-K of a key made from the prompt's seed and step; ``seeds`` and ``steps`` are
+    read only then.
     """
     beams = int(options.num_beams)
     keep = max(2, 1 + len(options.eos_token_id)) * beams
+    sample = bool(options.do_sample)
     device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
 
-    def select(logits, running, rows: Rows, states):
+    def select(logits, running, seeds, steps, rows: Rows, states):
         scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         scores = processed(scores, rows, processors, states, options, device_masks)
         token_logprobs = scores - jax.nn.logsumexp(scores, axis=-1, keepdims=True)
         vocab = scores.shape[-1]
         total = (scores + running[:, None]).reshape(-1, beams * vocab)  # [P, k*V]
-        top, index = jax.lax.top_k(total, keep)
+        if sample:
+
+            def draw(row, seed, step):  # [k*V] -> [K] indices, in the order drawn
+                key = jax.random.fold_in(jax.random.key(seed), step)
+                noisy = row + jax.random.gumbel(key, row.shape, jnp.float32)
+                return jax.lax.top_k(noisy, keep)[1]
+
+            index = jax.vmap(draw)(total, seeds, steps)
+            top = jnp.take_along_axis(total, index, axis=1)
+        else:
+            top, index = jax.lax.top_k(total, keep)
         chosen = jnp.take_along_axis(token_logprobs.reshape(-1, beams * vocab), index, axis=1)
         bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
         return jnp.stack(

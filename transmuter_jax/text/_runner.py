@@ -41,6 +41,11 @@ class Result:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+def texts_of(results: list) -> list:
+    """The text of each Result of ``results``, keeping lists of Results as lists of texts."""
+    return [[r.text for r in x] if isinstance(x, list) else x.text for x in results]
+
+
 def resolve(repo: str | os.PathLike | None, dtype: str | None, file: str | None) -> hub.Files:
     """The files of ``repo``: None or a default-model alias ("default", "default-int4",
     "default-optimum") is the default model, prepared on first use."""
@@ -129,30 +134,19 @@ class Runner:
         seed: int | None = None,
         inputs: Mapping[str, Any] | None = None,
         on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
-    ) -> list[Result]:
-        """Generates after each prompt and decodes the new tokens."""
+    ) -> list[Result] | list[list[Result]]:
+        """Generates after each prompt and decodes the new tokens: one Result per prompt, or
+        with num_return_sequences n > 1 a list of n per prompt."""
         ctx = self.context(len(prompts), options)
         base = secrets.randbits(31) if seed is None else int(seed)
         seeds = [base + i for i in range(len(prompts))]
         out = gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
-        results = []
-        for prompt, tokens in zip(prompts, out, strict=True):
-            logprobs = top = None
-            if ctx.options.top_logprobs:
-                tokens, logprobs, top = (
-                    [t for t, _, _ in tokens],
-                    [p for _, p, _ in tokens],
-                    [list(best) for _, _, best in tokens],
-                )
-            elif ctx.options.token_logprobs:
-                tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
-            limit = gen.new_tokens(ctx, len(prompt))
-            if ctx.position_limit is not None:  # generate gave it the tokens that fit
-                limit = min(limit, max(ctx.position_limit - len(prompt), 0))
-            reason = "length" if len(tokens) >= limit else "eos"
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            results.append(Result(text, list(tokens), logprobs, reason, top))
-        return results
+        if ctx.options.num_return_sequences == 1:
+            return [_result(ctx, tokenizer, p, t) for p, t in zip(prompts, out, strict=True)]
+        return [
+            [_result(ctx, tokenizer, p, t) for t in sequences]
+            for p, sequences in zip(prompts, out, strict=True)
+        ]
 
     def stream(
         self,
@@ -173,7 +167,13 @@ class Runner:
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
         text = tokenizer.streamer(skip_special_tokens=True)
-        beams = self.context(1, options).options.num_beams > 1
+        chosen = self.context(1, options).options
+        if chosen.num_return_sequences > 1:
+            n = chosen.num_return_sequences
+            raise ValueError(
+                f"a stream gives one sequence, not num_return_sequences={n}: use generate"
+            )
+        beams = chosen.num_beams > 1
         done = object()
 
         def on_token(event: dict[str, np.ndarray]) -> None:
@@ -212,6 +212,25 @@ class Runner:
         finally:
             cancel.set()
             worker.join()
+
+
+def _result(ctx: gen.Context, tokenizer: Tokenizer, prompt: list[int], tokens: list) -> Result:
+    """The Result of one generated sequence after ``prompt`` (as generate returns it)."""
+    logprobs = top = None
+    if ctx.options.top_logprobs:
+        tokens, logprobs, top = (
+            [t for t, _, _ in tokens],
+            [p for _, p, _ in tokens],
+            [list(best) for _, _, best in tokens],
+        )
+    elif ctx.options.token_logprobs:
+        tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
+    limit = gen.new_tokens(ctx, len(prompt))
+    if ctx.position_limit is not None:  # generate gave it the tokens that fit
+        limit = min(limit, max(ctx.position_limit - len(prompt), 0))
+    reason = "length" if len(tokens) >= limit else "eos"
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return Result(text, list(tokens), logprobs, reason, top)
 
 
 class _Cancelled(Exception):

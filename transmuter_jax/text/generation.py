@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ._runner import Result, Runner, WrongTask, load_decoder, prompt_kind, resolve
+from ._runner import Result, Runner, WrongTask, load_decoder, prompt_kind, resolve, texts_of
 from .tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
@@ -85,7 +85,7 @@ class TextGeneration:
         chat: bool | None = None,
         seed: int | None = None,
         **options: Any,
-    ) -> list[Result]:
+    ) -> list[Result] | list[list[Result]]:
         """Generates an answer to each prompt, in one batch.
 
         Args:
@@ -97,6 +97,8 @@ class TextGeneration:
 
         Returns:
             One :class:`Result` per prompt: text, token ids, log-probabilities, finish reason.
+            With num_return_sequences n > 1, a list of n Results per prompt (sampling: n
+            independent sequences; beam search: the n best hypotheses, best first).
         """
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts is a non-empty list of prompts")
@@ -110,14 +112,14 @@ class TextGeneration:
         chat: bool | None = None,
         seed: int | None = None,
         **options: Any,
-    ) -> str | list[str]:
-        """The answer to a prompt, or the answers to a list of prompts (see :meth:`generate`)."""
+    ) -> str | list[str] | list[list[str]]:
+        """The answer to a prompt, or the answers to a list of prompts (see :meth:`generate`);
+        with num_return_sequences n > 1, each answer is a list of n texts."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], Mapping)
         )
         batch = [prompts] if single else prompts
-        results = self.generate(batch, chat=chat, seed=seed, **options)
-        texts = [r.text for r in results]
+        texts = texts_of(self.generate(batch, chat=chat, seed=seed, **options))
         return texts[0] if single else texts
 
     def stream(

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
-from ._runner import Result, Runner, WrongTask, load_decoder, resolve
+from ._runner import Result, Runner, WrongTask, load_decoder, resolve, texts_of
 from .tokenizer import Tokenizer
 
 
@@ -88,13 +88,19 @@ class TextToText:
             raise ValueError(f"{self.files.folder!r} has no decoder_start_token_id")
         return [int(start)]
 
-    def generate(self, texts: Sequence[str], *, seed: int | None = None, **options) -> list[Result]:
+    def generate(
+        self, texts: Sequence[str], *, seed: int | None = None, **options
+    ) -> list[Result] | list[list[Result]]:
         """Generates the output text of each input text, in one batch.
 
         Args:
             texts: the input texts.
             seed: the sampling seed of the first text (the next get seed + 1, ...); None: random.
             **options: generation options for this call (max_new_tokens, num_beams, ...).
+
+        Returns:
+            One :class:`Result` per text; with num_return_sequences n > 1, a list of n per text
+            (beam search: the n best hypotheses, best first).
         """
         given, _ = self._encode(texts)
         prompt = self._start(len(texts), options)
@@ -104,11 +110,11 @@ class TextToText:
 
     def __call__(
         self, texts: str | Sequence[str], *, seed: int | None = None, **options: Any
-    ) -> str | list[str]:
-        """The output for a text, or for each text of a list."""
+    ) -> str | list[str] | list[list[str]]:
+        """The output for a text, or for each text of a list; with num_return_sequences n > 1,
+        each output is a list of n texts."""
         single = isinstance(texts, str)
-        results = self.generate([texts] if single else texts, seed=seed, **options)
-        out = [r.text for r in results]
+        out = texts_of(self.generate([texts] if single else texts, seed=seed, **options))
         return out[0] if single else out
 
     def stream(self, text: str, *, seed: int | None = None, **options: Any) -> Iterator[str]:
