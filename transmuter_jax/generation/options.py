@@ -13,7 +13,6 @@ DECODE_STEPS = 16  # new tokens per dispatch of the decode program (see docs/gen
 # transformers 4.57 GenerationConfig fields that change the tokens and that this engine does not
 # run, with the values that leave generation unchanged.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "stop_strings": (None,),
     "max_time": (None,),
     "encoder_repetition_penalty": (None, 1.0),
     "encoder_no_repeat_ngram_size": (None, 0),
@@ -60,6 +59,23 @@ def _sequence_bias(value: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
     return tuple(out)
 
 
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    """stop_strings as transformers takes it (a string or a list of them) as a tuple."""
+    strings = (value,) if isinstance(value, str) else value
+    try:
+        strings = tuple(strings)
+    except TypeError:
+        raise ValueError(
+            f"stop_strings must be a string or a list of strings, got {value!r}"
+        ) from None
+    for s in strings:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop_strings entries must be non-empty strings, got {s!r}")
+    if not strings:
+        raise ValueError("stop_strings must not be empty (None: no stop strings)")
+    return strings
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """What generation reads of transformers 4.57 ``GenerationConfig``, with its defaults, and
@@ -96,6 +112,7 @@ class Options:
     sequence_bias: tuple[tuple[tuple[int, ...], float], ...] | None = None
     exponential_decay_length_penalty: tuple[int, float] | None = None
     remove_invalid_values: bool = False
+    stop_strings: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -113,6 +130,8 @@ class Options:
             fix("bad_words_ids", tuple(tuple(int(t) for t in w) for w in self.bad_words_ids))
         if self.sequence_bias is not None:
             fix("sequence_bias", _sequence_bias(self.sequence_bias))
+        if self.stop_strings is not None:
+            fix("stop_strings", _stop_strings(self.stop_strings))
         decay = self.exponential_decay_length_penalty
         if decay is not None:
             if isinstance(decay, str) or len(decay) != 2:
@@ -179,6 +198,8 @@ class Options:
         support, and token ids outside a vocabulary of ``vocab`` tokens."""
         if self.num_return_sequences > 1:
             raise ValueError("num_return_sequences above 1 is not supported: one result per prompt")
+        if self.num_beams > 1 and self.stop_strings:
+            raise ValueError("stop_strings with beam search (num_beams > 1) is not supported")
         if self.num_beams > 1 and self.do_sample:
             raise ValueError(
                 "beam search with sampling (do_sample with num_beams > 1) is not supported"
