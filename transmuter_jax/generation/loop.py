@@ -426,6 +426,8 @@ class _Run:
                 row.done = bool(out[i, b, 1]) or _stopped(self.ctx, row)
             self.emit(shown, logprob, top)
             state.advance((token >= 0).astype(np.int32), 1)
+            if not self.live():  # stop strings ended every row before the chunk's end
+                break
 
     def emit(self, token: np.ndarray, logprob: np.ndarray | None, top: np.ndarray | None) -> None:
         """Calls on_token with one step's event of the caller's rows."""
