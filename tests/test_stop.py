@@ -256,3 +256,9 @@ def test_the_cli_stop_option_cuts_the_answer():
     streamed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == result["text"] + "\n"
+
+
+def test_the_compiled_programs_do_not_depend_on_the_stop_strings():
+    plain, stopping = generation.Options(), generation.Options(stop_strings=["a", "b"])
+    assert stopping.program_key == plain.program_key == repr(plain)
+    assert generation.Options(top_k=3).program_key != plain.program_key

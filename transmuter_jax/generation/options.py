@@ -236,6 +236,12 @@ class Options:
         """Whether each new token carries its log-probability (token_logprobs or top_logprobs)."""
         return bool(self.token_logprobs) or self.top_logprobs > 0
 
+    @property
+    def program_key(self) -> str:
+        """What the compiled programs depend on: the options but the stop strings (checked on the
+        host), as a stable string."""
+        return repr(dataclasses.replace(self, stop_strings=None))
+
     def as_dict(self) -> dict[str, Any]:
         """The options by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
