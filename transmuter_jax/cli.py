@@ -63,6 +63,8 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
                        "(default 1); the answer prints when the search ends")  # fmt: skip
     group.add_argument("--repetition-penalty", type=float, metavar="R",
                        help="transformers' repetition_penalty (default 1.0)")  # fmt: skip
+    group.add_argument("--stop", action="append", metavar="STR", help="stop when the answer "
+                       "reaches STR, which is cut from it (repeatable)")  # fmt: skip
 
 
 def _add_chat_options(parser: argparse.ArgumentParser) -> None:
@@ -179,6 +181,8 @@ def _options(args: argparse.Namespace, warn=_warn) -> dict[str, Any]:
         options["num_beams"] = args.num_beams
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty
+    if args.stop:
+        options["stop"] = list(args.stop)
     return options
 
 

@@ -16,6 +16,7 @@ from .cache import CacheLayout, layout
 from .errors import GenerationError
 from .options import Options, merge
 from .processors import from_options
+from .stops import StopStrings
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class Context:
         processors: the logits processors, in order.
         batch_size: the number of prompts per batch, set by compile().
         jit_options: options of jax.jit, set by compile().
+        stops: the stop strings with the text of each token (None without stop_strings).
     """
 
     model: Model
@@ -49,6 +51,7 @@ class Context:
     batch_size: int | None = None
     jit_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     compiled: Any = None
+    stops: StopStrings | None = None
 
     @property
     def eos(self) -> tuple[int, ...]:
@@ -119,6 +122,7 @@ def context(
     given: Sequence[str] = (),
     embed: Model | None = None,
     image_token: int | None = None,
+    tokenizer: Any = None,
     **options: Any,
 ) -> Context:
     """The context of generation for ``model``.
@@ -129,6 +133,8 @@ def context(
         given: the names of other inputs the caller gives to each step (encoder outputs).
         embed: for a decoder of inputs_embeds, the model of the token embeddings.
         image_token: the id of the image token whose embeddings image features replace.
+        tokenizer: with stop_strings, the :class:`~transmuter_jax.text.tokenizer.Tokenizer` that
+            tells each token's text; None: the one of ``repo`` (its tokenizer.json).
         **options: generation options with transformers' names (max_new_tokens, do_sample,
             eos_token_id, ...), they override generation_config.json; also token_logprobs and
             decode_steps (new tokens per dispatch on the device; 1: one step at a time).
@@ -160,6 +166,12 @@ def context(
         processors=from_options(merged),
     )
     merged.check_supported(ctx.vocab_size)
+    if merged.stop_strings:
+        if tokenizer is None:
+            from ..text.tokenizer import Tokenizer  # the text package sits above generation
+
+            tokenizer = Tokenizer.from_folder(hub.folder(repo, hub.SMALL_FILES))
+        ctx.stops = StopStrings(merged.stop_strings, tokenizer.token_texts)
     return ctx
 
 

@@ -88,7 +88,7 @@ class Decoder:
                 "decode",
                 branch,
                 rows,
-                repr(ctx.options),
+                ctx.options.program_key,
                 tuple(ctx.processors),
                 self.pad,
                 self.axes,

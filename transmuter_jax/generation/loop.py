@@ -431,13 +431,19 @@ class _Run:
             token = out[i, :, 0]
             logprob = out[i, :, 2].view(np.float32) if out.shape[2] > 2 else None
             top = out[i, :, 3:] if out.shape[2] > 3 else None
+            shown = token.copy()  # a row a stop string ended takes no more of the chunk's tokens
             for b in np.flatnonzero(token >= 0):
                 row = rows[b]
+                if row.done:
+                    shown[b] = -1
+                    continue
                 if int(token[b]) not in eos:
                     _keep(row, int(token[b]), logprob, top, b)
-                row.done = bool(out[i, b, 1])
-            self.emit(token, logprob, top)
+                row.done = bool(out[i, b, 1]) or _stopped(self.ctx, row)
+            self.emit(shown, logprob, top)
             state.advance((token >= 0).astype(np.int32), 1)
+            if not self.live():  # stop strings ended every row before the chunk's end
+                break
 
     def emit(self, token: np.ndarray, logprob: np.ndarray | None, top: np.ndarray | None) -> None:
         """Calls on_token with one step's event of the caller's rows."""
@@ -546,7 +552,7 @@ class Sampler:
                 row.done = True
             else:
                 _keep(row, t, logprob, top, i)
-                row.done = len(row.generated) >= row.max_new
+                row.done = len(row.generated) >= row.max_new or _stopped(ctx, row)
         run.emit(token, logprob, top)
         return None
 
@@ -670,6 +676,14 @@ def _returns(rows: list[_Row], returns: int) -> list[_Row]:
         for r in rows
         for j in range(returns)
     ]
+
+
+def _stopped(ctx: Context, row: _Row) -> bool:
+    """Whether the row's tokens now end in one of the stop strings."""
+    stops = ctx.stops
+    return stops is not None and stops.hit(
+        row.prompt[-stops.window :] + row.generated[-stops.window :]
+    )
 
 
 def _seeds(rows: list[_Row]) -> np.ndarray:

@@ -15,7 +15,6 @@ DECODE_STEPS = 16  # new tokens per dispatch of the decode program (see docs/gen
 # transformers 4.57 GenerationConfig fields that change the tokens and that this engine does not
 # run, with the values that leave generation unchanged.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "stop_strings": (None,),
     "max_time": (None,),
     "encoder_repetition_penalty": (None, 1.0),
     "encoder_no_repeat_ngram_size": (None, 0),
@@ -99,6 +98,23 @@ def _sequence_bias(value: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
     return tuple(out)
 
 
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    """stop_strings as transformers takes it (a string or a list of them) as a tuple."""
+    strings = (value,) if isinstance(value, str) else value
+    try:
+        strings = tuple(strings)
+    except TypeError:
+        raise GenerationError(
+            f"stop_strings must be a string or a list of strings, got {value!r}"
+        ) from None
+    for s in strings:
+        if not isinstance(s, str) or not s:
+            raise GenerationError(f"stop_strings entries must be non-empty strings, got {s!r}")
+    if not strings:
+        raise GenerationError("stop_strings must not be empty (None: no stop strings)")
+    return strings
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """What generation reads of transformers 4.57 ``GenerationConfig``, with its defaults, and
@@ -135,6 +151,7 @@ class Options:
     sequence_bias: tuple[tuple[tuple[int, ...], float], ...] | None = None
     exponential_decay_length_penalty: tuple[int, float] | None = None
     remove_invalid_values: bool = False
+    stop_strings: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -156,6 +173,8 @@ class Options:
             fix("bad_words_ids", tuple(_ids("bad_words_ids", w) or () for w in words))
         if self.sequence_bias is not None:
             fix("sequence_bias", _sequence_bias(self.sequence_bias))
+        if self.stop_strings is not None:
+            fix("stop_strings", _stop_strings(self.stop_strings))
         decay = self.exponential_decay_length_penalty
         if decay is not None:
             ok = isinstance(decay, list | tuple) and len(decay) == 2 and _is_int(decay[0])
@@ -228,6 +247,8 @@ class Options:
     def check_supported(self, vocab: int | None) -> None:
         """Raises ValueError for what generation cannot do: options this engine does not
         support, and token ids outside a vocabulary of ``vocab`` tokens."""
+        if self.num_beams > 1 and self.stop_strings:
+            raise GenerationError("stop_strings with beam search (num_beams > 1) is not supported")
         if vocab is None:
             return
         if self.num_beams > vocab:
@@ -263,6 +284,12 @@ class Options:
     def logprobs(self) -> bool:
         """Whether each new token carries its log-probability (token_logprobs or top_logprobs)."""
         return bool(self.token_logprobs) or self.top_logprobs > 0
+
+    @property
+    def program_key(self) -> str:
+        """What the compiled programs depend on: the options but the stop strings (checked on the
+        host), as a stable string."""
+        return repr(dataclasses.replace(self, stop_strings=None))
 
     def as_dict(self) -> dict[str, Any]:
         """The options by name."""

@@ -247,4 +247,4 @@ def _key(kind: str, options: Options, processors: Sequence[Any]) -> tuple | None
     own processors, which have no stable name."""
     if not all(isinstance(p, str) for p in processors):
         return None
-    return (kind, repr(options), tuple(processors))
+    return (kind, options.program_key, tuple(processors))

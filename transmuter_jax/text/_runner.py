@@ -29,7 +29,8 @@ class Result:
         text: the new text (special tokens skipped).
         token_ids: the new token ids, without the eos token.
         logprobs: the log-probability of each new token (with token_logprobs=True), else None.
-        finish_reason: "eos" when an eos token ended it, "length" when the token limit did.
+        finish_reason: "eos" when an eos token ended it, "length" when the token limit did,
+            "stop" when a stop string did (with ``stop=``, the text ends before it).
         top_logprobs: with top_logprobs=k, for each new token the k most probable
             (token id, log-probability) pairs, best first; else None.
     """
@@ -63,6 +64,60 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+def stop_option(options: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The generation options of a pipeline's ``options`` and the stop strings of its ``stop``
+    option, which sets ``stop_strings`` (the text is then cut before the first stop string)."""
+    options = dict(options)
+    stop = options.pop("stop", None)
+    if stop is None:
+        return options, ()
+    stop = gen.Options(stop_strings=stop).stop_strings
+    given = options.get("stop_strings")
+    if given is not None and gen.Options(stop_strings=given).stop_strings != stop:
+        raise ValueError(f"stop={list(stop)} and stop_strings={given!r} disagree: give one")
+    options["stop_strings"] = stop
+    return options, stop
+
+
+def trim(tokenizer: Tokenizer, prompt: list[int], tokens: list[int], text: str, stop) -> str:
+    """``text`` cut before the first of the ``stop`` strings in it, which may start in the
+    prompt's text (the row stopped at the token that completed it)."""
+    hits = [i for s in stop if (i := text.find(s)) >= 0]
+    if hits:
+        return text[: min(hits)]
+    window = max(len(s) for s in stop)
+    joint = tokenizer.decode(prompt[-window:] + tokens, skip_special_tokens=True)
+    if not text or not joint.endswith(text):
+        return text
+    head = len(joint) - len(text)  # where the new text starts in ``joint``
+    hits = [i for s in stop if (i := joint.find(s, max(0, head + 1 - len(s)))) >= 0]
+    return text[: max(0, min(hits) - head)] if hits else text
+
+
+class _Hold:
+    """Holds back streamed text that could still be the start of a stop string."""
+
+    def __init__(self, stop: tuple[str, ...], before: str):
+        self.stop, self.before, self.pending, self.over = stop, before, "", False
+
+    def push(self, piece: str) -> str:
+        """The part of ``piece`` (and of what was held) that no stop string can start in."""
+        if not self.stop or self.over:
+            return "" if self.over else piece
+        text = self.before + self.pending + piece  # before: the text out so far (or the prompt's)
+        start = len(self.before)
+        hits = [i for s in self.stop if (i := text.find(s, max(0, start + 1 - len(s)))) >= 0]
+        if hits:
+            self.over = True
+            return text[start : max(start, min(hits))]
+        held = max(
+            (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+        )
+        cut = max(start, len(text) - held)
+        self.before, self.pending = text[:cut][-max(map(len, self.stop)) :], text[cut:]
+        return text[start:cut]
+
+
 class WrongTask(ValueError):
     """The model belongs to the other text task (a decoder-only model given to text_to_text, or
     an encoder-decoder given to generation).
@@ -92,24 +147,31 @@ class Runner:
         embed: Model | None = None,
         given: Sequence[str] = (),
         options: Mapping[str, Any],
+        tokenizer: Tokenizer | None = None,
     ):
         self.folder, self.model, self.embed, self.given = folder, model, embed, tuple(given)
-        self.options = dict(options)
+        self.options, self.tokenizer = dict(options), tokenizer
         self._contexts: OrderedDict[tuple, gen.Context] = OrderedDict()
         self._steps: Any = None
         # the options are checked now, so a bad one fails at construction
-        base = gen.context(folder, model, given=self.given, embed=embed, **self.options)
+        base = gen.context(
+            folder, model, given=self.given, embed=embed, tokenizer=tokenizer,
+            **stop_option(self.options)[0],
+        )  # fmt: skip
         self.defaults = base.options.as_dict()
 
     def context(self, batch: int, options: Mapping[str, Any]) -> gen.Context:
         """The compiled context for ``batch`` prompts and the defaults updated by ``options``."""
-        merged = {**self.options, **options}
+        merged = stop_option({**self.options, **options})[0]
         key = (batch, _frozen(merged))
         ctx = self._contexts.get(key)
         if ctx is not None:
             self._contexts.move_to_end(key)
             return ctx
-        ctx = gen.context(self.folder, self.model, given=self.given, embed=self.embed, **merged)
+        ctx = gen.context(
+            self.folder, self.model, given=self.given, embed=self.embed,
+            tokenizer=self.tokenizer, **merged,
+        )  # fmt: skip
         ctx = gen.compile(ctx, batch)
         if self._steps is None:
             self._steps = ctx.compiled.steps
@@ -138,13 +200,14 @@ class Runner:
         """Generates after each prompt and decodes the new tokens: one Result per prompt, or
         with num_return_sequences n > 1 a list of n per prompt."""
         ctx = self.context(len(prompts), options)
+        stop = stop_option({**self.options, **options})[1]
         base = secrets.randbits(31) if seed is None else int(seed)
         seeds = [base + i for i in range(len(prompts))]
         out = gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
         if ctx.options.num_return_sequences == 1:
-            return [_result(ctx, tokenizer, p, t) for p, t in zip(prompts, out, strict=True)]
+            return [_result(ctx, tokenizer, p, t, stop) for p, t in zip(prompts, out, strict=True)]
         return [
-            [_result(ctx, tokenizer, p, t) for t in sequences]
+            [_result(ctx, tokenizer, p, t, stop) for t in sequences]
             for p, sequences in zip(prompts, out, strict=True)
         ]
 
@@ -174,6 +237,10 @@ class Runner:
                 f"a stream gives one sequence, not num_return_sequences={n}: use generate"
             )
         beams = chosen.num_beams > 1
+        stop = stop_option({**self.options, **options})[1]
+        window = max(map(len, stop), default=0)
+        hold = _Hold(stop, tokenizer.decode(prompt[-window:]) if stop else "")
+        out: list[str] = []
         done = object()
 
         def on_token(event: dict[str, np.ndarray]) -> None:
@@ -181,8 +248,9 @@ class Runner:
                 raise _Cancelled
             token = int(event["token"][0])
             if token >= 0 and not beams:
-                piece = text.push([token])
+                piece = hold.push(text.push([token]))
                 if piece:
+                    out.append(piece)
                     pieces.put(piece)
 
         def work() -> None:
@@ -190,7 +258,11 @@ class Runner:
                 result = self.run(
                     tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token
                 )[0]
-                rest = result.text if beams else text.finish()
+                if beams or stop:  # the text may be cut at a stop string: send what follows
+                    shown = "".join(out)
+                    rest = result.text[len(shown) :] if result.text.startswith(shown) else ""
+                else:
+                    rest = text.finish()
                 if rest:
                     pieces.put(rest)
                 pieces.put(done)
@@ -214,8 +286,11 @@ class Runner:
             worker.join()
 
 
-def _result(ctx: gen.Context, tokenizer: Tokenizer, prompt: list[int], tokens: list) -> Result:
-    """The Result of one generated sequence after ``prompt`` (as generate returns it)."""
+def _result(
+    ctx: gen.Context, tokenizer: Tokenizer, prompt: list[int], tokens: list, stop: Sequence[str]
+) -> Result:
+    """The Result of one generated sequence after ``prompt`` (as generate returns it); ``stop``:
+    the pipeline's stop strings, cut from the text."""
     logprobs = top = None
     if ctx.options.top_logprobs:
         tokens, logprobs, top = (
@@ -229,7 +304,12 @@ def _result(ctx: gen.Context, tokenizer: Tokenizer, prompt: list[int], tokens: l
     if ctx.position_limit is not None:  # generate gave it the tokens that fit
         limit = min(limit, max(ctx.position_limit - len(prompt), 0))
     reason = "length" if len(tokens) >= limit else "eos"
+    if tokens and ctx.stops is not None and ctx.stops.hit(list(prompt) + list(tokens)):
+        reason = "stop"
     text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if stop:
+        cut = trim(tokenizer, list(prompt), list(tokens), text, stop)
+        reason, text = "stop" if cut != text else reason, cut
     return Result(text, list(tokens), logprobs, reason, top)
 
 

@@ -33,7 +33,9 @@ class TextGeneration:
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         model, embed = load_decoder(self.files)
-        self._runner = Runner(self.files.folder, model, embed=embed, options=options)
+        self._runner = Runner(
+            self.files.folder, model, embed=embed, options=options, tokenizer=self.tokenizer
+        )
         self.options = dict(options)
 
     @property

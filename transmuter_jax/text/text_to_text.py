@@ -38,7 +38,10 @@ class TextToText:
         given = [n for n in ("encoder_hidden_states", "encoder_attention_mask") if n in names]
         if "encoder_hidden_states" not in given:
             raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
-        self._runner = Runner(self.files.folder, decoder, embed=embed, given=given, options=options)
+        self._runner = Runner(
+            self.files.folder, decoder, embed=embed, given=given, options=options,
+            tokenizer=self.tokenizer,
+        )  # fmt: skip
         self.options = dict(options)
 
     @property

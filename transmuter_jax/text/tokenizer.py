@@ -19,6 +19,7 @@ Other tokenizer classes (Whisper, T5, CodeLlama, Cohere, ...) are loaded as a pl
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -329,6 +330,14 @@ class Tokenizer:
     def chat_template(self, template: str | None) -> None:
         # As in transformers, setting one template replaces all the named ones.
         self.chat_templates = {} if template is None else {"default": template}
+
+    @functools.cached_property
+    def token_texts(self) -> tuple[str | None, ...]:
+        """The text of each token id as transformers' ``StopStringCriteria`` reads it (None for
+        ids outside the vocabulary); computed once."""
+        from ..generation.stops import token_texts
+
+        return token_texts(self.backend)
 
     def token_id(self, token: str) -> int | None:
         """The id of `token` in the vocabulary (added tokens included), or None."""
