@@ -405,7 +405,7 @@ def test_import_changes_no_jax_config_and_the_callers_programs_stay_out(tmp_path
     assert out["load"] == {}
     assert out["folder"] == str(cache)
     entries = sorted(p.name for p in cache.glob("*-cache"))
-    assert len(entries) == 1 and entries[0].startswith("tj1-jit__function-")  # the model's only
+    assert len(entries) == 1 and entries[0].startswith("tj1-jit_trace-")  # the model's only
 
 
 def test_a_cache_folder_the_caller_set_is_kept(tmp_path):

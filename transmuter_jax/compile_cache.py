@@ -144,6 +144,10 @@ def scope() -> Iterator[None]:
     """
     configure()
     depth = getattr(_local, "depth", 0)
+    if depth == 0:  # the compiler options' probe compiles outside any cache, before the lend
+        from .onnx.compiler import jit_options
+
+        jit_options()
     folder = _state["folder"]
     own = (
         depth == 0

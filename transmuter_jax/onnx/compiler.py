@@ -26,7 +26,10 @@ def cpu_options() -> dict[str, Any]:
     """:data:`CPU_OPTIONS` less the YNNPACK option where this XLA does not know it (older)."""
     options = dict(CPU_OPTIONS)
     try:
-        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
+        from jax._src import config
+
+        with config.enable_compilation_cache(False):  # the probe stays out of every cache
+            jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
     except Exception:  # noqa: BLE001 - an XLA without YNNPACK fusions: nothing to turn off
         options.pop(YNN_OPTION)
     return options
