@@ -1,16 +1,14 @@
 """The onnxruntime-genai model builder's command line, written once.
 
 Standard library only: the fixture factory, benchmarks/make_model.py and default/export.py run
-in other environments and load this file by path (:func:`load`).
+in other environments and load this file by its path.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 
 def command(
@@ -27,11 +25,3 @@ def command(
     if extra_options:
         cmd += ["--extra_options", *extra_options]
     return cmd
-
-
-def load() -> ModuleType:
-    """This module, loaded by its path (for scripts that cannot import transmuter_jax)."""
-    spec = importlib.util.spec_from_file_location("genai_builder", __file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
