@@ -74,6 +74,24 @@ def _small_float_eps(dtype: np.dtype) -> float:
         return 0.0
 
 
+def _defined(case, feeds: dict, expected: np.ndarray) -> np.ndarray | None:
+    """Which output elements ONNX defines, for a graph of one Cast or CastLike from a float to an
+    integer type: the spec leaves an out-of-range value undefined (the reference's numbers then
+    depend on the ml_dtypes version). None when every element is defined."""
+    nodes = case.model.graph.node
+    if len(nodes) != 1 or nodes[0].op_type not in ("Cast", "CastLike"):
+        return None
+    source = np.asarray(feeds[nodes[0].input[0]])
+    if source.dtype.kind != "f" and not _small_float_eps(source.dtype):
+        return None
+    try:
+        info = ml_dtypes.iinfo(expected.dtype)
+    except (ValueError, TypeError):
+        return None
+    whole = np.trunc(source.astype(np.float64))
+    return (whole >= int(info.min)) & (whole <= int(info.max))
+
+
 def _array(value) -> np.ndarray:
     if isinstance(value, onnx.TensorProto):
         return onnx.numpy_helper.to_array(value)
@@ -106,6 +124,10 @@ def test_backend_node(case, tmp_path):
                     err_msg=info.name,
                 )
             else:
+                defined = _defined(case, feeds, expected)
+                if defined is not None:
+                    assert defined.any(), "no element of this case is defined"
+                    actual, expected = actual[defined], expected[defined]
                 np.testing.assert_array_equal(actual, expected.astype(actual.dtype))
 
 
