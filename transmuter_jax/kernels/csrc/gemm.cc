@@ -1,48 +1,104 @@
 // Float32 X[M, K] @ W[K, N] with W packed in column strips P[S, K, kStrip] (S = ceil(N / kStrip),
 // the last strip zero-padded): a strip is one contiguous stream, which the prefetcher follows.
+// The strip width is fixed (the layout does not depend on the CPU); the micro-kernels work on
+// panels of kPanel columns of a strip, two vectors of the ISA wide, so that their accumulators
+// stay in registers on AVX-512 (one panel a strip), AVX2 (two) and 128-bit vectors (four).
 // Up to kRows rows of X (decoding): a chunk of work is one strip against all rows, in one pass of
-// a register-blocked micro-kernel. More rows: a chunk is a pair of strips against a group of up to
-// kRowGroup rows, in passes of kPairRows rows, K in blocks of kDepth so that the blocks of the
-// strips stay in L1 across passes. Chunks are spread over the thread pool.
+// a register-blocked micro-kernel per panel. More rows: a chunk is a pair of panels against a
+// group of up to kRowGroup rows, in passes of kPairRows rows, K in blocks of kDepth so that the
+// blocks of the panels stay in L1 across passes. Chunks are spread over the thread pool.
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 
 #include "common.h"
 #include "pool.h"
 
 namespace tj {
 
-constexpr int kVecs = 2;                 // vectors per strip row
-constexpr int kStrip = kVecs * kLanes;   // strip width in floats
-constexpr int kRows = 12;                // rows of X per micro-kernel pass
-constexpr int64_t kRowGroup = 96;        // rows of X per chunk when M is large
-constexpr int64_t kDepth = 256;          // values of K per block when M > kRows
+// The vector width and register count of the ISA this library is built for (-march=native).
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64, kRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kVectorBytes = 32, kRegisters = 16;
+#elif defined(__aarch64__)
+constexpr int kVectorBytes = 16, kRegisters = 32;
+#else
+constexpr int kVectorBytes = 16, kRegisters = 16;
+#endif
+typedef float gv __attribute__((vector_size(kVectorBytes)));
+typedef float gvu __attribute__((vector_size(kVectorBytes), aligned(4)));  // unaligned access
+inline gv gload(const float* p) { return *reinterpret_cast<const gvu*>(p); }
+inline void gstore(float* p, gv v) { *reinterpret_cast<gvu*>(p) = v; }
+inline gv gsplat(float s) { return gv{} + s; }
 
-// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ strip[0:k], R <= kRows; adds to Y when `add`.
-template <int R>
-static void micro(const float* x, int64_t ldx, const float* strip, int64_t k, float* y,
+constexpr int kStrip = 32;                       // strip width in floats (the packed layout)
+constexpr int kGemmLanes = kVectorBytes / 4;     // floats per vector
+constexpr int kVecs = 2;                         // vectors per panel row
+constexpr int kPanel = kVecs * kGemmLanes;       // panel width in floats
+constexpr int kPanels = kStrip / kPanel;         // panels per strip
+// Accumulators, one panel row and one broadcast value in registers:
+constexpr int kRows = std::min(12, (kRegisters - kVecs - 1) / kVecs);  // rows per micro pass
+constexpr int kWideRows = std::max(1, (kRegisters - kStrip / kGemmLanes - 1) / (kStrip / kGemmLanes));
+constexpr int kPairRows = std::min(6, (kRegisters - 2 * kVecs - 1) / (2 * kVecs));
+constexpr int64_t kRowGroup = 96;                // rows of X per chunk when M is large
+constexpr int64_t kDepth = 256;                  // values of K per block when M > kRows
+static_assert(kStrip % kPanel == 0, "a strip holds whole panels");
+
+// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ panel[0:k] (V vectors wide, rows kStrip apart),
+// cols <= V * kGemmLanes; adds to Y when `add`.
+template <int R, int V>
+static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
                   int64_t ldy, int64_t cols, bool add) {
-  vf acc[R][kVecs] = {};
+  constexpr int kWidth = V * kGemmLanes;
+  gv acc[R][V] = {};
   for (int64_t i = 0; i < k; ++i) {
-    const float* p = strip + i * kStrip;
-    vf w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = load(p + v * kLanes);
+    const float* p = panel + i * kStrip;
+    gv w[V];
+    for (int v = 0; v < V; ++v) w[v] = gload(p + v * kGemmLanes);
     for (int r = 0; r < R; ++r) {
-      vf a = splat(x[r * ldx + i]);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] += a * w[v];
+      gv a = gsplat(x[r * ldx + i]);
+      for (int v = 0; v < V; ++v) acc[r][v] += a * w[v];
     }
   }
   for (int r = 0; r < R; ++r) {
     float* out = y + r * ldy;
-    if (cols == kStrip) {
-      for (int v = 0; v < kVecs; ++v) {
-        store(out + v * kLanes, add ? load(out + v * kLanes) + acc[r][v] : acc[r][v]);
+    if (cols == kWidth) {
+      for (int v = 0; v < V; ++v) {
+        gstore(out + v * kGemmLanes,
+               add ? gload(out + v * kGemmLanes) + acc[r][v] : acc[r][v]);
       }
     } else {
-      float tmp[kStrip];
-      for (int v = 0; v < kVecs; ++v) store(tmp + v * kLanes, acc[r][v]);
+      float tmp[kWidth];
+      for (int v = 0; v < V; ++v) gstore(tmp + v * kGemmLanes, acc[r][v]);
       for (int64_t c = 0; c < cols; ++c) out[c] = add ? out[c] + tmp[c] : tmp[c];
     }
+  }
+}
+
+// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [panel a | panel b] (cols <= 2 * kPanel): twice the columns
+// per broadcast of X, for many rows of X.
+template <int R>
+static void micro_pair(const float* x, int64_t ldx, const float* a, const float* b, int64_t k,
+                       float* y, int64_t ldy, int64_t cols, bool add) {
+  gv acc[R][2 * kVecs] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    gv w[2 * kVecs];
+    for (int v = 0; v < kVecs; ++v) {
+      w[v] = gload(a + i * kStrip + v * kGemmLanes);
+      w[kVecs + v] = gload(b + i * kStrip + v * kGemmLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      gv xv = gsplat(x[r * ldx + i]);
+      for (int v = 0; v < 2 * kVecs; ++v) acc[r][v] += xv * w[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float tmp[2 * kPanel];
+    for (int v = 0; v < 2 * kVecs; ++v) gstore(tmp + v * kGemmLanes, acc[r][v]);
+    float* out = y + r * ldy;
+    for (int64_t c = 0; c < cols; ++c) out[c] = add ? out[c] + tmp[c] : tmp[c];
   }
 }
 
@@ -50,39 +106,21 @@ using Micro = void (*)(const float*, int64_t, const float*, int64_t, float*, int
                        bool);
 using MicroPair = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*,
                            int64_t, int64_t, bool);
-static constexpr Micro kMicro[kRows + 1] = {
-    nullptr,  micro<1>, micro<2>, micro<3>,  micro<4>,  micro<5>, micro<6>,
-    micro<7>, micro<8>, micro<9>, micro<10>, micro<11>, micro<12>};
 
-// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [strip a | strip b] (cols <= 2 * kStrip): twice the columns
-// per broadcast of X, for many rows of X.
-template <int R>
-static void micro_pair(const float* x, int64_t ldx, const float* a, const float* b, int64_t k,
-                       float* y, int64_t ldy, int64_t cols, bool add) {
-  vf acc[R][2 * kVecs] = {};
-  for (int64_t i = 0; i < k; ++i) {
-    vf w[2 * kVecs];
-    for (int v = 0; v < kVecs; ++v) {
-      w[v] = load(a + i * kStrip + v * kLanes);
-      w[kVecs + v] = load(b + i * kStrip + v * kLanes);
-    }
-    for (int r = 0; r < R; ++r) {
-      vf xv = splat(x[r * ldx + i]);
-      for (int v = 0; v < 2 * kVecs; ++v) acc[r][v] += xv * w[v];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float tmp[2 * kStrip];
-    for (int v = 0; v < 2 * kVecs; ++v) store(tmp + v * kLanes, acc[r][v]);
-    float* out = y + r * ldy;
-    for (int64_t c = 0; c < cols; ++c) out[c] = add ? out[c] + tmp[c] : tmp[c];
-  }
+template <int V, int... I>
+constexpr std::array<Micro, sizeof...(I) + 1> micro_table(std::integer_sequence<int, I...>) {
+  return {nullptr, micro<I + 1, V>...};
 }
-
-constexpr int kPairRows = 6;  // rows of X per pass of micro_pair
-static constexpr MicroPair kMicroPair[kPairRows + 1] = {nullptr,       micro_pair<1>, micro_pair<2>,
-                                                   micro_pair<3>, micro_pair<4>, micro_pair<5>,
-                                                   micro_pair<6>};
+template <int... I>
+constexpr std::array<MicroPair, sizeof...(I) + 1> pair_table(std::integer_sequence<int, I...>) {
+  return {nullptr, micro_pair<I + 1>...};
+}
+static constexpr auto kMicro = micro_table<kVecs>(std::make_integer_sequence<int, kRows>{});
+// A whole strip a pass, for the fewest rows (decoding one or two rows): more independent
+// accumulators and one contiguous stream of the strip.
+static constexpr auto kWide =
+    micro_table<kStrip / kGemmLanes>(std::make_integer_sequence<int, kWideRows>{});
+static constexpr auto kMicroPair = pair_table(std::make_integer_sequence<int, kPairRows>{});
 
 struct GemmJob {
   const float* x;
@@ -91,51 +129,61 @@ struct GemmJob {
   int64_t m, k, n, groups;
 };
 
-// Y[0:m, 0:cols] = X[0:m, 0:k] @ strip[0:k, :], on this thread.
-static void gemm_strip(const float* x, int64_t ldx, const float* strip, int64_t k, float* y,
-                       int64_t ldy, int64_t m, int64_t cols) {
+// The first value of panel q (panels counted over all strips, kPanels a strip).
+static const float* panel_at(const GemmJob& job, int64_t q) {
+  return job.packed + (q / kPanels) * job.k * kStrip + (q % kPanels) * kPanel;
+}
+
+// Rows [r0, r1) of X against panel q, on this thread.
+static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
+  const int64_t cols = std::min<int64_t>(kPanel, job.n - q * kPanel);
+  if (cols <= 0) return;
+  const int64_t m = r1 - r0;
+  const float* panel = panel_at(job, q);
+  const float* x = job.x + r0 * job.k;
+  float* y = job.y + r0 * job.n + q * kPanel;
   const int64_t passes = (m + kRows - 1) / kRows;
-  // With several passes, K goes in blocks so that a block of the strip stays in L1 for all.
-  const int64_t depth = passes > 1 ? kDepth : k;
-  for (int64_t k0 = 0; k0 < k; k0 += depth) {
-    const int64_t kc = std::min(depth, k - k0);
+  // With several passes, K goes in blocks so that a block of the panel stays in L1 for all.
+  const int64_t depth = passes > 1 ? kDepth : job.k;
+  for (int64_t k0 = 0; k0 < job.k; k0 += depth) {
+    const int64_t kc = std::min(depth, job.k - k0);
     int64_t r = 0;
     for (int64_t p = 0; p < passes; ++p) {  // balanced passes
       const int64_t take = (m - r) / (passes - p);
-      kMicro[take](x + r * ldx + k0, ldx, strip + k0 * kStrip, kc, y + r * ldy, ldy, cols,
-                   k0 > 0);
+      kMicro[take](x + r * job.k + k0, job.k, panel + k0 * kStrip, kc, y + r * job.n, job.n,
+                   cols, k0 > 0);
       r += take;
     }
   }
 }
 
-// Rows [r0, r1) of X against strip s.
-static void gemm_rows(const GemmJob& job, int64_t s, int64_t r0, int64_t r1) {
-  const int64_t cols = std::min<int64_t>(kStrip, job.n - s * kStrip);
-  gemm_strip(job.x + r0 * job.k, job.k, job.packed + s * job.k * kStrip, job.k,
-             job.y + r0 * job.n + s * kStrip, job.n, r1 - r0, cols);
-}
-
+// Few rows of X: strip s (its panels) against a group of rows.
 static void gemm_chunk(void* ctx, int64_t chunk) {
   const GemmJob& job = *static_cast<const GemmJob*>(ctx);
   const int64_t s = chunk / job.groups, g = chunk % job.groups;
   const int64_t r0 = g * job.m / job.groups, r1 = (g + 1) * job.m / job.groups;
-  gemm_rows(job, s, r0, r1);
+  if (kPanels > 1 && r1 - r0 <= kWideRows) {
+    const int64_t cols = std::min<int64_t>(kStrip, job.n - s * kStrip);
+    kWide[r1 - r0](job.x + r0 * job.k, job.k, job.packed + s * job.k * kStrip, job.k,
+                   job.y + r0 * job.n + s * kStrip, job.n, cols, false);
+    return;
+  }
+  for (int64_t q = s * kPanels; q < (s + 1) * kPanels; ++q) gemm_panel(job, q, r0, r1);
 }
 
-// Many rows of X: strips 2p and 2p + 1 against a group of rows, K in blocks.
+// Many rows of X: panels 2p and 2p + 1 against a group of rows, K in blocks.
 static void gemm_pair_chunk(void* ctx, int64_t chunk) {
   const GemmJob& job = *static_cast<const GemmJob*>(ctx);
   const int64_t pair = chunk / job.groups, g = chunk % job.groups;
   const int64_t r0 = g * job.m / job.groups, r1 = (g + 1) * job.m / job.groups;
-  const int64_t s = 2 * pair;
-  if ((s + 1) * kStrip >= job.n) {  // the last strip has no partner
-    gemm_rows(job, s, r0, r1);
+  const int64_t q = 2 * pair;
+  if ((q + 1) * kPanel >= job.n) {  // the last panel has no partner
+    gemm_panel(job, q, r0, r1);
     return;
   }
-  const int64_t cols = std::min<int64_t>(2 * kStrip, job.n - s * kStrip);
-  const float* a = job.packed + s * job.k * kStrip;
-  const float* b = a + job.k * kStrip;
+  const int64_t cols = std::min<int64_t>(2 * kPanel, job.n - q * kPanel);
+  const float* a = panel_at(job, q);
+  const float* b = panel_at(job, q + 1);
   const int64_t passes = (r1 - r0 + kPairRows - 1) / kPairRows;
   for (int64_t k0 = 0; k0 < job.k; k0 += kDepth) {
     const int64_t kc = std::min(kDepth, job.k - k0);
@@ -143,7 +191,7 @@ static void gemm_pair_chunk(void* ctx, int64_t chunk) {
     for (int64_t p = 0; p < passes; ++p) {
       const int64_t take = (r1 - r) / (passes - p);
       kMicroPair[take](job.x + r * job.k + k0, job.k, a + k0 * kStrip, b + k0 * kStrip, kc,
-                       job.y + r * job.n + s * kStrip, job.n, cols, k0 > 0);
+                       job.y + r * job.n + q * kPanel, job.n, cols, k0 > 0);
       r += take;
     }
   }
@@ -157,10 +205,11 @@ void gemm(const float* x, const float* packed, float* y, int64_t m, int64_t k, i
     return;
   }
   const int64_t strips = (n + kStrip - 1) / kStrip;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t groups = (m + kRowGroup - 1) / kRowGroup;
   GemmJob job{x, packed, y, m, k, n, groups};
   if (m > kRows) {
-    Pool::get().run((strips + 1) / 2 * groups, gemm_pair_chunk, &job);
+    Pool::get().run((panels + 1) / 2 * groups, gemm_pair_chunk, &job);
   } else {
     Pool::get().run(strips * groups, gemm_chunk, &job);
   }
