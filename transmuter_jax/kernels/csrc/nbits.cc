@@ -380,12 +380,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsImpl,
                                   .Attr<int64_t>("block_size")
                                   .Attr<bool>("int8")
                                   .Attr<bool>("portable"));
-
-// Whether MatMulNBits uses the VNNI kernel.
-extern "C" int tj_nbits_vnni() {
-#ifdef TJ_HAVE_VNNI
-  return 1;
-#else
-  return 0;
-#endif
-}
