@@ -150,3 +150,16 @@ def test_call_and_stream_give_the_text(pipe):
 def test_a_text_only_model_is_refused():
     with pytest.raises(ValueError, match="image encoder"):
         vision.image_to_text(FIXTURE.parent / "gpt2-optimum")
+
+
+def test_the_onnx_community_layout_runs_the_same(tmp_path):
+    (tmp_path / "onnx").mkdir()
+    for path in FIXTURE.iterdir():
+        (tmp_path / ("onnx" if path.suffix == ".onnx" else "") / path.name).symlink_to(path)
+    pipe = vision.image_to_text(tmp_path)
+    assert pipe.files.family == "transformers.js" and pipe.files.encoder.endswith(
+        "onnx/encoder_model.onnx"
+    )
+    c = REF["images"][0]
+    assert np.array_equal(pipe.pixel_values([FIXTURE / c["file"]])[0], NPZ[c["pixel_values"]])
+    assert pipe.generate([FIXTURE / c["file"]], max_new_tokens=4)[0].token_ids == c["tokens"][:4]
