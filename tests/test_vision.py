@@ -163,3 +163,16 @@ def test_the_onnx_community_layout_runs_the_same(tmp_path):
     c = REF["images"][0]
     assert np.array_equal(pipe.pixel_values([FIXTURE / c["file"]])[0], NPZ[c["pixel_values"]])
     assert pipe.generate([FIXTURE / c["file"]], max_new_tokens=4)[0].token_ids == c["tokens"][:4]
+
+
+def test_beam_search_equals_transformers(pipe):
+    beam = REF["beam"]
+    for c in beam["cases"]:
+        result = pipe.generate(
+            [FIXTURE / c["file"]],
+            num_beams=beam["num_beams"],
+            max_new_tokens=beam["max_new_tokens"],
+        )[0]
+        assert result.token_ids == c["tokens"], c["file"]
+    greedy = _case(beam["cases"][0]["file"])["tokens"][: beam["max_new_tokens"]]
+    assert beam["cases"][0]["tokens"] != greedy  # the search changes the answer
