@@ -137,10 +137,9 @@ def read(path: str | Path) -> CTranslate2Model:
         raw = r.take(size, f"the data of {name!r}")
         variables[name] = np.frombuffer(raw, dtype=dtype).reshape(dims).copy()
     aliases: dict[str, str] = {}
-    if r.offset < len(r.data):
-        for index in range(r.unpack("I", "the alias count")):
-            alias = r.name(f"alias {index}")
-            aliases[alias] = r.name(f"the target of alias {alias!r}")
+    for index in range(r.unpack("I", "the alias count")):
+        alias = r.name(f"alias {index}")
+        aliases[alias] = r.name(f"the target of alias {alias!r}")
     for alias, target in aliases.items():
         if target not in variables:
             raise FormatError(f"alias {alias!r} names {target!r}, which is not in {path}")
@@ -159,7 +158,7 @@ def write(path: str | Path, model: CTranslate2Model) -> None:
     parts = [struct.pack("<I", model.version), _name(model.spec), struct.pack("<I", model.revision)]
     parts.append(struct.pack("<I", len(model.variables)))
     for name, value in model.variables.items():
-        value = np.ascontiguousarray(value)
+        value = np.asarray(value, order="C")
         parts += [_name(name), struct.pack("<B", value.ndim)]
         parts += [struct.pack("<I", d) for d in value.shape]
         data = value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
@@ -239,7 +238,7 @@ def whisper_weights(model: CTranslate2Model) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
 
     def put(name: str, value: np.ndarray) -> None:
-        out[name] = np.ascontiguousarray(value, dtype=np.float32)
+        out[name] = np.asarray(value, dtype=np.float32, order="C")
 
     def norm(hf: str, ct2: str) -> None:
         put(f"{hf}.weight", model.get(f"{ct2}/gamma"))
@@ -298,7 +297,7 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> Non
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset, blobs = 0, []
     for name in sorted(tensors):
-        value = np.ascontiguousarray(tensors[name], dtype="<f4")
+        value = np.asarray(tensors[name], dtype="<f4", order="C")
         blob = value.tobytes()
         header[name] = {
             "dtype": "F32",
