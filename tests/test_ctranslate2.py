@@ -210,6 +210,13 @@ def test_whisper_weights_split_the_fused_projections():
     assert len(w) == 15 + 24 + 11
 
 
+def test_whisper_refuses_another_activation():
+    model = _whisper(np.random.default_rng(0))
+    model.variables["decoder/activation"] = np.array(1, np.int8)
+    with pytest.raises(ct2.FormatError, match="decoder/activation is 1; Whisper has 3"):
+        ct2.whisper_weights(model)
+
+
 def test_whisper_refuses_another_spec_and_quantized_weights(small):
     with pytest.raises(ct2.FormatError, match="spec is 'TestSpec', not 'WhisperSpec'"):
         ct2.whisper_weights(ct2.read(small))

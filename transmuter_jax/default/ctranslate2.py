@@ -227,7 +227,13 @@ def whisper_weights(model: CTranslate2Model) -> dict[str, np.ndarray]:
     ``proj_out`` is tied to the token embeddings and not written.
     """
     shape = whisper_shape(model)
-    flags = {"decoder/scale_embeddings": 0, "decoder/alibi": 0, "decoder/pre_norm": 1}
+    flags = {  # the decoder's settings that transformers' Whisper has (activation 3: GELU)
+        "decoder/activation": 3,
+        "decoder/alibi": 0,
+        "decoder/pre_norm": 1,
+        "decoder/scale_embeddings": 0,
+        "decoder/start_from_zero_embedding": 0,
+    }
     for name, want in flags.items():
         if name in model.variables and model.scalar(name) != want:
             raise FormatError(f"{name} is {model.scalar(name)}; Whisper has {want}")
