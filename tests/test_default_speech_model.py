@@ -122,6 +122,7 @@ def test_transformers_and_onnxruntime_transcribe_the_recording(speech):
     assert _same_tokens(result, eos=50256)
 
 
+@pytest.mark.slow  # prepares a second model (700 MB, about a minute more)
 def test_base_is_multilingual_and_transcribes_the_recording_in_english(speech_base):
     generation = json.loads((speech_base / "hf" / "generation_config.json").read_text())
     assert generation["is_multilingual"] is True
