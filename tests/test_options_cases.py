@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from generation_cases import context, encoder_inputs, reference
+from generation_cases import FIXTURES, context, encoder_inputs, reference
 
 from transmuter_jax import generation
 
@@ -103,3 +103,42 @@ def test_options_equal_transformers(name, case_name, workdir):
         if beam:
             scores = [the_case["sequences_scores"][i] for i in rows]
             np.testing.assert_allclose(events[-1]["score"], scores, atol=1e-4)
+
+
+def test_text_to_text_passes_the_encoder_ids():
+    """The pipeline with encoder_repetition_penalty equals generate given the text's ids as
+    transformers' tokenizer made them (the "text" case), and the option changes the tokens;
+    generate refuses the option without the ids for an encoder-decoder."""
+    from generation_cases import decoder, load
+
+    from transmuter_jax import text
+
+    the_case = _case("marian-optimum", "text")
+    ref = reference("marian-optimum")[0]
+    pipe = text.text_to_text(FIXTURES / "marian-optimum")
+    encoder = load(FIXTURES / "marian-optimum" / ref["files"]["encoder"])
+    names = {i.name for i in decoder("marian-optimum").inputs}
+    changed = 0
+    for source, ids in zip(the_case["texts"], the_case["input_ids"], strict=True):
+        got = pipe.generate([source], max_new_tokens=8, encoder_repetition_penalty=1.5)[0]
+        feeds = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), int)}
+        given = {"encoder_hidden_states": np.asarray(encoder(feeds)["last_hidden_state"])}
+        if "encoder_attention_mask" in names:
+            given["encoder_attention_mask"] = feeds["attention_mask"]
+        ctx = context("marian-optimum", FIXTURES, given=tuple(given), max_new_tokens=8,
+                      encoder_repetition_penalty=1.5)  # fmt: skip
+        ctx = generation.compile(ctx, 1)
+        start = [ref["decoder_start_token_id"]]
+        want = generation.generate(ctx, [start], [0], given | {"encoder_input_ids": [ids]})[0]
+        assert got.token_ids == want
+        changed += got.token_ids != pipe.generate([source], max_new_tokens=8)[0].token_ids
+        with pytest.raises(ValueError, match='pass inputs\\["encoder_input_ids"\\]'):
+            generation.generate(ctx, [start], [0], given)
+    assert changed  # the option changed the tokens of some text
+
+
+def test_encoder_repetition_penalty_with_beams_or_several_sequences_is_refused():
+    for extra in ({"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}):
+        with pytest.raises(ValueError, match="applies it to the wrong rows"):
+            generation.Options(encoder_repetition_penalty=1.5, **extra)
+    generation.Options(encoder_no_repeat_ngram_size=2, num_beams=2)  # this one is per beam
