@@ -168,3 +168,38 @@ def test_a_first_run_says_it_compiles_and_a_cached_run_is_quiet(tmp_path):
     warm = _cli(*args, TRANSMUTER_JAX_COMPILE_CACHE=str(tmp_path))
     assert warm.returncode == 0, warm.stderr
     assert warm.stdout == cold.stdout and "transmuter-jax: compil" not in warm.stderr
+
+
+def _lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.mark.parametrize(
+    "extra", [["--num-beams", "3"], ["--sample", "--seed", "5"]], ids=["beams", "sampling"]
+)
+def test_num_return_sequences_prints_one_json_object_per_sequence(extra, capsys):
+    from transmuter_jax import text
+
+    args = ["generate", MODEL, "the little fox", "--max-new-tokens", "6", *extra]
+    assert cli.main([*args, "--num-return-sequences", "3", "--json"]) == 0
+    records = _lines(capsys.readouterr().out)
+    options = {"num_beams": 3} if "--num-beams" in extra else {"do_sample": True}
+    seed = 5 if "--seed" in extra else None
+    pipe = text.generation(MODEL)
+    want = pipe.generate(
+        ["the little fox"], seed=seed, max_new_tokens=6, num_return_sequences=3, **options
+    )[0]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert [r["token_ids"] for r in records] == [w.token_ids for w in want]
+    assert [r["text"] for r in records] == [w.text for w in want]
+    assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in records)
+    assert cli.main([*args, "--num-return-sequences", "3"]) == 0
+    assert capsys.readouterr().out == "".join(f"[{j}] {w.text}\n" for j, w in enumerate(want))
+
+
+def test_num_return_sequences_errors_are_clear(capsys):
+    args = ["generate", MODEL, "hi", "--num-return-sequences", "3", "--num-beams", "2"]
+    assert cli.main(args) == 1
+    assert "num_return_sequences 3 is more than num_beams 2" in capsys.readouterr().err
+    assert cli.main(["generate", MODEL, "hi", "--num-return-sequences", "2"]) == 1
+    assert "needs sampling" in capsys.readouterr().err

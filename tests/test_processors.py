@@ -38,6 +38,20 @@ def _case(name):
     return next(c for c in _data()[0]["cases"] if c["name"] == name)
 
 
+def _encoder(case, row) -> np.ndarray:
+    """[1, E] the encoder ids transformers read for ``row``: the stored source of an
+    encoder-decoder, a decoder-only prompt; -1 after them."""
+    ids = case.get("encoder_input_ids") or row["prompt"]
+    out = np.full((1, len(ids) + 2), -1, np.int32)
+    out[0, : len(ids)] = ids
+    return out
+
+
+def test_the_encoder_cases_are_stored():
+    names = {c["name"] for c in _data()[0]["cases"]}
+    assert {"encoder_all", "encoder_all_encdec", "encoder_no_repeat_ngram_3"} <= names
+
+
 @pytest.mark.parametrize("name", _cases())
 def test_scores_equal_transformers(name):
     case = _case(name)
@@ -57,6 +71,7 @@ def test_scores_equal_transformers(name):
             np.array([len(row["prompt"])], np.int32),
             np.array([len(tokens)], np.int32),
             np.array([len(row["prompt"]) + case["max_new_tokens"]], np.int32),
+            _encoder(case, row) if options.encoder_ids else None,
         )
         got = np.asarray(
             processed(logits[i : i + 1], rows, from_options(options), (), options, masks)

@@ -97,11 +97,13 @@ def test_bad_stop_strings_are_refused(value, message):
         generation.Options(stop_strings=value)
 
 
-def test_stop_strings_take_a_string_or_a_list_and_refuse_beam_search():
+def test_stop_strings_take_a_string_or_a_list_and_run_with_beam_search():
+    """Beam search with stop strings is transformers' (a stop string ends a candidate as eos
+    does): token-exact in test_options_cases.py's "options_beam_stop_strings" cases."""
     assert generation.Options(stop_strings="ab").stop_strings == ("ab",)
     assert generation.Options(stop_strings=["a", "b"]).stop_strings == ("a", "b")
-    with pytest.raises(ValueError, match="stop_strings with beam search"):
-        generation.context(FOLDER, decoder("llama-optimum"), stop_strings=["a"], num_beams=2)
+    ctx = generation.context(FOLDER, decoder("llama-optimum"), stop_strings=["a"], num_beams=2)
+    assert ctx.stops.strings == ("a",) and ctx.options.num_beams == 2
 
 
 def test_generation_config_json_with_stop_strings_loads_and_reads_the_tokenizer(tmp_path):

@@ -61,6 +61,10 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--num-beams", type=int, metavar="K", help="beam search with K beams "
                        "(default 1); the answer prints when the search ends")  # fmt: skip
+    group.add_argument("--num-return-sequences", type=int, metavar="N", help="N answers: "
+                       "samples (with --sample) or the N best beams (N <= --num-beams); printed "
+                       "when done, as '[j] text' lines, with --json one object per line "
+                       "(default 1)")  # fmt: skip
     group.add_argument("--repetition-penalty", type=float, metavar="R",
                        help="transformers' repetition_penalty (default 1.0)")  # fmt: skip
     group.add_argument("--stop", action="append", metavar="STR", help="stop when the answer "
@@ -179,6 +183,8 @@ def _options(args: argparse.Namespace, warn=_warn) -> dict[str, Any]:
         options.update({k: v for k, v in sampling.items() if v is not None})
     if args.num_beams is not None:
         options["num_beams"] = args.num_beams
+    if args.num_return_sequences is not None:
+        options["num_return_sequences"] = args.num_return_sequences
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty
     if args.stop:
@@ -257,6 +263,19 @@ def _messages(system: str | None, prompt: str) -> list[dict[str, str]]:
     return [*head, {"role": "user", "content": prompt}]
 
 
+def _returns(options: dict[str, Any], defaults: dict[str, Any]) -> int:
+    """The sequences per prompt the options ask for (else generation_config.json's)."""
+    n = options.get("num_return_sequences", defaults.get("num_return_sequences"))
+    return 1 if n is None else int(n)
+
+
+def _print_texts(results: Sequence[Any]) -> None:
+    """The texts of several sequences, each on a line of its own after its index: '[j] text'."""
+    for j, result in enumerate(results):
+        print(f"[{j}] {result.text}")
+    sys.stdout.flush()
+
+
 def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     if len(args.args) > 2:
         raise ValueError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments")
@@ -270,27 +289,35 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     source: Any = _messages(args.system, prompt) if args.system else prompt
     chat = None if args.chat_template else False  # None: the template when the model has one
     start = time.perf_counter()
-    if args.json:
-        if args.top_logprobs:
+    n = _returns(options, pipe.defaults)
+    if args.json or n > 1:
+        if args.json and args.top_logprobs:
             options["top_logprobs"] = args.top_logprobs
-        result = pipe.generate([source], chat=chat, seed=args.seed, token_logprobs=True,
-                               **options)[0]  # fmt: skip
+        out = pipe.generate([source], chat=chat, seed=args.seed, token_logprobs=args.json,
+                            **options)[0]  # fmt: skip
         notice.report()
-        record = {
-            "model": pipe.files.folder,
-            "prompt": prompt,
-            "text": result.text,
-            "token_ids": result.token_ids,
-            "logprobs": result.logprobs,
-            "finish_reason": result.finish_reason,
-        }
-        if result.top_logprobs is not None:  # OpenAI-style: per token, the best k with text
-            decode = pipe.tokenizer.decode
-            record["top_logprobs"] = [
-                [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in best]
-                for best in result.top_logprobs
-            ]
-        print(json.dumps(record, ensure_ascii=False))
+        results = out if n > 1 else [out]
+        if not args.json:
+            _print_texts(results)
+            return 0
+        for j, result in enumerate(results):
+            record = {
+                "model": pipe.files.folder,
+                "prompt": prompt,
+                "text": result.text,
+                "token_ids": result.token_ids,
+                "logprobs": result.logprobs,
+                "finish_reason": result.finish_reason,
+            }
+            if n > 1:
+                record["index"] = j
+            if result.top_logprobs is not None:  # OpenAI-style: per token, the best k with text
+                decode = pipe.tokenizer.decode
+                record["top_logprobs"] = [
+                    [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in best]
+                    for best in result.top_logprobs
+                ]
+            print(json.dumps(record, ensure_ascii=False))
         return 0
     count = 0
     for piece in pipe.stream(source, chat=chat, seed=args.seed, **options):
@@ -311,6 +338,8 @@ def _chat(args: argparse.Namespace, notice: _CompileNotice) -> int:
         raise ValueError(f"{pipe.files.folder} has no chat template: use '{PROG} generate'")
     options = _options(args)
     _check_seed(args, options, pipe.defaults)
+    if _returns(options, pipe.defaults) > 1:
+        raise ValueError(f"chat gives one answer: use '{PROG} generate --num-return-sequences'")
     interactive = sys.stdin.isatty()
     history: list[dict[str, str]] = _messages(args.system, "")[:-1]
     if interactive:
@@ -352,12 +381,24 @@ def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     pipe = _pipeline("text_to_text", args.model, args)
     options = _options(args)
     _check_seed(args, options, pipe.defaults)
-    if args.json:
-        result = pipe.generate([source], seed=args.seed, token_logprobs=True, **options)[0]
+    n = _returns(options, pipe.defaults)
+    if args.json or n > 1:
+        out = pipe.generate([source], seed=args.seed, token_logprobs=args.json, **options)[0]
         notice.report()
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
-                          "logprobs": result.logprobs, "finish_reason": result.finish_reason},
-                         ensure_ascii=False))  # fmt: skip
+        results = out if n > 1 else [out]
+        if not args.json:
+            _print_texts(results)
+            return 0
+        for j, result in enumerate(results):
+            record = {
+                "text": result.text,
+                "token_ids": result.token_ids,
+                "logprobs": result.logprobs,
+                "finish_reason": result.finish_reason,
+            }
+            if n > 1:
+                record["index"] = j
+            print(json.dumps(record, ensure_ascii=False))
         return 0
     for piece in pipe.stream(source, seed=args.seed, **options):
         sys.stdout.write(piece)

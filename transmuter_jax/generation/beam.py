@@ -9,6 +9,7 @@ Scores are float32 as in transformers.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,6 +39,7 @@ class BeamPrompt:
     length_penalty: float
     early_stopping: bool | str
     eos: tuple[int, ...]
+    stop: Callable[[list[int]], bool] | None = None  # whether new tokens end in a stop string
     tokens: list[list[int]] = dataclasses.field(default_factory=list)  # running beams
     logprobs: list[list[float]] = dataclasses.field(default_factory=list)
     scores: np.ndarray = None  # [beams] float32 running scores
@@ -59,6 +61,9 @@ class BeamPrompt:
         ends = np.array(
             [t in self.eos or cur + 1 >= self.max_length for t in tokens.tolist()], bool
         )
+        if self.stop is not None:  # transformers: a stop string ends a candidate as eos does
+            for j, t in enumerate(tokens.tolist()):
+                ends[j] |= self.stop(self.tokens[sources[j]] + [t])
         scores = scores.astype(np.float32)
         # The next running beams: the best candidates that do not end.
         running = _top(scores + ends.astype(np.float32) * MASKED, k)

@@ -41,6 +41,7 @@ class DecodeState:
         seeds: [B] int32 the sampling seed of each row.
         done: [B] bool rows that take no more tokens (padding rows, other groups, finished).
         cache: the cache arrays by input name, [B, heads, rows, head_size].
+        encoder: [B, E] int32 the encoder's input ids (see :class:`.processors.Rows`) or None.
     """
 
     token: jax.Array
@@ -53,6 +54,7 @@ class DecodeState:
     seeds: jax.Array
     done: jax.Array
     cache: dict[str, jax.Array]
+    encoder: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -103,6 +105,7 @@ class Decoder:
             tuple((k, np.shape(v), np.dtype(v.dtype)) for k, v in given.items()),
             tuple((k, np.shape(v)) for k, v in state.cache.items()),
             np.shape(state.history),
+            None if state.encoder is None else np.shape(state.encoder),
         )
         limit = np.int32(min(limit, self.size))
         state, out = fn(signature, ctx.model.params, embed_params, state, given, limit)
@@ -140,7 +143,9 @@ class Decoder:
                 feed |= given
                 zeros = jnp.zeros(batch, jnp.int32)
                 logits, cache = step(params, embed_params, s.cache, feed, s.lengths, zeros)
-                views = Rows(s.history, s.prompt, s.prompt + s.count, s.prompt + s.max_new)
+                views = Rows(
+                    s.history, s.prompt, s.prompt + s.count, s.prompt + s.max_new, s.encoder
+                )
                 chosen = select(logits, s.seeds, s.count, views, ())  # [B] or [B, width]
                 more = chosen[:, 1:] if width > 1 else None
                 chosen = chosen[:, 0] if width > 1 else chosen

@@ -137,6 +137,7 @@ class _Row:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     done: bool = False
+    encoder: list[int] | None = None  # the encoder's input ids, where a processor reads them
 
 
 def new_tokens(ctx: Context, prompt_length: int) -> int:
@@ -169,7 +170,10 @@ def generate(
             :func:`return_seed` (seed, j), so sequence 0 is the one n = 1 gives.
         inputs: the inputs the context names in ``given`` (one row per prompt); also
             "image_features" [count, hidden] (the features of the image tokens of all rows, in
-            order) and "position_ids" (per prompt: positions per axis per token, or empty).
+            order), "position_ids" (per prompt: positions per axis per token, or empty) and
+            "encoder_input_ids" (per prompt: the encoder's input ids, which
+            encoder_repetition_penalty and encoder_no_repeat_ngram_size read; required for an
+            encoder-decoder, a decoder-only model's are its prompts).
         on_token: called after each step with "token" [rows] int32 (-1: no new token) and
             "finished" [rows] bool (and "logprob"; with top_logprobs "top_ids" and
             "top_logprobs" [rows, k]; in beam search "score", and with num_return_sequences
@@ -219,6 +223,16 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
             raise GenerationError(
                 f"prompt {i} has {len(prompt)} tokens, more than the model's {limit} positions"
             )
+    encoder = inputs.get("encoder_input_ids")
+    if encoder is not None and len(encoder) != len(prompts):
+        raise GenerationError(
+            f"encoder_input_ids has {len(encoder)} rows for {len(prompts)} prompts"
+        )
+    if ctx.options.encoder_ids and encoder is None and "encoder_hidden_states" in ctx.given:
+        raise GenerationError(
+            "encoder_repetition_penalty and encoder_no_repeat_ngram_size read the encoder's "
+            'input ids: pass inputs["encoder_input_ids"]'
+        )
     features = inputs.get("image_features")
     if features is not None and ctx.image_token is not None:
         count = sum(list(p).count(ctx.image_token) for p in prompts)
@@ -241,9 +255,14 @@ def _rows(ctx: Context, prompts, seeds, inputs, clamp: bool) -> list[_Row]:
     the model's positions (unless ``clamp``: then it gets the tokens that fit)."""
     rows, features, limit = [], 0, ctx.position_limit
     positions = inputs.get("position_ids") or [None] * len(prompts)
-    for prompt, seed, given in zip(prompts, seeds, positions, strict=True):
+    encoders = inputs.get("encoder_input_ids")
+    if encoders is None:
+        encoders = prompts  # a decoder-only model's encoder ids are its prompt (transformers)
+    for prompt, seed, given, encoder in zip(prompts, seeds, positions, encoders, strict=True):
         prompt = [int(t) for t in prompt]
         row = _Row(prompt, new_tokens(ctx, len(prompt)) if prompt else 0, int(seed))
+        if ctx.options.encoder_ids:
+            row.encoder = [int(t) for t in np.asarray(encoder).reshape(-1)]
         row.features = features
         if given is not None and len(given):
             row.positions = np.asarray(given, np.int64).reshape(-1, len(prompt))
@@ -420,6 +439,7 @@ class _Run:
             seeds=_seeds(rows),
             done=~live,
             cache=state.arrays,
+            encoder=_encoder(rows, self.ctx),
         )
         state.arrays = None  # donated
         result, out = decoder(device, self.given, room, state.capacity)
@@ -512,6 +532,7 @@ class _Run:
             np.array([len(r.prompt) for r in rows], np.int32),
             np.array([len(r.prompt) + len(r.generated) for r in rows], np.int32),
             np.array([len(r.prompt) + r.max_new for r in rows], np.int32),
+            _encoder(rows, self.ctx),
         )
 
     def states(self) -> tuple[np.ndarray, ...]:
@@ -586,6 +607,7 @@ class BeamSearch:
                 float(options.length_penalty),
                 options.early_stopping,
                 ctx.eos,
+                _stop_of(ctx, r.prompt),
             )
             for p, r in enumerate(base[:n])
             if not r.done
@@ -686,6 +708,15 @@ def _stopped(ctx: Context, row: _Row) -> bool:
     )
 
 
+def _stop_of(ctx: Context, prompt: list[int]) -> Callable[[list[int]], bool] | None:
+    """Whether new tokens after ``prompt`` end in one of the stop strings (None: no strings)."""
+    stops = ctx.stops
+    if stops is None:
+        return None
+    head = prompt[-stops.window :]
+    return lambda tokens: stops.hit(head + tokens[-stops.window :])
+
+
 def _seeds(rows: list[_Row]) -> np.ndarray:
     """[B] int32 the low 32 bits of each row's seed."""
     return np.array([r.seed & 0xFFFFFFFF for r in rows], np.uint32).view(np.int32)
@@ -708,6 +739,18 @@ def _history(rows: list[_Row], width: int) -> np.ndarray:
         tokens = row.prompt + row.generated
         history[i, : len(tokens)] = tokens
     return history
+
+
+def _encoder(rows: list[_Row], ctx: Context) -> np.ndarray | None:
+    """[B, E] int32 each row's encoder ids, -1 after them (E a bucket of the longest); None
+    where no processor reads them."""
+    if not ctx.options.encoder_ids:
+        return None
+    ids = [r.encoder or [] for r in rows]
+    out = np.full((len(rows), cache_modes.bucket(max(len(e) for e in ids) or 1)), -1, np.int32)
+    for i, e in enumerate(ids):
+        out[i, : len(e)] = e
+    return out
 
 
 def _states(processor, rows, vocab) -> np.ndarray:

@@ -16,8 +16,6 @@ DECODE_STEPS = 16  # new tokens per dispatch of the decode program (see docs/gen
 # run, with the values that leave generation unchanged.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "max_time": (None,),
-    "encoder_repetition_penalty": (None, 1.0),
-    "encoder_no_repeat_ngram_size": (None, 0),
     "token_healing": (None, False),
     "guidance_scale": (None, 1, 1.0),
     "watermarking_config": (None,),
@@ -49,9 +47,9 @@ def _ids(name: str, value: Any) -> tuple[int, ...] | None:
 _INTS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams",
          "num_return_sequences", "top_k", "no_repeat_ngram_size", "forced_bos_token_id",
          "bos_token_id", "pad_token_id", "decoder_start_token_id", "top_logprobs",
-         "decode_steps")  # fmt: skip
+         "decode_steps", "encoder_no_repeat_ngram_size")  # fmt: skip
 _FLOATS = ("length_penalty", "temperature", "top_p", "repetition_penalty", "min_p", "typical_p",
-           "epsilon_cutoff", "eta_cutoff")  # fmt: skip
+           "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty")  # fmt: skip
 _BOOLS = ("do_sample", "renormalize_logits", "remove_invalid_values", "token_logprobs")
 
 
@@ -137,7 +135,9 @@ class Options:
     top_k: int | None = 50
     top_p: float | None = 1.0
     repetition_penalty: float | None = 1.0
+    encoder_repetition_penalty: float | None = 1.0
     no_repeat_ngram_size: int = 0
+    encoder_no_repeat_ngram_size: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] | None = None
     forced_bos_token_id: int | None = None
     forced_eos_token_id: tuple[int, ...] | None = None
@@ -198,6 +198,7 @@ class Options:
         positive_int("top_logprobs", self.top_logprobs, zero=True)
         positive_int("num_return_sequences", self.num_return_sequences)
         positive_int("no_repeat_ngram_size", self.no_repeat_ngram_size, zero=True)
+        positive_int("encoder_no_repeat_ngram_size", self.encoder_no_repeat_ngram_size or 0, True)
         positive_int("min_length", self.min_length, zero=True)
         for name in ("max_new_tokens", "min_new_tokens", "max_length"):
             if getattr(self, name) is not None:
@@ -205,6 +206,19 @@ class Options:
         penalty = self.repetition_penalty
         if penalty is not None and not (isinstance(penalty, int | float) and penalty > 0):
             raise GenerationError(f"repetition_penalty must be a positive number, got {penalty!r}")
+        encoder = self.encoder_repetition_penalty
+        if encoder is not None and not encoder > 0:
+            raise GenerationError(
+                f"encoder_repetition_penalty must be a positive number, got {encoder!r}"
+            )
+        expand = max(self.num_beams, self.num_return_sequences)
+        if encoder not in (None, 1.0) and expand > 1:
+            # transformers 4.57 penalizes only the first rows of the expanded batch then (its
+            # encoder ids are not expanded): not a rule to reproduce
+            raise GenerationError(
+                "encoder_repetition_penalty with num_beams or num_return_sequences above 1 is "
+                "not supported (transformers 4.57 applies it to the wrong rows then)"
+            )
         if not isinstance(self.length_penalty, int | float) or math.isnan(self.length_penalty):
             raise GenerationError(f"length_penalty must be a number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
@@ -247,8 +261,6 @@ class Options:
     def check_supported(self, vocab: int | None) -> None:
         """Raises ValueError for what generation cannot do: options this engine does not
         support, and token ids outside a vocabulary of ``vocab`` tokens."""
-        if self.num_beams > 1 and self.stop_strings:
-            raise GenerationError("stop_strings with beam search (num_beams > 1) is not supported")
         if vocab is None:
             return
         if self.num_beams > vocab:
@@ -279,6 +291,13 @@ class Options:
             token = getattr(self, name)
             if token is not None and not 0 <= token < vocab:
                 raise GenerationError(f"{name} {token} is outside the vocabulary of {vocab}")
+
+    @property
+    def encoder_ids(self) -> bool:
+        """Whether a processor reads the encoder's input ids (encoder_repetition_penalty,
+        encoder_no_repeat_ngram_size)."""
+        penalty = self.encoder_repetition_penalty not in (None, 1.0)
+        return penalty or (self.encoder_no_repeat_ngram_size or 0) > 0
 
     @property
     def logprobs(self) -> bool:

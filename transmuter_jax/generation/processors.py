@@ -28,8 +28,10 @@ LOWEST = float(np.finfo(np.float32).min)
 # transformers' order, before the task's processors (the warpers come after them: select.py).
 ORDER = (
     "sequence_bias",
+    "encoder_repetition_penalty",
     "repetition_penalty",
     "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
     "bad_words",
     "min_length",
     "forced_bos_token_id",
@@ -53,12 +55,15 @@ class Rows:
         prompt: [B] int32 prompt length (the decoder prompt of an encoder-decoder).
         length: [B] int32 tokens of the row: prompt + new tokens, as input_ids' columns.
         max_length: [B] int32 prompt length + max_new_tokens.
+        encoder: [B, E] int32 the encoder's input ids (a decoder-only model's: the prompt), -1
+            after them; None where no processor reads them.
     """
 
     history: jax.Array
     prompt: jax.Array
     length: jax.Array
     max_length: jax.Array
+    encoder: jax.Array | None = None
 
 
 def from_options(options: Options) -> list[Any]:
@@ -69,7 +74,9 @@ def from_options(options: Options) -> list[Any]:
         "remove_invalid_values": options.remove_invalid_values is True,
         "exponential_decay_length_penalty": options.exponential_decay_length_penalty is not None,
         "repetition_penalty": options.repetition_penalty not in (None, 1.0),
+        "encoder_repetition_penalty": options.encoder_repetition_penalty not in (None, 1.0),
         "no_repeat_ngram_size": (options.no_repeat_ngram_size or 0) > 0,
+        "encoder_no_repeat_ngram_size": (options.encoder_no_repeat_ngram_size or 0) > 0,
         "bad_words": options.bad_words_ids is not None,
         "min_length": bool(eos)
         and ((options.min_length or 0) > 0 or (options.min_new_tokens or 0) > 0),
@@ -125,6 +132,25 @@ def _no_repeat(scores: jax.Array, rows: Rows, n: int) -> jax.Array:
         match &= history[:, k : h - n + 1 + k] == prefix[:, k : k + 1]
     match &= (length + 1 >= n)[:, None]
     banned_ids = jnp.where(match, history[:, n - 1 :], scores.shape[-1])
+    rows_index = jnp.arange(b)[:, None]
+    banned = jnp.zeros(scores.shape, bool).at[rows_index, banned_ids].set(True, mode="drop")
+    return _remove(scores, banned)
+
+
+def _encoder_no_repeat(scores: jax.Array, rows: Rows, n: int) -> jax.Array:
+    """Bans each token that follows, in the encoder's ids, the row's last n - 1 tokens."""
+    encoder, history, length = rows.encoder, rows.history, rows.length
+    b, e = encoder.shape
+    if e < n:
+        return scores
+    h = history.shape[1]
+    last = length[:, None] - (n - 1) + jnp.arange(n - 1)[None, :]  # [B, n-1] positions
+    prefix = jnp.take_along_axis(history, jnp.clip(last, 0, h - 1), axis=1)
+    follows = encoder[:, n - 1 :]  # [B, e-n+1] the token after each encoder (n-1)-gram
+    match = (follows >= 0) & (length >= n - 1)[:, None]  # shorter rows match nothing
+    for k in range(n - 1):
+        match &= encoder[:, k : e - n + 1 + k] == prefix[:, k : k + 1]
+    banned_ids = jnp.where(match, follows, scores.shape[-1])
     rows_index = jnp.arange(b)[:, None]
     banned = jnp.zeros(scores.shape, bool).at[rows_index, banned_ids].set(True, mode="drop")
     return _remove(scores, banned)
@@ -190,6 +216,13 @@ def apply_builtin(
         penalty = float(options.repetition_penalty)
         penalized = jnp.where(scores < 0, scores * penalty, scores / penalty)
         return jnp.where(_seen(rows.history, vocab), penalized, scores)
+    if name == "encoder_repetition_penalty":
+        # transformers keeps 1 / penalty and multiplies negative scores by it, divides others
+        inverse = jnp.float32(1 / float(options.encoder_repetition_penalty))
+        changed = jnp.where(scores < 0, scores * inverse, scores / inverse)
+        return jnp.where(_seen(rows.encoder, vocab), changed, scores)
+    if name == "encoder_no_repeat_ngram_size":
+        return _encoder_no_repeat(scores, rows, int(options.encoder_no_repeat_ngram_size))
     if name == "no_repeat_ngram_size":
         return _no_repeat(scores, rows, int(options.no_repeat_ngram_size))
     if name == "sequence_bias":

@@ -57,13 +57,15 @@ class TextToText:
 
     def _encode(self, texts: Sequence[str]) -> tuple[dict[str, np.ndarray], int]:
         """The encoder outputs of each text (run alone, as a batch of one), padded to one length,
-        and the length of the longest text in tokens."""
+        with each text's ids as "encoder_input_ids" (the encoder options read them), and the
+        length of the longest text in tokens."""
         if isinstance(texts, str) or not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts is a non-empty list of strings")
         names = {i.name for i in self.encoder.inputs}
-        states = []
+        states, encoded = [], []
         for text in texts:
             ids = np.asarray([self.tokenizer.encode(text)], np.int64)
+            encoded.append(ids[0].tolist())
             feeds = {"input_ids": ids}
             if "attention_mask" in names:
                 feeds["attention_mask"] = np.ones_like(ids)
@@ -81,6 +83,7 @@ class TextToText:
             raise ValueError(
                 "the decoder takes no encoder_attention_mask: give texts one at a time"
             )
+        given["encoder_input_ids"] = encoded
         return given, longest
 
     def _start(self, batch: int, options: dict[str, Any]) -> list[int]:
