@@ -162,6 +162,20 @@ def test_every_generation_option_is_in_the_options_table():
     assert sorted(set(DEFAULTS) - rows) == [], "options missing from docs/options.md"
 
 
+def test_every_generation_option_says_where_it_runs():
+    from transmuter_jax.generation.options import DEFAULTS
+
+    text = (ROOT / "docs" / "generation.md").read_text()
+    table = text[text.index("## Every option") :].split("\n## ", 1)[0]
+    named = set(
+        re.findall(
+            r"`(\w+)`",
+            "\n".join(r.split("|")[1] for r in table.splitlines() if r.startswith("| `")),
+        )
+    )
+    assert sorted(set(DEFAULTS) - named) == [], "options missing from docs/generation.md"
+
+
 def test_without_onnxruntime_the_comparison_says_how_to_install_it(monkeypatch):
     import transmuter_jax as tj
     from transmuter_jax.testing import compare_with_onnxruntime, example_inputs
