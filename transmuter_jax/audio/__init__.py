@@ -1,0 +1,18 @@
+"""Audio tasks: speech to text with Whisper (audio loading, log-mel features, the pipeline).
+
+See docs/speech.md.
+"""
+
+from .features import FeatureExtractor, mel_filters
+from .load import Audio, AudioError, load
+from .speech_to_text import SpeechToText, speech_to_text
+
+__all__ = [
+    "Audio",
+    "AudioError",
+    "FeatureExtractor",
+    "SpeechToText",
+    "load",
+    "mel_filters",
+    "speech_to_text",
+]
