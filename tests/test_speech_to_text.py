@@ -36,6 +36,9 @@ def _options(case):
     return dict(case["options"])
 
 
+STAMPED = sorted(n for n, c in CASES.items() if c["options"].get("return_timestamps"))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_generate_matches_transformers(pipe, clips, name):
     case = CASES[name]
@@ -46,16 +49,36 @@ def test_generate_matches_transformers(pipe, clips, name):
         assert got.token_ids == want["tokens"]
         assert got.finish_reason == want["finish_reason"]
         assert got.text == want["text"]
-        np.testing.assert_allclose(got.logprobs, want["logprobs"], atol=LOGPROB_ATOL, rtol=0)
+        if want["logprobs"] is not None:  # transformers gives no scores with timestamps
+            np.testing.assert_allclose(got.logprobs, want["logprobs"], atol=LOGPROB_ATOL, rtol=0)
+        if name in STAMPED:
+            assert [c["text"] for c in got.chunks] == [o["text"] for o in want["offsets"]]
+            for chunk, offset in zip(got.chunks, want["offsets"], strict=True):
+                assert chunk["timestamp"] == pytest.approx(tuple(offset["timestamp"]))
+        else:
+            assert got.chunks is None
 
 
-@pytest.mark.parametrize("name", ["detect", "translate", "batch_detect"])
+def test_timestamp_cases_have_timestamps():
+    """The timestamp references hold pairs of timestamps and text, so the chunks are tested."""
+    begin = REF["timestamp_begin"]
+    rows = [row for name in STAMPED for row in CASES[name]["rows"]]
+    assert len(rows) >= 3
+    assert all(row["tokens"][0] >= begin for row in rows)  # the first token is a timestamp
+    assert sum(len(row["offsets"]) for row in rows) >= 3
+    assert any(t < begin for row in rows for t in row["tokens"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_forced_prompt_matches_transformers(pipe, clips, name):
     """The prompt generate used, with the language it detected."""
     case = CASES[name]
     features = pipe.input_features([clips[c] for c in case["clips"]], RATE)
     options = _options(case)
-    prompts = pipe.prompts(pipe._encode(features), options.get("language"), options.get("task"))
+    prompts = pipe.prompts(
+        pipe._encode(features), options.get("language"), options.get("task"),
+        bool(options.get("return_timestamps")),
+    )  # fmt: skip
     assert prompts == [row["prompt"] for row in case["rows"]]
 
 

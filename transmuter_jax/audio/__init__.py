@@ -5,12 +5,13 @@ See docs/speech.md.
 
 from .features import FeatureExtractor, mel_filters
 from .load import Audio, AudioError, load
-from .speech_to_text import SpeechToText, speech_to_text
+from .speech_to_text import SpeechResult, SpeechToText, speech_to_text
 
 __all__ = [
     "Audio",
     "AudioError",
     "FeatureExtractor",
+    "SpeechResult",
     "SpeechToText",
     "load",
     "mel_filters",

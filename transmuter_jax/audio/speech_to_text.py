@@ -15,11 +15,25 @@ from ..onnx.model import load
 from ..text._runner import Result, Runner, load_decoder, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from . import prompt as forced
+from . import timestamps as stamps
 from .features import FeatureExtractor
 from .load import Audio
 from .load import load as load_audio
 
-SPEECH_OPTIONS = ("language", "task")  # options of the pipeline, not of generation
+SPEECH_OPTIONS = ("language", "task", "return_timestamps")  # the pipeline's, not generation's
+
+
+@dataclasses.dataclass
+class SpeechResult(Result):
+    """One transcript: a :class:`~transmuter_jax.text.Result` (text without timestamps,
+    token_ids with them) and, with return_timestamps=True, its chunks.
+
+    Attributes:
+        chunks: ``{"timestamp": (start, end), "text": ...}`` per pair of timestamp tokens (end
+            None for text after a last lone timestamp); None without return_timestamps.
+    """
+
+    chunks: list[dict[str, Any]] | None = None
 
 
 class SpeechToText:
@@ -59,6 +73,9 @@ class SpeechToText:
             tokenizer=self.tokenizer,
         )  # fmt: skip
         self.options = dict(options)
+        self._stamps = None
+        if self.timestamp_begin is not None:
+            self._stamps = stamps.processor(self.generation_config)
 
     @property
     def compiled_shapes(self) -> int:
@@ -105,9 +122,14 @@ class SpeechToText:
         return found
 
     def prompts(
-        self, hidden: np.ndarray, language: str | None = None, task: str | None = None
+        self,
+        hidden: np.ndarray,
+        language: str | None = None,
+        task: str | None = None,
+        timestamps: bool = False,
     ) -> list[list[int]]:
-        """The forced prompt of each row of encoder states ``hidden``."""
+        """The forced prompt of each row of encoder states ``hidden`` (without <|notimestamps|>
+        when ``timestamps``)."""
         config = self.generation_config
         language = config.get("language") if language is None else language
         task = config.get("task") if task is None else task
@@ -116,23 +138,35 @@ class SpeechToText:
         if forced.needs_language(config, language, task):
             detected = list(self._detect(hidden))
         return [
-            forced.forced_prompt(config, language=language, task=task, detected=d) for d in detected
+            forced.forced_prompt(
+                config, language=language, task=task, detected=d, timestamps=timestamps
+            )
+            for d in detected
         ]
 
     def _prepare(self, audio, sampling_rate, options):
+        """(prompts, encoder inputs, generation options, the task's processors)."""
         if isinstance(audio, str | os.PathLike | bytes | np.ndarray) or not audio:
             raise TypeError("audio is a non-empty list of inputs (paths, bytes or arrays)")
         speech = _split({**self.options, **options})[0]
+        timestamps = bool(speech.get("return_timestamps", False))
+        if timestamps and self._stamps is None:
+            raise ValueError("the model has no timestamp tokens (no no_timestamps_token_id)")
         hidden = self._encode(self.input_features(audio, sampling_rate))
-        prompts = self.prompts(hidden, speech.get("language"), speech.get("task"))
-        return prompts, {"encoder_hidden_states": hidden}, _split(options)[1]
+        prompts = self.prompts(hidden, speech.get("language"), speech.get("task"), timestamps)
+        processors = (self._stamps,) if timestamps else ()
+        return prompts, {"encoder_hidden_states": hidden}, _split(options)[1], processors
 
-    def _text(self, result: Result) -> Result:
-        """``result`` with its text decoded without timestamp tokens."""
+    def _result(self, result: Result, timestamps: bool) -> SpeechResult:
+        """``result`` with its text decoded without timestamp tokens, and its chunks."""
         begin = self.timestamp_begin
         ids = [t for t in result.token_ids if begin is None or t < begin]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return dataclasses.replace(result, text=text)
+        fields = {**dataclasses.asdict(result), "text": text}
+        if timestamps:
+            decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=False)  # noqa: E731
+            fields["chunks"] = stamps.chunks(result.token_ids, begin, decode)
+        return SpeechResult(**fields)
 
     def generate(
         self,
@@ -141,7 +175,7 @@ class SpeechToText:
         sampling_rate: int | None = None,
         seed: int | None = None,
         **options: Any,
-    ) -> list[Result] | list[list[Result]]:
+    ) -> list[SpeechResult] | list[list[SpeechResult]]:
         """Transcribes (or translates) each input, in one batch.
 
         Args:
@@ -149,17 +183,24 @@ class SpeechToText:
             sampling_rate: the rate of the arrays in Hz (files tell their own).
             seed: the sampling seed of the first input (the next get seed + 1, ...); None: random.
             **options: ``language`` (a code, name or token; None: detected for a multilingual
-                model), ``task`` ("transcribe" or "translate"), and generation options
-                (max_new_tokens, num_beams, token_logprobs, ...).
+                model), ``task`` ("transcribe" or "translate"), ``return_timestamps`` (predict
+                timestamp tokens, with transformers' rules, and give ``chunks``), and
+                generation options (max_new_tokens, num_beams, token_logprobs, ...).
 
         Returns:
-            One :class:`~transmuter_jax.text.Result` per input: text, token_ids (the new tokens,
-            without the forced prompt and eos), logprobs, finish_reason; with
+            One :class:`SpeechResult` per input: text, token_ids (the new tokens, without the
+            forced prompt and eos), logprobs, finish_reason, chunks; with
             num_return_sequences n > 1, a list of n per input.
         """
-        prompts, given, generation = self._prepare(audio, sampling_rate, options)
-        out = self._runner.run(self.tokenizer, prompts, generation, seed=seed, inputs=given)
-        return [[self._text(r) for r in x] if isinstance(x, list) else self._text(x) for x in out]
+        prompts, given, generation, processors = self._prepare(audio, sampling_rate, options)
+        out = self._runner.run(
+            self.tokenizer, prompts, generation, seed=seed, inputs=given, processors=processors
+        )
+        keep = bool(processors)
+        return [
+            [self._result(r, keep) for r in x] if isinstance(x, list) else self._result(x, keep)
+            for x in out
+        ]
 
     def __call__(
         self,
@@ -187,8 +228,10 @@ class SpeechToText:
     ) -> Iterator[str]:
         """Yields the text of one input in pieces as it is decoded; they join to the text of
         :meth:`generate` (with beam search, as one piece at the end)."""
-        prompts, given, generation = self._prepare([audio], sampling_rate, options)
-        return self._runner.stream(self.tokenizer, prompts[0], generation, seed=seed, inputs=given)
+        prompts, given, generation, processors = self._prepare([audio], sampling_rate, options)
+        return self._runner.stream(
+            self.tokenizer, prompts[0], generation, seed=seed, inputs=given, processors=processors
+        )
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
