@@ -145,3 +145,10 @@ def test_bad_options_and_inputs(pipe, clips):
         pipe(np.full(100, np.nan, np.float32), sampling_rate=RATE)
     with pytest.raises(TypeError, match="non-empty list"):
         pipe.generate([])
+
+
+def test_stream_with_timestamps_joins_to_the_text(pipe, clips):
+    """The prompt without <|notimestamps|> and the task's processor run in a stream too."""
+    case = CASES["timestamps"]
+    pieces = list(pipe.stream(clips["noise"], sampling_rate=RATE, **_options(case)))
+    assert "".join(pieces) == case["rows"][0]["text"]
