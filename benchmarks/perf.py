@@ -47,17 +47,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import cores, kv_layout, make_job, report, weight_bytes  # noqa: E402
+
 WORKER = os.path.join(HERE, "perf_workers.py")
 RESULTS = os.path.join(HERE, "results")
 EXPORTS = ("genai-fp32", "optimum", "genai-int4")
 PEERS = ("jax", "ort", "genai", "torch")
 TOOLS_PEERS = ("genai", "torch")  # run with the preparation environment's interpreter
 TIMEOUT_S = 900
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def bandwidth(threads: int, size: int = 1 << 30, repeats: int = 5) -> dict:
@@ -81,47 +80,6 @@ def bandwidth(threads: int, size: int = 1 << 30, repeats: int = 5) -> dict:
                 best = min(best, time.perf_counter() - start)
             figures[name] = data.nbytes / best / 1e9
     return {"gb_per_s": max(figures.values()), "methods": figures}
-
-
-def weight_bytes(folder: str, export: str) -> int:
-    """Weight bytes read per token: the model files' sizes (the graph is a few hundred kB)."""
-    if export == "hf":
-        names = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
-    else:
-        names = [n for n in os.listdir(folder) if n.startswith("model.onnx")]
-    return sum(os.path.getsize(os.path.join(folder, n)) for n in names)
-
-
-def kv_layout(folder: str) -> dict:
-    """KV heads and head size from config.json, and the float32 KV-cache bytes per token."""
-    with open(os.path.join(folder, "config.json")) as file:
-        config = json.load(file)
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = config["num_hidden_layers"] * 2 * heads * size * 4
-    return {"kv_heads": heads, "head_size": size, "bytes_per_token": per_token}
-
-
-def eos_ids(folder: str) -> list[int]:
-    """The eos ids of generation_config.json, else config.json."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            with open(path) as file:
-                eos = json.load(file).get("eos_token_id")
-            if eos is not None:
-                return eos if isinstance(eos, list) else [eos]
-    return []
-
-
-def make_job(peer: str, folder: str, prompt: list[int], batch: int, new: int, **extra) -> dict:
-    """A perf_workers.py job."""
-    layout = kv_layout(folder)
-    job = dict(peer=peer, folder=folder, file="model.onnx", prompt=prompt, batch=batch, new=new)
-    job.update(eos=eos_ids(folder), kv_heads=layout["kv_heads"], head_size=layout["head_size"])
-    job.update(threads=cores(), repeats=1, first_only=False)
-    job.update(extra)
-    return job
 
 
 def run_worker(python: str, job: dict, env: dict | None = None) -> tuple[dict | None, str]:
@@ -465,8 +423,6 @@ def print_tables(figures: dict) -> None:
                 f"{r['call_tokens_per_s']:>10.1f} {r['ttft_s'] * 1e3:>8.0f}"
             )
     for profile in figures.get("profiles", []):
-        from profile_decode import report
-
         print("\n" + report(profile))
     for s in figures["skipped"]:
         print(f"skipped: {s['peer']} {s['export']} batch {s['batch']}: {s['why']}")

@@ -31,8 +31,8 @@ from collections import defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import perf  # noqa: E402
 import perf_workers  # noqa: E402
+from common import make_job, report, weight_bytes  # noqa: E402
 
 
 def _kind(op: str) -> str:
@@ -132,29 +132,7 @@ def job_for(export: str, batch: int, new: int) -> dict:
 
     with open(os.path.join(default.path("hf"), "reference.json")) as file:
         prompt = json.load(file)["cases"][0]["prompt_ids"]
-    return perf.make_job("", default.path(export), prompt, batch, new)
-
-
-def report(figures: dict, top: int = 8) -> str:
-    """The breakdowns as text, the ``top`` largest op kinds of each."""
-    lines = [f"profile of decode steps: {figures['export']}, batch {figures['batch']}"]
-    j, o = figures.get("jax"), figures.get("ort")
-    if j:
-        rate = j["params_bytes"] / j["xla_busy_ms"] / 1e6
-        lines.append(
-            f"  jax: {j['step_ms']:.2f} ms a step = XLA ops {j['xla_busy_ms']:.2f} ms + other "
-            f"(host loop, dispatch, idle) {j['other_ms']:.2f} ms; weights "
-            f"{j['params_bytes'] / 1e6:.0f} MB: {rate:.1f} GB/s of op time"
-        )
-        lines += [f"    {op:<40} {ms:>8.2f} ms" for op, ms in list(j["ops_ms"].items())[:top]]
-    if o:
-        rate = figures["weight_bytes"] / o["session_run_ms"] / 1e6
-        lines.append(
-            f"  ort: {o['step_ms']:.2f} ms a step, session run {o['session_run_ms']:.2f} ms; "
-            f"weights {figures['weight_bytes'] / 1e6:.0f} MB: {rate:.1f} GB/s of run time"
-        )
-        lines += [f"    {op:<40} {ms:>8.2f} ms" for op, ms in list(o["ops_ms"].items())[:top]]
-    return "\n".join(lines)
+    return make_job("", default.path(export), prompt, batch, new)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     job = job_for(args.export, args.batch, args.new)
     figures = {"export": args.export, "batch": args.batch, "new": args.new}
-    figures["weight_bytes"] = perf.weight_bytes(job["folder"], args.export)
+    figures["weight_bytes"] = weight_bytes(job["folder"], args.export)
     peers = args.peers.split(",")
     if "ort" in peers:  # first: jax's threads stay alive in the process afterwards
         figures["ort"] = profile_ort(job)

@@ -136,7 +136,8 @@ def example_inputs(
             frames = _fixed(info, 2, encoder_length)
             inputs[name] = rng.standard_normal((batch, mels, frames)).astype(dtype)
         elif name == "pixel_values":
-            shape = [batch] + [_fixed(info, a, 32) for a in range(1, len(info.shape or [0] * 4))]
+            rank = len(info.shape or [0] * 4)  # [batch, (images,) channels, height, width]
+            shape = [batch] + [_fixed(info, a, 3 if a == rank - 3 else 32) for a in range(1, rank)]
             inputs[name] = rng.standard_normal(shape).astype(dtype)
         else:
             raise ValueError(f"no example value for input {name!r} {info.dtype} {info.shape}")

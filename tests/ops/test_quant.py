@@ -31,6 +31,22 @@ def _nbits_inputs(rng, k, n, block, bits, zero_points):
     return b, scales, zp
 
 
+def _check_nbits(inputs, k, n, block, *, constants=("b", "scales", "zp"), bits=4):
+    """MatMulNBits against onnxruntime, the weights as initializers."""
+    check_op(
+        "MatMulNBits",
+        inputs,
+        domain=MS,
+        constants=constants,
+        rtol=1e-4,
+        atol=1e-4,
+        K=k,
+        N=n,
+        block_size=block,
+        bits=bits,
+    )
+
+
 @pytest.mark.parametrize("block", [16, 32, 64])
 @pytest.mark.parametrize("zero_points", [None, "packed"])
 @pytest.mark.parametrize("m", [1, 5])
@@ -43,18 +59,7 @@ def test_matmul_nbits(rng, block, zero_points, m):
         "scales": scales,
         "zp": zp,
     }
-    check_op(
-        "MatMulNBits",
-        inputs,
-        domain=MS,
-        constants=("b", "scales", "zp"),
-        rtol=1e-4,
-        atol=1e-4,
-        K=k,
-        N=n,
-        block_size=block,
-        bits=4,
-    )
+    _check_nbits(inputs, k, n, block)
 
 
 @pytest.mark.parametrize("zero_points", [None, "packed", "float"])
@@ -69,18 +74,7 @@ def test_matmul_nbits_batch_ragged_k_bias(rng, zero_points):
         "g_idx": None,
         "bias": rng.standard_normal(n).astype(np.float32),
     }
-    check_op(
-        "MatMulNBits",
-        inputs,
-        domain=MS,
-        constants=("b", "scales", "zp", "bias"),
-        rtol=1e-4,
-        atol=1e-4,
-        K=k,
-        N=n,
-        block_size=block,
-        bits=4,
-    )
+    _check_nbits(inputs, k, n, block, constants=("b", "scales", "zp", "bias"))
 
 
 @pytest.mark.parametrize("bits", [2, 8])
@@ -95,18 +89,7 @@ def test_matmul_nbits_other_bits(rng, bits, zero_points):
         "scales": scales,
         "zp": zp,
     }
-    check_op(
-        "MatMulNBits",
-        inputs,
-        domain=MS,
-        constants=("b", "scales", "zp"),
-        rtol=1e-4,
-        atol=1e-4,
-        K=k,
-        N=n,
-        block_size=block,
-        bits=bits,
-    )
+    _check_nbits(inputs, k, n, block, bits=bits)
 
 
 def test_matmul_nbits_weights_as_inputs(rng):

@@ -90,8 +90,8 @@ def _locked(folder: Path) -> Iterator[None]:
 class _Progress:
     """A one-line progress bar over the steps, with the seconds of the current step."""
 
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.done, self.quiet = total, 0, quiet
+    def __init__(self, total: int, quiet: bool, name: str = NAME):
+        self.total, self.done, self.quiet, self.name = total, 0, quiet, name
         self.label, self.start = "", time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,7 +101,8 @@ class _Progress:
         filled = width * self.done // max(self.total, 1)
         bar = "#" * filled + "." * (width - filled)
         seconds = time.monotonic() - self.start
-        return f"\rpreparing {NAME} [{bar}] {self.done}/{self.total} {self.label} ({seconds:.0f} s)"
+        counts = f"{self.done}/{self.total} {self.label} ({seconds:.0f} s)"
+        return f"\rpreparing {self.name} [{bar}] {counts}"
 
     def _tick(self) -> None:
         while not self._stop.wait(1.0):

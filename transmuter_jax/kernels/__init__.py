@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import build
 from .build import library
 
-STRIP = 32  # columns per strip of a packed weight; the C++ kernel checks it
+STRIP = build.STRIP  # columns per strip of a packed weight; checked against the library at load
 # More rows than this: exact MatMulNBits leaves the product to XLA (dequantize, then one large
 # dot), which is faster there. int8 activations run in the kernel at any number of rows.
 NBITS_MAX_ROWS = 96

@@ -38,6 +38,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("pool.cc", "gemm.cc", "nbits.cc")  # and the headers beside them
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
+STRIP = 32  # columns per strip of a packed float32 weight, as gemm.cc's kStrip
 TARGETS = {"tj_gemm_f32": "TjGemmF32", "tj_matmul_nbits": "TjMatMulNBits"}
 LIBRARY = "libtj_kernels.so"
 CHECKSUM = LIBRARY + ".sha256"
@@ -197,6 +198,8 @@ def _load() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(build(cxx)))
+        if lib.tj_strip_width() != STRIP:
+            raise RuntimeError(f"its strip width is {lib.tj_strip_width()}, the packer's {STRIP}")
         for name, symbol in TARGETS.items():
             capsule = jax.ffi.pycapsule(getattr(lib, symbol))
             jax.ffi.register_ffi_target(name, capsule, platform="cpu")

@@ -188,6 +188,26 @@ static void int8_chunk(void* ctx, int64_t chunk) {
   z8i.resize(static_cast<size_t>(8 * blocks));
   int64_t col = n0;
 #ifdef TJ_HAVE_INT8_AVX2
+  if (!w.portable && bs % 32 == 0) {
+    thread_local std::vector<float> sw8, acc;
+    sw8.resize(static_cast<size_t>(8 * blocks));
+    acc.resize(static_cast<size_t>(8 * job.m));
+    for (; col + 8 <= n1; col += 8) {
+      const uint8_t* cols[8];
+      for (int c = 0; c < 8; ++c) {
+        cols[c] = job.b + (col + c) * job.groups * 16;
+        for (int64_t b = 0; b < blocks; ++b) {  // per block, the 8 columns side by side
+          sw8[b * 8 + c] = job.scales[(col + c) * blocks + b];
+          if (job.zp_kind == kNone) continue;
+          const float z = zero_point(job, col + c, b);
+          z8f[b * 8 + c] = z;
+          z8i[b * 8 + c] = static_cast<int32_t>(z);
+        }
+      }
+      int8_tile8(w.xs, job.m, cols, sw8.data(), job.zp_kind == kPacked ? z8i.data() : nullptr,
+                 zf ? z8f.data() : nullptr, job.y + col, job.n, acc.data());
+    }
+  }
   if (!w.portable) {
     for (; col + 8 <= n1; col += 8) {
       for (int c = 0; c < 8; ++c) {
@@ -360,12 +380,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsImpl,
                                   .Attr<int64_t>("block_size")
                                   .Attr<bool>("int8")
                                   .Attr<bool>("portable"));
-
-// Whether MatMulNBits uses the VNNI kernel.
-extern "C" int tj_nbits_vnni() {
-#ifdef TJ_HAVE_VNNI
-  return 1;
-#else
-  return 0;
-#endif
-}

@@ -176,6 +176,65 @@ inline void int8_dot8(const Int8Rows& xs, int64_t r, const uint8_t* e, int64_t l
   }
   _mm256_storeu_ps(y, acc);
 }
+
+// y[0:m, 0:8) (ldy apart) for 8 columns whose packed nibbles start at col[c] (block b at
+// b * block_size / 2), for block sizes that are multiples of 32: blocks outer and rows inner, the
+// nibbles unpacked in registers once per block for all rows. The float steps are those of
+// int8_dot, in the same order. sw8 and zi8 / zf8: per block, the 8 columns side by side (zi8 and
+// zf8 null: the default zero point 8). acc: scratch of m * 8 floats.
+inline void int8_tile8(const Int8Rows& xs, int64_t m, const uint8_t* const col[8],
+                       const float* sw8, const int32_t* zi8, const float* zf8, float* y,
+                       int64_t ldy, float* acc) {
+  const int64_t bs = xs.block_size, blocks = xs.blocks, half = bs / 2;
+  const __m128i low = _mm_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi32(8);
+  for (int64_t r = 0; r < m; ++r) _mm256_storeu_ps(acc + r * 8, _mm256_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i lanes_rows[8][8];  // unused rows beyond m are not touched
+    for (int64_t r0 = 0; r0 < m; r0 += 8) {
+      const int64_t rows = std::min<int64_t>(8, m - r0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < 8; ++c) lanes_rows[r][c] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < half; j += 16) {
+        __m256i e[8];
+        for (int c = 0; c < 8; ++c) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col[c] + b * half + j));
+          e[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int8_t* q = xs.q.data() + ((r0 + r) * blocks + b) * bs;
+          const __m256i x = _mm256_set_m128i(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + half + j)),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)));
+          for (int c = 0; c < 8; ++c) {
+            lanes_rows[r][c] = _mm256_add_epi32(
+                lanes_rows[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(e[c], x), ones));
+          }
+        }
+      }
+      const __m256 w = _mm256_loadu_ps(sw8 + b * 8);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = r0 + r;
+        const __m256i dot = int8_column_totals(lanes_rows[r]);
+        const int32_t sq = xs.sums[row * blocks + b];
+        __m256 d;
+        if (zf8 == nullptr) {
+          const __m256i zp =
+              zi8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zi8 + b * 8)) : eight;
+          d = _mm256_cvtepi32_ps(
+              _mm256_sub_epi32(dot, _mm256_mullo_epi32(zp, _mm256_set1_epi32(sq))));
+        } else {
+          const __m256 zp = _mm256_loadu_ps(zf8 + b * 8);
+          d = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), zp),
+                              _mm256_set1_ps(static_cast<float>(sq)), _mm256_cvtepi32_ps(dot));
+        }
+        const __m256 p = _mm256_mul_ps(_mm256_set1_ps(xs.scale[row * blocks + b]), w);
+        _mm256_storeu_ps(acc + row * 8, _mm256_fmadd_ps(d, p, _mm256_loadu_ps(acc + row * 8)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_loadu_ps(acc + r * 8));
+}
 #endif
 
 }  // namespace tj

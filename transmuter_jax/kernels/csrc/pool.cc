@@ -32,4 +32,3 @@ Pool& Pool::get() {
 
 }  // namespace tj
 
-extern "C" int tj_threads() { return tj::Pool::get().threads(); }
