@@ -160,10 +160,13 @@ class Runner:
         )  # fmt: skip
         self.defaults = base.options.as_dict()
 
-    def context(self, batch: int, options: Mapping[str, Any]) -> gen.Context:
-        """The compiled context for ``batch`` prompts and the defaults updated by ``options``."""
+    def context(
+        self, batch: int, options: Mapping[str, Any], processors: Sequence[Any] = ()
+    ) -> gen.Context:
+        """The compiled context for ``batch`` prompts and the defaults updated by ``options``;
+        ``processors``: a task's own processors (see generation.processors), after the others."""
         merged = stop_option({**self.options, **options})[0]
-        key = (batch, _frozen(merged))
+        key = (batch, _frozen(merged), tuple(id(p) for p in processors))
         ctx = self._contexts.get(key)
         if ctx is not None:
             self._contexts.move_to_end(key)
@@ -172,6 +175,7 @@ class Runner:
             self.folder, self.model, given=self.given, embed=self.embed,
             tokenizer=self.tokenizer, **merged,
         )  # fmt: skip
+        ctx.processors = [*ctx.processors, *processors]
         ctx = gen.compile(ctx, batch)
         if self._steps is None:
             self._steps = ctx.compiled.steps
@@ -196,10 +200,11 @@ class Runner:
         seed: int | None = None,
         inputs: Mapping[str, Any] | None = None,
         on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
+        processors: Sequence[Any] = (),
     ) -> list[Result] | list[list[Result]]:
         """Generates after each prompt and decodes the new tokens: one Result per prompt, or
         with num_return_sequences n > 1 a list of n per prompt."""
-        ctx = self.context(len(prompts), options)
+        ctx = self.context(len(prompts), options, processors)
         stop = stop_option({**self.options, **options})[1]
         base = secrets.randbits(31) if seed is None else int(seed)
         seeds = [base + i for i in range(len(prompts))]
@@ -219,6 +224,7 @@ class Runner:
         *,
         seed: int | None = None,
         inputs: Mapping[str, Any] | None = None,
+        processors: Sequence[Any] = (),
     ) -> Iterator[str]:
         """Generates after one prompt, yielding text pieces as tokens come.
 
@@ -230,7 +236,7 @@ class Runner:
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
         text = tokenizer.streamer(skip_special_tokens=True)
-        chosen = self.context(1, options).options
+        chosen = self.context(1, options, processors).options
         if chosen.num_return_sequences > 1:
             n = chosen.num_return_sequences
             raise ValueError(
@@ -256,8 +262,9 @@ class Runner:
         def work() -> None:
             try:
                 result = self.run(
-                    tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token
-                )[0]
+                    tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token,
+                    processors=processors,
+                )[0]  # fmt: skip
                 if beams or stop:  # the text may be cut at a stop string: send what follows
                     shown = "".join(out)
                     rest = result.text[len(shown) :] if result.text.startswith(shown) else ""

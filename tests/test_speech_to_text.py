@@ -1,0 +1,154 @@
+"""The speech-to-text pipeline against transformers' WhisperForConditionalGeneration.generate
+(references of tests/fixtures/make_speech.py on a tiny random multilingual Whisper)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from transmuter_jax.audio import AudioError, SpeechToText, speech_to_text
+from transmuter_jax.audio.prompt import forced_prompt, language_id
+
+FIXTURE = Path(__file__).parent / "fixtures" / "whisper-speech-optimum"
+REF = json.loads((FIXTURE / "speech.json").read_text())
+CASES = REF["cases"]
+RATE = 16000
+# float32 log-probabilities of a random model with weights of std 0.5 over a 1500-frame encoder:
+# onnx/JAX and torch sum in other orders (differences up to 3.5e-4 after 20 steps)
+LOGPROB_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def clips():
+    with np.load(FIXTURE / "speech.npz") as data:
+        return {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith("clip/")}
+
+
+@pytest.fixture(scope="module")
+def pipe() -> SpeechToText:
+    return speech_to_text(FIXTURE)
+
+
+def _options(case):
+    return dict(case["options"])
+
+
+STAMPED = sorted(n for n, c in CASES.items() if c["options"].get("return_timestamps"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_generate_matches_transformers(pipe, clips, name):
+    case = CASES[name]
+    audio = [clips[c] for c in case["clips"]]
+    results = pipe.generate(audio, sampling_rate=RATE, token_logprobs=True, **_options(case))
+    assert len(results) == len(case["rows"])
+    for got, want in zip(results, case["rows"], strict=True):
+        assert got.token_ids == want["tokens"]
+        assert got.finish_reason == want["finish_reason"]
+        assert got.text == want["text"]
+        if want["logprobs"] is not None:  # transformers gives no scores with timestamps
+            np.testing.assert_allclose(got.logprobs, want["logprobs"], atol=LOGPROB_ATOL, rtol=0)
+        if name in STAMPED:
+            assert [c["text"] for c in got.chunks] == [o["text"] for o in want["offsets"]]
+            for chunk, offset in zip(got.chunks, want["offsets"], strict=True):
+                assert chunk["timestamp"] == pytest.approx(tuple(offset["timestamp"]))
+        else:
+            assert got.chunks is None
+
+
+def test_timestamp_cases_have_timestamps():
+    """The timestamp references hold pairs of timestamps and text, so the chunks are tested."""
+    begin = REF["timestamp_begin"]
+    rows = [row for name in STAMPED for row in CASES[name]["rows"]]
+    assert len(rows) >= 3
+    assert all(row["tokens"][0] >= begin for row in rows)  # the first token is a timestamp
+    assert sum(len(row["offsets"]) for row in rows) >= 3
+    assert any(t < begin for row in rows for t in row["tokens"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forced_prompt_matches_transformers(pipe, clips, name):
+    """The prompt generate used, with the language it detected."""
+    case = CASES[name]
+    features = pipe.input_features([clips[c] for c in case["clips"]], RATE)
+    options = _options(case)
+    prompts = pipe.prompts(
+        pipe._encode(features), options.get("language"), options.get("task"),
+        bool(options.get("return_timestamps")),
+    )  # fmt: skip
+    assert prompts == [row["prompt"] for row in case["rows"]]
+
+
+def test_detection_differs_between_clips():
+    """The fixture's clips detect to different languages, so the test above can fail."""
+    langs = {row["prompt"][1] for row in CASES["batch_detect"]["rows"]}
+    assert len(langs) == len(CASES["batch_detect"]["rows"])
+
+
+def test_call_gives_texts(pipe, clips):
+    case = CASES["batch_es"]
+    audio = [clips[c] for c in case["clips"]]
+    texts = [row["text"] for row in case["rows"]]
+    assert pipe(audio, sampling_rate=RATE, **_options(case)) == texts
+    assert pipe(audio[0], sampling_rate=RATE, **_options(case)) == texts[0]
+
+
+def test_pipeline_default_options(clips):
+    case = CASES["en"]
+    pipe = speech_to_text(FIXTURE, language="en", max_new_tokens=8)
+    assert pipe(clips["noise"], sampling_rate=RATE) == case["rows"][0]["text"]
+    # a call's options override the pipeline's
+    other = CASES["translate"]
+    assert pipe(clips["noise"], sampling_rate=RATE, **_options(other)) == other["rows"][0]["text"]
+
+
+def test_stream_joins_to_the_text(pipe, clips):
+    case = CASES["detect"]
+    pieces = list(pipe.stream(clips["tone"], sampling_rate=RATE, **_options(case)))
+    assert len(pieces) > 1
+    assert "".join(pieces) == case["rows"][0]["text"]
+
+
+def test_file_input(pipe):
+    path = FIXTURE / "stereo-44k.wav"
+    by_path = pipe.generate([path], language="en", max_new_tokens=4)[0]
+    by_bytes = pipe.generate([path.read_bytes()], language="en", max_new_tokens=4)[0]
+    assert by_path.token_ids == by_bytes.token_ids and len(by_path.token_ids) == 4
+
+
+def test_prompt_rules():
+    config = json.loads((FIXTURE / "generation_config.json").read_text())
+    sot, en, de = 5, config["lang_to_id"]["<|en|>"], config["lang_to_id"]["<|de|>"]
+    transcribe, translate = config["task_to_id"]["transcribe"], config["task_to_id"]["translate"]
+    stamps = config["no_timestamps_token_id"]
+    assert forced_prompt(config, language="en") == [sot, en, transcribe, stamps]
+    german = forced_prompt(config, language="German", task="translate")
+    assert german == [sot, de, translate, stamps]
+    assert forced_prompt(config, detected=de) == [sot, de, transcribe, stamps]
+    assert forced_prompt(config, language="<|de|>", timestamps=True) == [sot, de, transcribe]
+    assert language_id("english", config["lang_to_id"]) == en
+    with pytest.raises(ValueError, match="unknown language"):
+        language_id("klingon", config["lang_to_id"])
+    with pytest.raises(ValueError, match="no language <|ja|>"):
+        language_id("ja", config["lang_to_id"])
+
+
+def test_bad_options_and_inputs(pipe, clips):
+    with pytest.raises(ValueError, match="task is one of"):
+        pipe.generate([clips["noise"]], sampling_rate=RATE, task="summarize")
+    with pytest.raises(AudioError, match="sampling_rate"):
+        pipe.generate([clips["noise"]])
+    with pytest.raises(AudioError, match="NaN"):
+        pipe(np.full(100, np.nan, np.float32), sampling_rate=RATE)
+    with pytest.raises(TypeError, match="non-empty list"):
+        pipe.generate([])
+
+
+def test_stream_with_timestamps_joins_to_the_text(pipe, clips):
+    """The prompt without <|notimestamps|> and the task's processor run in a stream too."""
+    case = CASES["timestamps"]
+    pieces = list(pipe.stream(clips["noise"], sampling_rate=RATE, **_options(case)))
+    assert "".join(pieces) == case["rows"][0]["text"]

@@ -1,0 +1,90 @@
+"""Audio in: a file path, raw file bytes or a float array, as mono float32 at a given rate."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import numpy as np
+
+Audio = str | os.PathLike | bytes | np.ndarray
+
+
+class AudioError(ValueError):
+    """The audio cannot be used: unreadable, empty, silent, not finite, or of unknown rate."""
+
+
+def _read(source: str | os.PathLike | bytes) -> tuple[np.ndarray, int]:
+    """The samples ([frames] or [frames, channels]) and rate of an audio file or its bytes."""
+    import soundfile
+
+    what = "the audio bytes" if isinstance(source, bytes) else repr(os.fspath(source))
+    handle = io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
+    if not isinstance(source, bytes) and not os.path.isfile(handle):
+        raise AudioError(f"no audio file {what}")
+    try:
+        samples, rate = soundfile.read(handle, dtype="float32", always_2d=False)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
+        raise AudioError(f"cannot read {what} as audio (wav, flac, ogg, mp3): {error}") from None
+    return samples, int(rate)
+
+
+def _mono(samples: np.ndarray) -> np.ndarray:
+    """[frames] or [frames, channels] as [frames]: the mean of the channels."""
+    if samples.ndim == 1:
+        return samples
+    if samples.ndim == 2:
+        # soundfile gives [frames, channels]; an array of few rows and many columns is
+        # [channels, frames] (as librosa and torchaudio give it)
+        channels_first = samples.shape[0] < samples.shape[1] and samples.shape[0] <= 8
+        return samples.mean(axis=0 if channels_first else 1)
+    raise AudioError(f"audio is [samples] or [samples, channels], got shape {samples.shape}")
+
+
+def load(audio: Any, rate: int, sampling_rate: int | None = None) -> np.ndarray:
+    """Mono float32 samples of ``audio`` at ``rate`` Hz.
+
+    Args:
+        audio: a file path (wav, flac, ogg, mp3), the bytes of such a file, or a float array
+            of samples ([samples], or [samples, channels] / [channels, samples]).
+        rate: the sampling rate the samples are wanted at (the feature extractor's).
+        sampling_rate: the rate of an array; a file or bytes tell their own, and this must be
+            None or agree with it.
+
+    Returns:
+        [samples] float32: the channels mixed to mono, resampled with soxr when the rate differs.
+
+    Raises:
+        AudioError: an unreadable file, an array without ``sampling_rate``, an empty input,
+            samples that are not finite (NaN, inf), or silence only.
+    """
+    if isinstance(audio, str | os.PathLike | bytes):
+        samples, given = _read(audio)
+        if sampling_rate is not None and int(sampling_rate) != given:
+            raise AudioError(f"the file is at {given} Hz, not sampling_rate={sampling_rate}")
+    else:
+        if sampling_rate is None:
+            raise AudioError("an array of samples needs sampling_rate= (its rate in Hz)")
+        try:
+            samples = np.asarray(audio)
+        except (TypeError, ValueError) as error:
+            raise AudioError(f"audio is a path, bytes or a float array: {error}") from None
+        if samples.dtype.kind != "f":
+            raise AudioError(f"audio samples are floats in [-1, 1], got dtype {samples.dtype}")
+        given = int(sampling_rate)
+        if given <= 0:
+            raise AudioError(f"sampling_rate is a positive number of Hz, got {sampling_rate}")
+    samples = _mono(np.asarray(samples))
+    if samples.size == 0:
+        raise AudioError("the audio is empty (no samples)")
+    if not np.isfinite(samples).all():
+        raise AudioError("the audio has NaN or infinite samples")
+    if not np.any(samples):
+        raise AudioError("the audio is silent (all samples are zero)")
+    samples = samples.astype(np.float32)
+    if given != rate:
+        import soxr
+
+        samples = soxr.resample(samples, given, rate).astype(np.float32)
+    return samples

@@ -1,0 +1,263 @@
+"""Speech to text with Whisper: audio in, the transcript (or its English translation) out."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import generation as gen
+from .. import hub
+from ..onnx.model import load
+from ..text._runner import Result, Runner, load_decoder, resolve, texts_of
+from ..text.tokenizer import Tokenizer
+from . import prompt as forced
+from . import timestamps as stamps
+from .features import FeatureExtractor
+from .load import Audio
+from .load import load as load_audio
+
+SPEECH_OPTIONS = ("language", "task", "return_timestamps")  # the pipeline's, not generation's
+
+
+@dataclasses.dataclass
+class SpeechResult(Result):
+    """One transcript: a :class:`~transmuter_jax.text.Result` (text without timestamps,
+    token_ids with them) and, with return_timestamps=True, its chunks.
+
+    Attributes:
+        chunks: ``{"timestamp": (start, end), "text": ...}`` per pair of timestamp tokens (end
+            None for text after a last lone timestamp); None without return_timestamps.
+    """
+
+    chunks: list[dict[str, Any]] | None = None
+
+
+class SpeechToText:
+    """A Whisper encoder-decoder with its tokenizer and feature extractor, from
+    :func:`speech_to_text`.
+
+    Each input is padded or cut to the extractor's 30 s, encoded once, and decoded after its
+    forced prompt (``<|startoftranscript|><|lang|><|task|><|notimestamps|>``), as transformers'
+    ``WhisperForConditionalGeneration.generate`` does.
+
+    Attributes:
+        files: the files it was loaded from (folder, exporter family, encoder, decoder).
+        tokenizer: the tokenizer of ``tokenizer.json``.
+        features: the log-mel settings of ``preprocessor_config.json``.
+        generation_config: generation_config.json (lang_to_id, task_to_id, ...).
+        options: the default options (language, task and generation options).
+    """
+
+    def __init__(self, repo, *, dtype=None, file=None, **options):
+        if repo is None:
+            raise ValueError("no default speech model yet: give a Whisper folder or hub id")
+        self.files = resolve(repo, dtype, file)
+        if self.files.encoder is None:
+            raise ValueError(f"{repo!r} has no encoder: a Whisper export has encoder_model.onnx")
+        folder = self.files.folder
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.features = FeatureExtractor.from_folder(folder)
+        self.generation_config = hub.read_json(folder, "generation_config.json")
+        self.encoder = load(self.files.encoder)
+        decoder, embed = load_decoder(self.files)
+        if "encoder_hidden_states" not in {i.name for i in decoder.inputs}:
+            raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
+        speech, generation = _split(options)
+        forced.check(self.generation_config, speech.get("language"), speech.get("task"))
+        self._runner = Runner(
+            folder, decoder, embed=embed, given=["encoder_hidden_states"], options=generation,
+            tokenizer=self.tokenizer,
+        )  # fmt: skip
+        self.options = dict(options)
+        self._stamps = None
+        if self.timestamp_begin is not None:
+            self._stamps = stamps.processor(self.generation_config)
+
+    @property
+    def compiled_shapes(self) -> int:
+        """How many decoder step shapes have been compiled so far."""
+        return self._runner.compiled_shapes
+
+    @property
+    def timestamp_begin(self) -> int | None:
+        """The id of the first timestamp token (<|0.00|>), or None for a model without them."""
+        no_stamps = self.generation_config.get("no_timestamps_token_id")
+        return None if no_stamps is None else int(no_stamps) + 1
+
+    def input_features(
+        self, audio: Sequence[Audio], sampling_rate: int | None = None
+    ) -> np.ndarray:
+        """[len(audio), bins, frames] float32 the log-mel features of each input (see
+        :func:`transmuter_jax.audio.load` for the kinds of input)."""
+        samples = [load_audio(a, self.features.rate, sampling_rate) for a in audio]
+        return self.features(samples)
+
+    def _encode(self, features: np.ndarray) -> np.ndarray:
+        """[B, frames / 2, hidden] the encoder's last_hidden_state, one input at a time (one
+        compiled shape for every batch)."""
+        states = []
+        for row in features:
+            out = self.encoder({"input_features": row[None]})
+            states.append(np.asarray(out.get("last_hidden_state", next(iter(out.values())))))
+        return np.concatenate(states)
+
+    def _detect(self, hidden: np.ndarray) -> list[int]:
+        """The language token of each row: the most likely of lang_to_id after the start token
+        (transformers' ``detect_language``)."""
+        model = self._runner.model
+        start = int(self.generation_config["decoder_start_token_id"])
+        inputs, static = gen.prompt_inputs(
+            model, 1, 1, hub.read_json(self.files.folder, "config.json")
+        )
+        langs = np.asarray(sorted(self.generation_config["lang_to_id"].values()))
+        found = []
+        for row in hidden:
+            feeds = {"input_ids": np.array([[start]], np.int64), "encoder_hidden_states": row[None]}
+            logits = np.asarray(model({**inputs, **static, **feeds})["logits"])[0, -1]
+            found.append(int(langs[np.argmax(logits[langs])]))
+        return found
+
+    def prompts(
+        self,
+        hidden: np.ndarray,
+        language: str | None = None,
+        task: str | None = None,
+        timestamps: bool = False,
+    ) -> list[list[int]]:
+        """The forced prompt of each row of encoder states ``hidden`` (without <|notimestamps|>
+        when ``timestamps``)."""
+        config = self.generation_config
+        language = config.get("language") if language is None else language
+        task = config.get("task") if task is None else task
+        forced.check(config, language, task)
+        detected: list[int | None] = [None] * len(hidden)
+        if forced.needs_language(config, language, task):
+            detected = list(self._detect(hidden))
+        return [
+            forced.forced_prompt(
+                config, language=language, task=task, detected=d, timestamps=timestamps
+            )
+            for d in detected
+        ]
+
+    def _prepare(self, audio, sampling_rate, options):
+        """(prompts, encoder inputs, generation options, the task's processors)."""
+        if isinstance(audio, str | os.PathLike | bytes | np.ndarray) or not audio:
+            raise TypeError("audio is a non-empty list of inputs (paths, bytes or arrays)")
+        speech = _split({**self.options, **options})[0]
+        timestamps = bool(speech.get("return_timestamps", False))
+        if timestamps and self._stamps is None:
+            raise ValueError("the model has no timestamp tokens (no no_timestamps_token_id)")
+        hidden = self._encode(self.input_features(audio, sampling_rate))
+        prompts = self.prompts(hidden, speech.get("language"), speech.get("task"), timestamps)
+        processors = (self._stamps,) if timestamps else ()
+        return prompts, {"encoder_hidden_states": hidden}, _split(options)[1], processors
+
+    def _result(self, result: Result, timestamps: bool) -> SpeechResult:
+        """``result`` with its text decoded without timestamp tokens, and its chunks."""
+        begin = self.timestamp_begin
+        ids = [t for t in result.token_ids if begin is None or t < begin]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        fields = {**dataclasses.asdict(result), "text": text}
+        if timestamps:
+            decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=False)  # noqa: E731
+            fields["chunks"] = stamps.chunks(result.token_ids, begin, decode)
+        return SpeechResult(**fields)
+
+    def generate(
+        self,
+        audio: Sequence[Audio],
+        *,
+        sampling_rate: int | None = None,
+        seed: int | None = None,
+        **options: Any,
+    ) -> list[SpeechResult] | list[list[SpeechResult]]:
+        """Transcribes (or translates) each input, in one batch.
+
+        Args:
+            audio: file paths, file bytes, or float arrays of samples.
+            sampling_rate: the rate of the arrays in Hz (files tell their own).
+            seed: the sampling seed of the first input (the next get seed + 1, ...); None: random.
+            **options: ``language`` (a code, name or token; None: detected for a multilingual
+                model), ``task`` ("transcribe" or "translate"), ``return_timestamps`` (predict
+                timestamp tokens, with transformers' rules, and give ``chunks``), and
+                generation options (max_new_tokens, num_beams, token_logprobs, ...).
+
+        Returns:
+            One :class:`SpeechResult` per input: text, token_ids (the new tokens, without the
+            forced prompt and eos), logprobs, finish_reason, chunks; with
+            num_return_sequences n > 1, a list of n per input.
+        """
+        prompts, given, generation, processors = self._prepare(audio, sampling_rate, options)
+        out = self._runner.run(
+            self.tokenizer, prompts, generation, seed=seed, inputs=given, processors=processors
+        )
+        keep = bool(processors)
+        return [
+            [self._result(r, keep) for r in x] if isinstance(x, list) else self._result(x, keep)
+            for x in out
+        ]
+
+    def __call__(
+        self,
+        audio: Audio | Sequence[Audio],
+        *,
+        sampling_rate: int | None = None,
+        seed: int | None = None,
+        **options: Any,
+    ) -> str | list[str] | list[list[str]]:
+        """The text of one input, or the texts of a list of inputs (see :meth:`generate`)."""
+        single = isinstance(audio, str | os.PathLike | bytes) or (
+            isinstance(audio, np.ndarray) and audio.dtype != object
+        )
+        batch = [audio] if single else list(audio)
+        out = texts_of(self.generate(batch, sampling_rate=sampling_rate, seed=seed, **options))
+        return out[0] if single else out
+
+    def stream(
+        self,
+        audio: Audio,
+        *,
+        sampling_rate: int | None = None,
+        seed: int | None = None,
+        **options: Any,
+    ) -> Iterator[str]:
+        """Yields the text of one input in pieces as it is decoded; they join to the text of
+        :meth:`generate` (with beam search, as one piece at the end)."""
+        prompts, given, generation, processors = self._prepare([audio], sampling_rate, options)
+        return self._runner.stream(
+            self.tokenizer, prompts[0], generation, seed=seed, inputs=given, processors=processors
+        )
+
+
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the speech options, the generation options) of ``options``."""
+    speech = {k: v for k, v in options.items() if k in SPEECH_OPTIONS}
+    return speech, {k: v for k, v in options.items() if k not in SPEECH_OPTIONS}
+
+
+def speech_to_text(
+    repo: str | os.PathLike | None = None,
+    *,
+    dtype: str | None = None,
+    file: str | None = None,
+    **options: Any,
+) -> SpeechToText:
+    """A speech-to-text pipeline over a Whisper export.
+
+    Args:
+        repo: a local folder or a hub id with encoder_model.onnx, a merged decoder,
+            preprocessor_config.json and generation_config.json. (No default model yet.)
+        dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
+        file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        **options: default options: ``language``, ``task`` and generation options
+            (transformers' names).
+
+    Returns:
+        A :class:`SpeechToText`: call it with audio, or use ``generate`` and ``stream``.
+    """
+    return SpeechToText(repo, dtype=dtype, file=file, **options)

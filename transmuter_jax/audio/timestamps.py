@@ -1,0 +1,101 @@
+"""Whisper's timestamp rules (transformers' WhisperTimeStampLogitsProcessor) as a processor of
+the task, and the chunks of a transcript with timestamps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..generation.processors import LOWEST
+
+TIME_PRECISION = 0.02  # seconds per timestamp token
+
+
+def processor(config: Mapping[str, Any]) -> tuple[Callable, Callable]:
+    """The ``(state, process)`` pair of the timestamp rules for generation_config.json ``config``.
+
+    After the forced prompt (which ends before <|notimestamps|>), for each row:
+
+    - <|notimestamps|> is removed;
+    - the first token is a timestamp, at most ``max_initial_timestamp_index`` steps of 0.02 s;
+    - timestamps come in pairs: after a pair the next token is text; after a lone timestamp it
+      is a timestamp or a token from eos up (the text tokens below eos are removed);
+    - timestamps never decrease, and after a pair they increase;
+    - when the timestamps together are more likely than the most likely text token, the token
+      is a timestamp.
+    """
+    no_stamps = int(config["no_timestamps_token_id"])
+    begin = no_stamps + 1
+    eos = config.get("eos_token_id")
+    eos = config.get("bos_token_id") if eos is None else eos
+    eos = int(eos[0] if isinstance(eos, list | tuple) else eos)
+    initial = config.get("max_initial_timestamp_index")
+
+    def state(row: Mapping[str, Any]) -> np.ndarray:
+        """[4] int32: first step?, removed timestamps (1) or text (2) or nothing (0), and the
+        first timestamp id that stays allowed."""
+        seq = list(row["generated"])[::-1]  # oldest first
+        last = len(seq) >= 1 and seq[-1] >= begin
+        before = len(seq) < 2 or seq[-2] >= begin
+        mode = (1 if before else 2) if last else 0
+        stamps = [t for t in seq if t >= begin]
+        low = begin
+        if stamps:
+            low = stamps[-1] if last and not before else stamps[-1] + 1
+        return np.array([len(seq) == 0, mode, low, 0], np.int32)
+
+    def process(scores: jax.Array, state: jax.Array) -> jax.Array:
+        """[V] the scores of one row after the rules."""
+        ids = jnp.arange(scores.shape[-1])
+        stamp = ids >= begin
+        scores = scores.at[no_stamps].set(LOWEST)
+        scores = jnp.where((state[1] == 1) & stamp, LOWEST, scores)
+        scores = jnp.where((state[1] == 2) & (ids < eos), LOWEST, scores)
+        scores = jnp.where(stamp & (ids < state[2]), LOWEST, scores)
+        first = state[0] == 1
+        scores = jnp.where(first & ~stamp, LOWEST, scores)
+        if initial is not None:
+            scores = jnp.where(first & (ids > begin + int(initial)), LOWEST, scores)
+        logprobs = jax.nn.log_softmax(jnp.where(scores <= LOWEST, -jnp.inf, scores))
+        stamps = jax.nn.logsumexp(jnp.where(stamp, logprobs, -jnp.inf))
+        text = jnp.max(jnp.where(stamp, -jnp.inf, logprobs))
+        return jnp.where((stamps > text) & ~stamp, LOWEST, scores)
+
+    return state, process
+
+
+def chunks(
+    tokens: Sequence[int], begin: int, decode: Callable[[list[int]], str]
+) -> list[dict[str, Any]]:
+    """The ``{"timestamp": (start, end), "text": ...}`` chunks of one transcript, as the offsets
+    of transformers' Whisper tokenizer: a chunk runs from a timestamp to the timestamp before the
+    next two timestamps in a row (or to the last timestamp), and its text is the text tokens in
+    it (special tokens included, as there). Text before the first timestamp or after the last
+    one is in no chunk.
+
+    Args:
+        tokens: the new tokens (timestamps included).
+        begin: the id of <|0.00|>.
+        decode: the text of a list of token ids.
+    """
+    tokens = list(tokens)
+    stamps = [i for i, t in enumerate(tokens) if t >= begin]
+    if not stamps:
+        return []
+    cuts = [i for i in stamps if i > 0 and tokens[i - 1] >= begin]  # the second of a pair
+    if len(cuts) == 0 and len(stamps) <= 1:
+        return []
+    if stamps[-1] + 1 not in cuts:
+        cuts.append(stamps[-1] + 1)
+    out, start = [], stamps[0]
+    for cut in cuts:
+        part = tokens[start:cut]
+        if len(part) > 1:
+            times = tuple(round((t - begin) * TIME_PRECISION, 2) for t in (part[0], part[-1]))
+            out.append({"timestamp": times, "text": decode([t for t in part if t < begin])})
+        start = cut
+    return out
