@@ -135,3 +135,13 @@ def test_base_is_multilingual_and_transcribes_the_recording_in_english(speech_ba
     result = _transcribe(speech_base)
     assert result["torch_text"] == result["onnx_text"] == BASE_TEXT
     assert _same_tokens(result, eos=50257)
+
+
+def test_the_pipeline_transcribes_the_recording(speech):
+    from transmuter_jax import audio
+
+    pipe = audio.speech_to_text()  # the default: whisper tiny.en, prepared above
+    result = pipe.generate([str(default.sample_audio())])[0]
+    assert result.text == default.SAMPLE_TEXT
+    assert result.finish_reason == "eos"
+    assert "".join(pipe.stream(str(default.sample_audio()))) == result.text

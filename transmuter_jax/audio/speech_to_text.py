@@ -53,8 +53,10 @@ class SpeechToText:
     """
 
     def __init__(self, repo, *, dtype=None, file=None, **options):
-        if repo is None:
-            raise ValueError("no default speech model yet: give a Whisper folder or hub id")
+        if repo is None or repo in _default_aliases():
+            from .. import default
+
+            repo = default.speech_folder(repo)  # prepared offline on first use
         self.files = resolve(repo, dtype, file)
         if self.files.encoder is None:
             raise ValueError(f"{repo!r} has no encoder: a Whisper export has encoder_model.onnx")
@@ -240,6 +242,12 @@ def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return speech, {k: v for k, v in options.items() if k not in SPEECH_OPTIONS}
 
 
+def _default_aliases() -> tuple[str, ...]:
+    from ..default.speech import SPEECH_ALIASES
+
+    return ("default", *SPEECH_ALIASES)
+
+
 def speech_to_text(
     repo: str | os.PathLike | None = None,
     *,
@@ -251,7 +259,9 @@ def speech_to_text(
 
     Args:
         repo: a local folder or a hub id with encoder_model.onnx, a merged decoder,
-            preprocessor_config.json and generation_config.json. (No default model yet.)
+            preprocessor_config.json and generation_config.json; None (or "speech"): the
+            default whisper tiny.en, "speech-base": multilingual whisper base, both prepared
+            offline on first use (:func:`transmuter_jax.default.speech_folder`).
         dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
         **options: default options: ``language``, ``task`` and generation options
