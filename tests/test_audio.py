@@ -125,3 +125,13 @@ def test_empty_file(tmp_path):
     soundfile.write(buffer, np.zeros(0, np.float32), 16000, format="WAV")
     with pytest.raises(AudioError, match="empty"):
         load(buffer.getvalue(), 16000)
+
+
+def test_without_soundfile_the_error_says_how_to_install_it(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "soundfile", None)
+    module = importlib.import_module("transmuter_jax.audio.load")
+    with pytest.raises(ImportError, match=r"pip install 'transmuter_jax\[audio\]'"):
+        module._read(b"RIFF")

