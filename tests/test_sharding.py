@@ -18,7 +18,7 @@ import sys
 
 import pytest
 from generation_cases import context
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from transmuter_jax import generation
 from transmuter_jax.generation import GenerationError, sharding
@@ -206,3 +206,27 @@ def test_two_processes_give_single_device_tokens():
     assert results[0]["alone"] == results[1]["alone"]
     for result in results:
         assert result["together"] == result["alone"]
+
+
+def test_overrides_win_over_the_rules(tmp_path):
+    """An override replaces the rules' spec (or replication); a wrong one names itself."""
+    ctx = context("llama-optimum", tmp_path)
+    mesh = AbstractMesh((2,), ("model",))
+    rules = sharding.find_rules(ctx.model, mesh, head_size=16, small=0)
+    sharded = next(k for k, v in rules.specs.items() if v == PartitionSpec(None, "model"))
+    row = next(k for k, v in rules.specs.items() if v == PartitionSpec("model", None))
+    changed = sharding.find_rules(
+        ctx.model, mesh, head_size=16, small=0, overrides={sharded: None, row: (None, "model")}
+    )
+    assert changed.specs[sharded] == PartitionSpec()
+    assert changed.specs[row] == PartitionSpec(None, "model")
+    assert {k: v for k, v in changed.specs.items() if k not in (sharded, row)} == {
+        k: v for k, v in rules.specs.items() if k not in (sharded, row)
+    }
+    with pytest.raises(GenerationError, match="'nothing': the model has no such weight"):
+        sharding.find_rules(ctx.model, mesh, overrides={"nothing": None})
+    with pytest.raises(GenerationError, match="the mesh has no axis 'data'"):
+        sharding.find_rules(ctx.model, mesh, overrides={row: ("data",)})
+    odd = AbstractMesh((3,), ("model",))
+    with pytest.raises(GenerationError, match=f"{row!r}: dimension \\d+ .* axis 'model' of 3"):
+        sharding.find_rules(ctx.model, odd, overrides={row: ("model",)})
