@@ -87,6 +87,7 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
                     for e in ctx.cache.entries
                 },
                 "on_device": generation.on_device(sharded),
+                "beams": int(ctx.options.num_beams),
                 "warnings": [str(w.message) for w in caught],
                 "memory": sharding.memory(params),
             }

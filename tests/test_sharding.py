@@ -62,14 +62,17 @@ def _heads(config: dict) -> tuple[int, int]:
     return heads, text.get("num_key_value_heads") or heads
 
 
-def _expected(name: str, weight: dict, n: int, config: dict) -> list:
-    """The spec of a weight from the name and op of the node that reads it."""
+def _expected(name: str, weight: dict, n: int, config: dict, fused: bool, blocks: bool) -> list:
+    """The spec of a weight from the name and op of the node that reads it (``fused``: the
+    model's attention projects q, k and v in one product, so its attention is replicated;
+    ``blocks``: the axis divides the int4 row-parallel products' blocks of K, else their groups
+    are replicated)."""
     (op, node), shape = weight["readers"][0], weight["shape"]
     if n == 1:
         return []
     if op == "Gather":
         return ["model"] if shape[0] % n == 0 else []
-    if op not in ("MatMul", "Gemm", "MatMulNBits") or len(shape) < 2:
+    if op not in ("MatMul", "Gemm", "MatMulNBits") or (len(shape) < 2 and op != "Gemm"):
         return []  # norms, biases after an Add, rotary caches
     if "lm_head" in node:
         column, row = True, False
@@ -79,16 +82,18 @@ def _expected(name: str, weight: dict, n: int, config: dict) -> list:
         column, row = any(c in node for c in COLUMN), any(r in node for r in ROW)
     assert column or row, f"no role for {name} read by {node}"
     if any(a in node for a in ATTENTION):
+        if fused:
+            return []
         heads, kv = _heads(config)
         if heads % n or kv % n:
             return []
-    elif row and op == "MatMulNBits" and shape[1] % n:
+    elif op == "MatMulNBits" and not blocks and "lm_head" not in node:
         return []  # whole blocks of K
     if op == "MatMulNBits":
         return ["model"] if column else [None, "model"]
     if column:
-        return [None, "model"] if len(shape) == 2 else ["model"]
-    return ["model"]
+        return [None, "model"] if len(shape) == 2 else ["model"]  # a Gemm's bias: its columns
+    return ["model"] if len(shape) == 2 else []
 
 
 def _check(result: dict) -> None:
@@ -96,9 +101,18 @@ def _check(result: dict) -> None:
         where = f"{case['fixture']} ({case['mode']}) on model x data {case['mesh']}"
         n, data = case["mesh"]
         assert case["tokens"] == case["single"], where
-        assert case["on_device"], where
+        assert case["on_device"] == (case["beams"] == 1), where  # beams run on the host
+        readers = [r[1] for w in case["weights"].values() for r in w["readers"]]
+        fused = any(f in node for node in readers for f in FUSED)
+        blocks = all(
+            w["shape"][1] % n == 0
+            for w in case["weights"].values()
+            if len(w["shape"]) == 2
+            and w["readers"][0][0] == "MatMulNBits"
+            and any(r in w["readers"][0][1] for r in ROW)
+        )
         for name, weight in case["weights"].items():
-            want = _expected(name, weight, n, case["config"])
+            want = _expected(name, weight, n, case["config"], fused, blocks)
             assert _norm(weight["spec"]) == want, f"{where}: {name} {weight}"
             assert weight["devices"] == 8
         for name, (heads, spec) in case["cache"].items():

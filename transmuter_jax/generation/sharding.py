@@ -17,7 +17,8 @@ every op but Shape/Size, whose outputs carry no values) finds the linear nodes t
 - MatMulNBits splits its N rows (column-parallel) or whole blocks of K (row-parallel).
 
 A group whose sizes the axis does not divide, and linear weights in no group, stay replicated
-with one warning naming them. Norm weights, biases and the rotary caches are replicated. The
+with one warning naming them. Norm weights, the rotary caches and biases added after the
+product are replicated (a Gemm's bias follows its columns). The
 ``overrides`` table, by initializer name, wins over the rules.
 
 The KV cache is [batch, heads, rows, head_size]: rows on "data", heads on "model" when the
