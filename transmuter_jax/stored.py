@@ -163,7 +163,7 @@ class StoredJit:
 
     def _program(self, args: tuple):
         where = folder()
-        if self._key is None or where is None:
+        if self._key is None or where is None or _spans_devices(args):
             _tell("start")
             return self._jit()
         if not _store_works():
@@ -194,6 +194,14 @@ class StoredJit:
         if self._plain is None:
             self._plain = jax.jit(self._fn, donate_argnums=self._donate, **self._options)
         return self._plain
+
+
+def _spans_devices(args: tuple) -> bool:
+    """Whether an argument lies on more than one device (a mesh): stored programs keep no
+    shardings, so such programs run as plain jit."""
+    return any(
+        isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in jax.tree.leaves(args)
+    )
 
 
 def storable(cls: type) -> type:

@@ -37,6 +37,8 @@ class Context:
         batch_size: the number of prompts per batch, set by compile().
         jit_options: options of jax.jit, set by compile().
         stops: the stop strings with the text of each token (None without stop_strings).
+        placement: with a mesh, where the weights and cache live
+            (:class:`~transmuter_jax.generation.sharding.Placement`), set by compile().
     """
 
     model: Model
@@ -52,6 +54,7 @@ class Context:
     jit_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     compiled: Any = None
     stops: StopStrings | None = None
+    placement: Any = None
 
     @property
     def eos(self) -> tuple[int, ...]:

@@ -174,6 +174,8 @@ class Decoder:
                 return i + 1, s, out
 
             _, state, out = jax.lax.while_loop(more, one, (jnp.int32(0), state, out))
+            if ctx.placement is not None:  # the host reads it on every process
+                out = ctx.placement.readable(out)
             return state, out
 
         return run

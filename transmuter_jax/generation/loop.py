@@ -17,9 +17,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from ..onnx.dtypes import device_dtype
 from . import cache as cache_modes
+from . import sharding
 from .beam import BeamPrompt
 from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
@@ -64,7 +66,15 @@ GROW_CACHES = ("padded", "buckets", "exact")
 
 
 def compile(  # noqa: A001
-    ctx: Context, batch_size: int, *, grow_cache: str = "padded", **jit_options: Any
+    ctx: Context,
+    batch_size: int,
+    *,
+    grow_cache: str = "padded",
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    shard_overrides: Mapping[str, PartitionSpec | None] | None = None,
+    shard_small: int = sharding.SMALL,
+    **jit_options: Any,
 ) -> Context:
     """Prepares ``ctx`` for batches of ``batch_size`` prompts.
 
@@ -77,6 +87,12 @@ def compile(  # noqa: A001
             decode shapes per 64 rows, fewer padding rows read); "exact" keeps exact lengths
             (one shape per length). A graph the rewrite does not understand keeps exact lengths
             (``compiled.unpadded`` says why).
+        mesh: a mesh with axes "model" (weights and cache heads split, see
+            :mod:`.sharding`) and/or "data" (batch rows; it must divide ``batch_size``).
+        devices: without ``mesh``, the devices of a mesh that puts them all on "model".
+        shard_overrides: partition specs by initializer name that win over the sharding
+            rules (None: replicated).
+        shard_small: embeddings and LM heads of fewer elements stay replicated.
         **jit_options: options of ``jax.jit`` for the step and the selection.
 
     Returns:
@@ -97,6 +113,12 @@ def compile(  # noqa: A001
         padding, reason = pad_grow(ctx) if grow_cache != "exact" else (None, "grow_cache='exact'")
         runs = grow_cache if padding is not None else "exact"
     mode = cache_modes.mode(ctx.mode, padding is not None, runs == "buckets")
+    if mesh is None and devices is not None:
+        mesh = sharding.make_mesh(devices)
+    if mesh is not None:  # the weights placed on the mesh (after the padded rewrite's probe)
+        ready = sharding.apply(
+            ready, mesh, batch_size, small=shard_small, overrides=shard_overrides
+        )
     steps = Steps(ready, mode, padding)
     ready.compiled = Compiled(steps, select, reorder, runs, reason)
     ready.compiled.decoder = _decoder(ready, steps, select)
@@ -383,6 +405,8 @@ class _Run:
         state = cache_modes.State(
             mode, ctx.cache, len(rows), mode.capacity(longest, first), encoder
         )
+        if ctx.placement is not None:
+            state.arrays = ctx.placement.place_cache(state.arrays)
         self.width = cache_modes.bucket(longest)
         while self.live() and self.remaining().max() > 0:
             self.step(state)

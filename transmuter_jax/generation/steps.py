@@ -211,6 +211,10 @@ def _step_function(
         logits = outputs["logits"]  # [B, S, V]
         index = jnp.arange(logits.shape[0])
         last_logits = logits[index, last].astype(jnp.float32)  # [B, V]
-        return last_logits, mode.write(layout, cache, outputs, lengths, rows)
+        new = mode.write(layout, cache, outputs, lengths, rows)
+        if ctx.placement is not None:  # the next cache keeps the input's shardings (donation)
+            new = ctx.placement.constrain_cache(new)
+            last_logits = ctx.placement.readable(last_logits)  # the selection's input
+        return last_logits, new
 
     return step

@@ -313,6 +313,17 @@ class Model:
         new.compile_stats = []
         return new
 
+    def with_params(self, params: Mapping[str, jax.Array]) -> Model:
+        """A model of this graph that runs with ``params`` (the same names, shapes and dtypes,
+        placed elsewhere: sharded over a mesh), with its own, empty, compile cache and stats."""
+        if set(params) != set(self.params):
+            raise InputError(f"params must hold the weights {sorted(self.params)} of {self.path!r}")
+        new = copy.copy(self)
+        new.params = dict(params)
+        new._compiled = {}
+        new.compile_stats = []
+        return new
+
     @property
     def opsets(self) -> Mapping[str, int]:
         return dict(self._graph.opsets)

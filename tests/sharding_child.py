@@ -1,0 +1,157 @@
+"""Runs sharded generation cases in one process of 8 forced host devices; prints one JSON line.
+
+Run by tests/test_sharding.py with XLA_FLAGS=--xla_force_host_platform_device_count=8 (JAX
+reads it at import). Arguments: a JSON list of cases, each {"fixture", "meshes": [[model,
+data], ...], "options": {...}}. For each case it runs the fixture on one device, then on each
+mesh, and reports the tokens, every weight's spec with the nodes that read it, the cache
+specs and the warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tempfile
+import warnings
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from generation_cases import FIXTURES, case, context, encoder_inputs  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+import transmuter_jax as tj  # noqa: E402
+from transmuter_jax import generation  # noqa: E402
+from transmuter_jax.generation import sharding  # noqa: E402
+from transmuter_jax.onnx.trace import subgraphs  # noqa: E402
+
+BATCH = 8
+
+
+def _readers(graph, found):
+    for node in graph.node:
+        for name in node.input:
+            found.setdefault(name, []).append([node.op_type, node.name])
+        for sub in subgraphs(node):
+            _readers(sub, found)
+    return found
+
+
+def _spec(spec) -> list:
+    return [list(a) if isinstance(a, tuple) else a for a in spec]
+
+
+def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
+    name = spec["fixture"]
+    the_case = case(name, "batch")
+    base_prompts = the_case["prompts"]
+    # Two lengths that one prompt step of 4 feeds: one prefill shape per compile.
+    prompts = [base_prompts[i % len(base_prompts)][: 4 - i % 2] for i in range(4)]
+    rows = [i % len(base_prompts) for i in range(4)]
+    given, inputs = encoder_inputs(name, the_case, rows)
+    options = {"max_new_tokens": 6, "decode_steps": 3} | spec.get("options", {})
+    ctx = context(name, tmp, given=given, **options)
+    seeds = list(range(len(prompts)))
+    single = generation.generate(generation.compile(ctx, BATCH), prompts, seeds, inputs)
+    readers = _readers(ctx.model.graph.proto, {})
+    results = []
+    for model, data in spec["meshes"]:
+        mesh = sharding.make_mesh(model=model, data=data)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sharded = generation.compile(ctx, BATCH, mesh=mesh, shard_small=0)
+            tokens = generation.generate(sharded, prompts, seeds, inputs)
+        params = sharded.model.params
+        results.append(
+            {
+                "fixture": name,
+                "mode": ctx.mode,
+                "mesh": [model, data],
+                "single": single,
+                "tokens": tokens,
+                "config": ctx.config,
+                "weights": {
+                    k: {
+                        "spec": _spec(v.sharding.spec),
+                        "shape": list(v.shape),
+                        "readers": readers.get(k, []),
+                        "devices": len(v.sharding.device_set),
+                        "bytes": int(v.nbytes),
+                    }
+                    for k, v in params.items()
+                },
+                "cache": {
+                    e.input: [e.heads, _spec(sharded.placement.cache[e.input])]
+                    for e in ctx.cache.entries
+                },
+                "on_device": generation.on_device(sharded),
+                "beams": int(ctx.options.num_beams),
+                "warnings": [str(w.message) for w in caught],
+                "memory": sharding.memory(params),
+            }
+        )
+    return results
+
+
+def unrecognised(tmp: pathlib.Path) -> dict:
+    """x @ w_in -> LayerNormalization -> @ w_head: w_in feeds no recognised pattern."""
+    rng = np.random.default_rng(0)
+    w_in = rng.standard_normal((16, 64)).astype(np.float32)
+    w_head = rng.standard_normal((64, 32)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_in"], ["h"]),
+        helper.make_node("LayerNormalization", ["h", "scale"], ["n"], axis=-1),
+        helper.make_node("MatMul", ["n", "w_head"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 32])],
+        [
+            numpy_helper.from_array(w_in, "w_in"),
+            numpy_helper.from_array(np.linspace(0.5, 1.5, 64, dtype=np.float32), "scale"),
+            numpy_helper.from_array(w_head, "w_head"),
+        ],
+    )
+    path = tmp / "unrecognised.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+                     .SerializeToString())  # fmt: skip
+    model = tj.load(path)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    mesh = sharding.make_mesh(model=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rules = sharding.find_rules(model, mesh, small=0)
+        sharding.warn_replicated(rules, model.path)
+    placed = model.with_params(sharding.Placement(mesh, rules, {}).place_params(model.params))
+    return {
+        "same": bool(
+            np.array_equal(np.asarray(model({"x": x})["y"]), np.asarray(placed({"x": x})["y"]))
+        ),  # fmt: skip
+        "close": float(
+            np.abs(np.asarray(model({"x": x})["y"]) - np.asarray(placed({"x": x})["y"])).max()
+        ),  # fmt: skip
+        "specs": {k: _spec(v.sharding.spec) for k, v in placed.params.items()},
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def main() -> None:
+    cases = json.loads(sys.argv[1])
+    assert jax.device_count() == 8, jax.devices()
+    out = {"cases": [], "unrecognised": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in cases:
+            if spec == "unrecognised":
+                out["unrecognised"] = unrecognised(pathlib.Path(tmp))
+            else:
+                out["cases"].extend(run_case(spec, pathlib.Path(tmp)))
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    assert FIXTURES.is_dir()
+    main()

@@ -1,0 +1,246 @@
+"""Generation over a mesh of 8 forced host devices gives the single-device tokens, with the
+weights and cache split as the exporters' node names say they should be.
+
+JAX reads XLA_FLAGS at import, so the cases run in one subprocess (tests/sharding_child.py).
+The expected specs here come from the node names (q_proj, down_proj, ...), which the rules in
+transmuter_jax/generation/sharding.py never read: they find the same roles from the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+from generation_cases import context
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from transmuter_jax import generation
+from transmuter_jax.generation import GenerationError, sharding
+
+ROOT = pathlib.Path(__file__).parent.parent
+MESHES = [[8, 1], [2, 4], [1, 8]]  # [model, data]
+FUSED = ("qkv_proj", "attn/c_")  # q, k and v in one projection: replicated with the out one
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "mlp/c_fc")
+ROW = ("o_proj", "out_proj", "down_proj", "fc2", "mlp/c_proj")
+
+
+def _run(cases: list) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRANSMUTER_JAX_KERNELS"] = "0"  # the CPU kernels' custom calls are not partitioned
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "sharding_child.py"), json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _norm(spec: list) -> list:
+    spec = list(spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return spec
+
+
+def _heads(config: dict) -> tuple[int, int]:
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads") or text.get("decoder_attention_heads")
+    heads = heads or text.get("n_head")
+    return heads, text.get("num_key_value_heads") or heads
+
+
+def _expected(name: str, weight: dict, n: int, config: dict, fused: bool, blocks: bool) -> list:
+    """The spec of a weight from the name and op of the node that reads it (``fused``: the
+    model's attention projects q, k and v in one product, so its attention is replicated;
+    ``blocks``: the axis divides the int4 row-parallel products' blocks of K, else their groups
+    are replicated)."""
+    (op, node), shape = weight["readers"][0], weight["shape"]
+    if n == 1:
+        return []
+    if op == "Gather":
+        return ["model"] if shape[0] % n == 0 else []
+    if op not in ("MatMul", "Gemm", "MatMulNBits") or (len(shape) < 2 and op != "Gemm"):
+        return []  # norms, biases after an Add, rotary caches
+    if "lm_head" in node:
+        column, row = True, False
+    elif any(f in node for f in FUSED):
+        return []
+    else:
+        column, row = any(c in node for c in COLUMN), any(r in node for r in ROW)
+    assert column or row, f"no role for {name} read by {node}"
+    if any(a in node for a in ATTENTION):
+        if fused:
+            return []
+        heads, kv = _heads(config)
+        if heads % n or kv % n:
+            return []
+    elif op == "MatMulNBits" and not blocks and "lm_head" not in node:
+        return []  # whole blocks of K
+    if op == "MatMulNBits":
+        return ["model"] if column else [None, "model"]
+    if column:
+        return [None, "model"] if len(shape) == 2 else ["model"]  # a Gemm's bias: its columns
+    return ["model"] if len(shape) == 2 else []
+
+
+def _check(result: dict) -> None:
+    for case in result["cases"]:
+        where = f"{case['fixture']} ({case['mode']}) on model x data {case['mesh']}"
+        n, data = case["mesh"]
+        assert case["tokens"] == case["single"], where
+        assert case["on_device"] == (case["beams"] == 1), where  # beams run on the host
+        readers = [r[1] for w in case["weights"].values() for r in w["readers"]]
+        fused = any(f in node for node in readers for f in FUSED)
+        blocks = all(
+            w["shape"][1] % n == 0
+            for w in case["weights"].values()
+            if len(w["shape"]) == 2
+            and w["readers"][0][0] == "MatMulNBits"
+            and any(r in w["readers"][0][1] for r in ROW)
+        )
+        for name, weight in case["weights"].items():
+            want = _expected(name, weight, n, case["config"], fused, blocks)
+            assert _norm(weight["spec"]) == want, f"{where}: {name} {weight}"
+            assert weight["devices"] == 8
+        for name, (heads, spec) in case["cache"].items():
+            want = ["data" if data > 1 else None, "model" if n > 1 and heads % n == 0 else None]
+            assert _norm(spec) == _norm(want), f"{where}: {name}"
+        assert not [w for w in case["warnings"] if "donat" in w], where
+        replicated = [w for w in case["warnings"] if w.startswith("replicated on 'model'")]
+        assert len(replicated) <= 1 and all("\n" not in w for w in replicated), where
+        left = [k for k, w in case["weights"].items() if _norm(w["spec"]) == [] and n > 1]
+        for name in left:  # every replicated linear weight is named in the warning
+            if case["weights"][name]["readers"][0][0] in ("MatMul", "Gemm") and (
+                len(case["weights"][name]["shape"]) == 2
+            ):
+                assert replicated and name in replicated[0], f"{where}: {name}"
+        sharded = [w for w in case["weights"].values() if _norm(w["spec"])]
+        if sharded:  # each device holds less than all the weights
+            total = sum(w["bytes"] for w in case["weights"].values())
+            assert max(case["memory"].values()) < total, where
+            held = sum(w["bytes"] / math.prod(n if a == "model" else 1 for a in w["spec"])
+                       for w in case["weights"].values())  # fmt: skip
+            assert max(case["memory"].values()) == held, where
+
+
+def test_meshes_give_single_device_tokens():
+    """append (llama-optimum) on every mesh, the encoder-decoder (marian, grow) on model 2 x
+    data 4, and a graph whose MatMul the rules do not recognise."""
+    result = _run(
+        [
+            {"fixture": "llama-optimum", "meshes": MESHES},
+            {"fixture": "marian-optimum", "meshes": [[2, 4]]},
+            "unrecognised",
+        ]
+    )
+    assert len(result["cases"]) == 4
+    _check(result)
+    odd = result["unrecognised"]
+    assert odd["close"] <= 1e-5
+    assert odd["specs"] == {"w_in": [], "scale": [], "w_head": [None, "model"]}
+    assert len(odd["warnings"]) == 1 and "w_in" in odd["warnings"][0]
+    assert "w_head" not in odd["warnings"][0] and "\n" not in odd["warnings"][0]
+
+
+@pytest.mark.slow
+def test_every_mode_and_mesh():
+    """in_place (genai fp32 and int4), gpt2, the encoder-decoder on every mesh; sampling and
+    beam search."""
+    result = _run(
+        [
+            {"fixture": "llama-genai-fp32", "meshes": MESHES},
+            {"fixture": "llama-genai-int4", "meshes": MESHES},
+            {"fixture": "gpt2-optimum", "meshes": MESHES},
+            {"fixture": "marian-optimum", "meshes": [[8, 1], [1, 8]]},
+            {
+                "fixture": "llama-optimum",
+                "meshes": [[2, 4]],
+                "options": {"do_sample": True, "top_k": 20, "temperature": 0.9},
+            },
+            {"fixture": "llama-genai-fp32", "meshes": [[2, 4]], "options": {"num_beams": 2}},
+        ]
+    )
+    _check(result)
+
+
+def test_data_axis_must_divide_the_batch(tmp_path):
+    ctx = context("llama-optimum", tmp_path)
+    with pytest.raises(GenerationError, match="'data' of size 4 does not divide the batch of 6"):
+        generation.compile(ctx, 6, mesh=AbstractMesh((4, 1), ("data", "model")))
+
+
+def test_mesh_axes_are_named(tmp_path):
+    ctx = context("llama-optimum", tmp_path)
+    with pytest.raises(GenerationError, match=r"mesh axes \['x'\]"):
+        generation.compile(ctx, 2, mesh=AbstractMesh((1,), ("x",)))
+    with pytest.raises(GenerationError, match="needs 6 devices, got 1"):
+        sharding.make_mesh(model=3, data=2)
+
+
+def test_two_processes_give_single_device_tokens():
+    """jax.distributed on localhost: 2 processes of 4 CPU devices (gloo), one mesh of model 2 x
+    data 4 whose rows span both; each process gets the tokens of its first device alone."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRANSMUTER_JAX_KERNELS"] = "0"
+    script = str(ROOT / "tests" / "distributed_child.py")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, script, str(i), str(port), "llama-optimum", "2", "4"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    for run in runs:
+        out, err = run.communicate(timeout=1800)
+        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        assert run.returncode == 0 and lines, err[-4000:]
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    assert results[0]["alone"] == results[1]["alone"]
+    for result in results:
+        assert result["together"] == result["alone"]
+
+
+def test_overrides_win_over_the_rules(tmp_path):
+    """An override replaces the rules' spec (or replication); a wrong one names itself."""
+    ctx = context("llama-optimum", tmp_path)
+    mesh = AbstractMesh((2,), ("model",))
+    rules = sharding.find_rules(ctx.model, mesh, head_size=16, small=0)
+    sharded = next(k for k, v in rules.specs.items() if v == PartitionSpec(None, "model"))
+    row = next(k for k, v in rules.specs.items() if v == PartitionSpec("model", None))
+    changed = sharding.find_rules(
+        ctx.model, mesh, head_size=16, small=0, overrides={sharded: None, row: (None, "model")}
+    )
+    assert changed.specs[sharded] == PartitionSpec()
+    assert changed.specs[row] == PartitionSpec(None, "model")
+    assert {k: v for k, v in changed.specs.items() if k not in (sharded, row)} == {
+        k: v for k, v in rules.specs.items() if k not in (sharded, row)
+    }
+    with pytest.raises(GenerationError, match="'nothing': the model has no such weight"):
+        sharding.find_rules(ctx.model, mesh, overrides={"nothing": None})
+    with pytest.raises(GenerationError, match="the mesh has no axis 'data'"):
+        sharding.find_rules(ctx.model, mesh, overrides={row: ("data",)})
+    odd = AbstractMesh((3,), ("model",))
+    with pytest.raises(GenerationError, match=f"{row!r}: dimension \\d+ .* axis 'model' of 3"):
+        sharding.find_rules(ctx.model, odd, overrides={row: ("model",)})

@@ -1,0 +1,500 @@
+"""Weights and KV cache over a JAX mesh: tensor parallelism on "model", batch rows on "data".
+
+The rules come from the graph's structure. A *linear* node is a MatMul, Gemm or MatMulNBits
+whose weight is an initializer. Walking back from a linear node's activation input (through
+every op but Shape/Size, whose outputs carry no values) finds the linear nodes that feed it:
+
+- a node reached without passing a normalization is *row-parallel* (its input features split
+  on "model": attention's output projection, the MLP's down projection), and the linear nodes
+  it reaches are its *column-parallel* partners (attention's q/k/v, the MLP's gate and up);
+- a group whose walk passes attention (Softmax, GroupQueryAttention, MultiHeadAttention,
+  Attention) is split by heads: every projection's outputs must hold whole heads on each
+  device, and a fused q/k/v projection (its output split, or packed into GroupQueryAttention)
+  cannot be split by heads without a rewrite, so its group stays replicated;
+- an embedding (Gather along axis 0 of an initializer) and the LM head (a linear node whose
+  output reaches the logits through no other linear node) are split on the vocabulary when
+  they hold at least ``small`` elements, else replicated;
+- MatMulNBits splits its N rows (column-parallel) or whole blocks of K (row-parallel).
+
+A group whose sizes the axis does not divide, and linear weights in no group, stay replicated
+with one warning naming them. Norm weights, the rotary caches and biases added after the
+product are replicated (a Gemm's bias follows its columns). The
+``overrides`` table, by initializer name, wins over the rules.
+
+The KV cache is [batch, heads, rows, head_size]: rows on "data", heads on "model" when the
+axis divides them. Everything stays replicated over "data".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from onnx import helper
+
+from ..onnx.model import Model
+from ..onnx.trace import subgraphs
+from .errors import GenerationError
+
+MODEL, DATA = "model", "data"
+AXES = (DATA, MODEL)
+SMALL = 1 << 16  # embeddings and LM heads with fewer elements stay replicated
+_ATTENTION = {"Softmax", "GroupQueryAttention", "MultiHeadAttention", "Attention"}
+_NORMS = {
+    "LayerNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+    "RMSNormalization",
+    "ReduceMean",
+}
+_SHAPE_ONLY = {"Shape", "Size"}
+_PASS = {"Reshape", "Add", "Cast", "Identity", "Squeeze", "Unsqueeze"}  # before the heads
+
+
+def make_mesh(
+    devices: Sequence[jax.Device] | None = None, *, model: int | None = None, data: int = 1
+) -> Mesh:
+    """A mesh of axes ("data", "model") over ``devices`` (default: all of them).
+
+    Args:
+        devices: the devices, in order.
+        model: the size of "model" (default: the devices over ``data``).
+        data: the size of "data".
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    model = len(devices) // data if model is None else model
+    if model < 1 or data < 1 or model * data != len(devices):
+        raise GenerationError(
+            f"a mesh of data {data} x model {model} needs {data * model} devices, "
+            f"got {len(devices)}"
+        )
+    return Mesh(np.array(devices, dtype=object).reshape(data, model), AXES)
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+    """The size of the mesh axis ``name`` (1 when the mesh has none)."""
+    return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+@dataclasses.dataclass
+class Linear:
+    """A matrix product by an initializer: which inputs hold it and along which axes."""
+
+    op: str
+    weight: str
+    n: int  # output features
+    k: int  # input features
+    column: dict[str, int]  # initializer -> its axis of the output features
+    row: dict[str, int]  # initializer -> its axis of whole input-feature blocks
+    blocks: int = 0  # MatMulNBits: blocks of K (row-parallel splits whole blocks)
+
+
+@dataclasses.dataclass
+class _Scope:
+    """One graph (the main graph or an If / Loop body) of the flattened nodes."""
+
+    producer: dict[str, int]  # value -> index of the node that makes it here
+    outputs: list[str]
+    parent: int | None = None  # the enclosing scope
+    owner: int | None = None  # the node that holds this graph
+
+
+def _flatten(graph, nodes: list, scopes: list, parent=None, owner=None) -> int:
+    """Appends the nodes of ``graph`` and its subgraphs; returns the index of its scope."""
+    at = len(scopes)
+    scopes.append(_Scope({}, [o.name for o in graph.output], parent, owner))
+    for node in graph.node:
+        index = len(nodes)
+        nodes.append((node, at, []))
+        for o in node.output:
+            if o:
+                scopes[at].producer[o] = index
+        for sub in subgraphs(node):
+            nodes[index][2].append(_flatten(sub, nodes, scopes, at, index))
+    return at
+
+
+def _attr(node, name: str, default: Any) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _linear(node, shapes: Mapping[str, tuple]) -> Linear | None:
+    ins = list(node.input) + [""] * 4
+    op, w = node.op_type, ins[1]
+    if w not in shapes:
+        return None
+    shape = shapes[w]
+    if op == "MatMul" and len(shape) == 2:
+        return Linear(op, w, shape[1], shape[0], {w: 1}, {w: 0})
+    if op == "Gemm" and len(shape) == 2:
+        trans = bool(_attr(node, "transB", 0))
+        n_axis = 0 if trans else 1
+        column = {w: n_axis}
+        if len(shapes.get(ins[2], ())) == 1:  # the bias [N]
+            column[ins[2]] = 0
+        return Linear(op, w, shape[n_axis], shape[1 - n_axis], column, {w: 1 - n_axis})
+    if op == "MatMulNBits" and len(shape) == 3:
+        n, blocks = shape[0], shape[1]
+        column = {w: 0}
+        row = {w: 1}
+        for extra in (ins[2], ins[3], ins[5]):  # scales, zero points, bias
+            if extra in shapes:
+                column[extra] = 0
+                if len(shapes[extra]) == 2 and shapes[extra][1] == blocks and extra == ins[2]:
+                    row[extra] = 1
+        k = int(_attr(node, "K", 0))
+        return Linear(op, w, n, k, column, row, blocks)
+    return None
+
+
+@dataclasses.dataclass
+class Rules:
+    """The partition spec of each weight, and what stays replicated and why."""
+
+    specs: dict[str, PartitionSpec]
+    replicated: dict[str, str]  # initializer -> why it is replicated against the rules' wish
+    groups: list[tuple[list[str], str, str]]  # (column weights, row weight, "attention"/"mlp")
+
+
+def find_rules(
+    model: Model,
+    mesh: Mesh,
+    *,
+    head_size: int | None = None,
+    small: int = SMALL,
+    overrides: Mapping[str, PartitionSpec | None] | None = None,
+) -> Rules:
+    """The partition specs of ``model``'s weights on ``mesh`` (see the module's docstring).
+
+    Args:
+        model: the graph and its weights.
+        mesh: a mesh with axes "model" and/or "data".
+        head_size: the attention head size (attention projections split by whole heads).
+        small: embeddings and LM heads with fewer elements stay replicated.
+        overrides: partition specs by initializer name, applied last (None: replicated).
+    """
+    n = axis_size(mesh, MODEL)
+    # Shapes of the weights and of the graph's constants (a small int4 weight is a constant:
+    # its node still tells the structure, but only weights are placed).
+    shapes = {k: tuple(np.shape(v)) for k, v in model.graph.constants.items()}
+    shapes |= {k: tuple(v.shape) for k, v in model.params.items()}
+    specs: dict[str, PartitionSpec] = {}
+    replicated: dict[str, str] = {}
+    groups: list[tuple[list[str], str, str]] = []
+    nodes: list = []  # (node, its scope, the scopes of its subgraphs)
+    scopes: list[_Scope] = []
+    _flatten(model.graph.proto, nodes, scopes)
+
+    def resolve(scope: int | None, name: str) -> tuple[int | None, int]:
+        """The node making ``name`` as seen from ``scope``, and the scope that defines it."""
+        start = scope
+        while scope is not None:
+            if name in scopes[scope].producer:
+                return scopes[scope].producer[name], scope
+            scope = scopes[scope].parent
+        return None, 0 if start is None else start
+
+    consumers: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for index, (node, scope, _) in enumerate(nodes):
+        for name in dict.fromkeys(node.input):
+            if name:
+                consumers[(resolve(scope, name)[1], name)].append(index)
+    linears = {i: lin for i, (nd, _, _) in enumerate(nodes) if (lin := _linear(nd, shapes))}
+    outputs = {o.name for o in model.outputs}
+    logits = {"logits"} & outputs or outputs
+
+    def back(index: int) -> tuple[set[int], bool, bool]:
+        """The linear nodes feeding the activation of node ``index``; whether a normalization
+        and attention were passed."""
+        node, scope, _ = nodes[index]
+        seen, found, norm, attention = set(), set(), False, False
+        stack = [(scope, node.input[0])]
+        while stack:
+            at, where = resolve(*stack.pop())
+            if at is None or at in seen:
+                continue
+            seen.add(at)
+            node, scope, inner = nodes[at]
+            if at in linears:
+                found.add(at)
+                continue
+            if node.op_type in _SHAPE_ONLY:
+                continue
+            norm |= node.op_type in _NORMS
+            attention |= node.op_type in _ATTENTION
+            if node.op_type in _NORMS:
+                continue
+            stack.extend((scope, i) for i in node.input if i)
+            for sub in inner:  # a branch's outputs are the node's
+                stack.extend((sub, o) for o in scopes[sub].outputs)
+        return found, norm, attention
+
+    def forward(index: int) -> list[tuple[int, str]]:
+        """The values node ``index`` makes, with their scope."""
+        node, scope, _ = nodes[index]
+        return [(scope, o) for o in node.output if o]
+
+    def owner_outputs(scope: int, name: str) -> list[tuple[int, str]]:
+        s = scopes[scope]
+        if s.owner is None or name not in s.outputs:
+            return []
+        owner = nodes[s.owner][0]
+        j = s.outputs.index(name)
+        return [(s.parent, owner.output[j])] if j < len(owner.output) else []
+
+    def fused(index: int) -> bool:
+        """Whether the output of a linear node is split into q/k/v: a Split or Slice before
+        any Transpose (a Slice after the heads' Transpose is rotary's), or packed into a
+        GroupQueryAttention."""
+        frontier = forward(index)
+        for _ in range(4):
+            nxt = []
+            for scope, name in frontier:
+                for c in consumers[(scope, name)]:
+                    node = nodes[c][0]
+                    if node.op_type in ("Split", "Slice"):
+                        return True
+                    packed = node.op_type == "GroupQueryAttention" and len(node.input) > 1
+                    if packed and node.input[0] == name and not node.input[1]:
+                        return True
+                    if node.op_type in _PASS:
+                        nxt.extend(forward(c))
+            frontier = nxt
+        return False
+
+    def reaches_logits(index: int) -> bool:
+        """Whether the output of a linear node reaches the logits through no other one."""
+        stack, seen = forward(index), set()
+        while stack:
+            scope, name = stack.pop()
+            if scope == 0 and name in logits:
+                return True
+            stack.extend(owner_outputs(scope, name))
+            for c in consumers[(scope, name)]:
+                if c not in seen and c not in linears:
+                    seen.add(c)
+                    stack.extend(forward(c))
+        return False
+
+    def put(name: str, axis: int, mesh_axis: str = MODEL) -> None:
+        if name not in model.params:
+            return
+        spec = [None] * len(shapes[name])
+        spec[axis] = mesh_axis
+        specs[name] = PartitionSpec(*spec)
+
+    grouped: set[str] = set()
+    for index, lin in linears.items():
+        sources, norm, attention = back(index)
+        if norm or not sources:
+            continue
+        cols = [linears[s] for s in sorted(sources)]
+        kind = "attention" if attention else "mlp"
+        names = [c.weight for c in cols]
+        grouped |= set(names) | {lin.weight}
+        groups.append((names, lin.weight, kind))
+        unit = head_size if attention and head_size else 1
+        why = ""
+        if attention and any(fused(s) for s in sources):
+            why = "a fused q/k/v projection cannot be split by heads"
+        elif any(c.n % (n * unit) for c in cols) or lin.k % (n * unit):
+            what = "heads" if attention and head_size else "features"
+            why = f"its {what} do not divide by the 'model' axis of {n}"
+        elif lin.blocks and lin.blocks % n:
+            why = f"its {lin.blocks} blocks of K do not divide by the 'model' axis of {n}"
+        if why:
+            held = [w for c in cols for w in c.column] + list(lin.row)
+            for name in held:
+                if name in model.params and len(shapes[name]) > 1:  # not the biases
+                    replicated[name] = why
+            continue
+        if n == 1:
+            continue
+        for c in cols:
+            for name, axis in c.column.items():
+                put(name, axis)
+        for name, axis in lin.row.items():
+            put(name, axis)
+
+    for index, lin in linears.items():
+        if lin.weight in grouped or lin.weight in specs:
+            continue
+        if not reaches_logits(index):
+            if lin.weight in model.params:
+                replicated.setdefault(lin.weight, "the rules do not recognise its MatMul")
+            continue
+        grouped.add(lin.weight)
+        if n > 1 and lin.n % n == 0 and int(np.prod(shapes[lin.weight])) >= small:
+            for name, axis in lin.column.items():
+                put(name, axis)
+    for node, _, _ in nodes:
+        table = node.input[0] if node.input else ""
+        gather = node.op_type in ("Gather", "GatherBlockQuantized")
+        if not gather or table not in shapes or table in specs:
+            continue
+        axis = _attr(node, "gather_axis" if node.op_type != "Gather" else "axis", 0)
+        big = int(np.prod(shapes[table])) >= small
+        if n > 1 and axis == 0 and shapes[table][0] % n == 0 and big:
+            put(table, 0)
+    for name in replicated:  # a weight shared by two groups stays replicated if one says so
+        specs.pop(name, None)
+    for name, spec in (overrides or {}).items():
+        if name not in model.params:
+            raise GenerationError(f"override for {name!r}: the model has no such weight")
+        spec = PartitionSpec() if spec is None else PartitionSpec(*spec)
+        _check_spec(name, shapes[name], spec, mesh)
+        specs[name] = spec
+        replicated.pop(name, None)
+    return Rules(specs, replicated, groups)
+
+
+def _check_spec(name: str, shape: tuple, spec: PartitionSpec, mesh: Mesh) -> None:
+    if len(spec) > len(shape):
+        raise GenerationError(f"override for {name!r}: spec {spec} has more axes than {shape}")
+    for dim, axes in zip(shape, spec, strict=False):
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            if axis not in mesh.axis_names:
+                raise GenerationError(f"override for {name!r}: the mesh has no axis {axis!r}")
+            if dim % axis_size(mesh, axis):
+                raise GenerationError(
+                    f"override for {name!r}: dimension {dim} of {shape} does not divide by "
+                    f"the mesh axis {axis!r} of {axis_size(mesh, axis)}"
+                )
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a compiled context's arrays live on its mesh.
+
+    Attributes:
+        mesh: the mesh.
+        rules: the weights' partition specs (and those left replicated).
+        cache: the partition spec of each cache array, by input name.
+    """
+
+    mesh: Mesh
+    rules: Rules
+    cache: dict[str, PartitionSpec]
+
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """``spec`` on the mesh."""
+        return NamedSharding(self.mesh, spec)
+
+    def place_params(self, params: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """The weights, each put on the mesh by its spec (replicated without one)."""
+        specs = self.rules.specs
+        return {
+            k: place(v, self.sharding(specs.get(k, PartitionSpec()))) for k, v in params.items()
+        }
+
+    def place_cache(self, arrays: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """The cache arrays put on the mesh."""
+        return {k: place(v, self.sharding(self.cache[k])) for k, v in arrays.items()}
+
+    def readable(self, x: jax.Array) -> jax.Array:
+        """``x``, traced, replicated when the mesh spans processes (so that every process can
+        read the value the host loop reads); else as it is."""
+        if len({d.process_index for d in self.mesh.devices.flat}) == 1:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.sharding(PartitionSpec()))
+
+    def constrain_cache(self, arrays: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """The cache arrays, traced, held to their shardings (so that donation keeps them)."""
+        return {
+            k: jax.lax.with_sharding_constraint(v, self.sharding(self.cache[k]))
+            for k, v in arrays.items()
+        }
+
+
+def warn_replicated(rules: Rules, path: str) -> None:
+    """One warning, one line, naming the linear weights left replicated on "model" and why."""
+    if not rules.replicated:
+        return
+    reasons = defaultdict(list)
+    for name, why in rules.replicated.items():
+        reasons[why].append(name)
+    text = "; ".join(f"{why}: {', '.join(sorted(names))}" for why, names in reasons.items())
+    warnings.warn(f"replicated on 'model' ({path}): {text}", stacklevel=4)
+
+
+def place(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` (the same on every process) on ``sharding``: each addressable device gets its
+    own slice, read from the host copy, so no device ever holds more than its shard."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def placement(
+    ctx: Any,
+    mesh: Mesh,
+    batch_size: int,
+    *,
+    small: int = SMALL,
+    overrides: Mapping[str, PartitionSpec | None] | None = None,
+) -> Placement:
+    """The placement of a context's weights and cache on ``mesh``; warns once, in one line,
+    naming the linear weights that stay replicated against the rules."""
+    unknown = [a for a in mesh.axis_names if a not in AXES]
+    if unknown:
+        raise GenerationError(f"mesh axes {unknown} are not 'model' or 'data'")
+    data, n = axis_size(mesh, DATA), axis_size(mesh, MODEL)
+    if batch_size % data:
+        raise GenerationError(
+            f"the mesh axis 'data' of size {data} does not divide the batch of {batch_size}"
+        )
+    sizes = {e.head_size for e in ctx.cache.entries}
+    head = sizes.pop() if len(sizes) == 1 else None
+    rules = find_rules(ctx.model, mesh, head_size=head, small=small, overrides=overrides)
+    warn_replicated(rules, ctx.model.path)
+    cache = {
+        e.input: PartitionSpec(
+            DATA if data > 1 else None, MODEL if n > 1 and e.heads % n == 0 else None
+        )
+        for e in ctx.cache.entries
+    }
+    return Placement(mesh, rules, cache)
+
+
+def memory(arrays: Any) -> dict[str, int]:
+    """Bytes of ``arrays`` (any pytree of jax arrays) on each addressable device, from their
+    addressable shards."""
+    total: dict[str, int] = defaultdict(int)
+    for leaf in jax.tree.leaves(arrays):
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                total[str(shard.device)] += shard.data.nbytes
+    return dict(total)
+
+
+def apply(
+    ctx: Any,
+    mesh: Mesh,
+    batch_size: int,
+    *,
+    small: int = SMALL,
+    overrides: Mapping[str, PartitionSpec | None] | None = None,
+) -> Any:
+    """``ctx`` with its weights (and its embedding model's) placed on ``mesh`` and its
+    :class:`Placement` set; the models are copies, the caller's keep their weights."""
+    where = placement(ctx, mesh, batch_size, small=small, overrides=overrides)
+    model = ctx.model.with_params(where.place_params(ctx.model.params))
+    embed = ctx.embed
+    if embed is not None:
+        rules = find_rules(embed, mesh, small=small)
+        embed = embed.with_params(
+            {
+                k: place(v, where.sharding(rules.specs.get(k, PartitionSpec())))
+                for k, v in embed.params.items()
+            }
+        )
+    return dataclasses.replace(ctx, model=model, embed=embed, placement=where)
