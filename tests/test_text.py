@@ -122,6 +122,13 @@ CHATML = (
 )
 
 
+def test_an_image_given_to_a_text_only_model(llama):
+    image = FIXTURES / "smolvlm-community" / "wide.png"
+    content = [{"type": "image", "image": str(image)}, {"type": "text", "text": "What is it?"}]
+    with pytest.raises(ValueError, match="text-only model: it takes no images"):
+        llama.generate([[{"role": "user", "content": content}]])
+
+
 def test_a_string_goes_through_the_chat_template_when_there_is_one(llama):
     templated = text.generation(FIXTURES / "llama-optimum", chat_template=CHATML)
     as_message = templated.prompt_ids([{"role": "user", "content": "The quiet river"}])

@@ -67,6 +67,15 @@ class TextGeneration:
         if kind == "text" and (chat is False or (chat is None and not self.has_chat_template)):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         messages = [{"role": "user", "content": prompt}] if kind == "text" else list(prompt)
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list | tuple) and any(
+                isinstance(p, Mapping) and p.get("type") == "image" for p in content
+            ):
+                raise ValueError(
+                    f"{self.files.folder!r} is a text-only model: it takes no images (an image "
+                    "content part was given); use vision.image_text_to_text for a vision model"
+                )
         text = self.chat_text(messages)
         return self.tokenizer.encode(text, add_special_tokens=False)
 

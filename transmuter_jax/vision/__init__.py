@@ -1,14 +1,18 @@
-"""Vision tasks: image to text (VisionEncoderDecoder models). See docs/vision.md."""
+"""Vision tasks: image to text (VisionEncoderDecoder models) and image and text to text
+(SmolVLM / Idefics3). See docs/vision.md."""
 
+from .image_text_to_text import ImageTextToText, image_text_to_text
 from .image_to_text import ImageToText, image_to_text
 from .images import ImageError, load_image
 from .processing import ViTImageProcessor, image_processor
 
 __all__ = [
     "ImageError",
+    "ImageTextToText",
     "ImageToText",
     "ViTImageProcessor",
     "image_processor",
+    "image_text_to_text",
     "image_to_text",
     "load_image",
 ]

@@ -1,0 +1,222 @@
+"""Image and text to text with a decoder-only vision-language model (SmolVLM / Idefics3)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import hub
+from ..onnx.model import load
+from ..text._runner import Result, Runner, load_decoder, resolve, texts_of
+from ..text.tokenizer import Tokenizer
+from .idefics3 import Idefics3Processor
+from .images import ImageInput
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+def _vision_encoder(decoder: str) -> str:
+    """The vision encoder beside ``decoder``: ``vision_encoder{_dtype}.onnx`` for
+    ``decoder_model_merged{_dtype}.onnx`` (or ``model{_dtype}.onnx``)."""
+    folder, base = os.path.split(decoder)
+    for stem in ("decoder_model_merged", "model"):
+        if base.startswith(stem):
+            return os.path.join(folder, "vision_encoder" + base[len(stem) :])
+    return os.path.join(folder, "vision_encoder.onnx")
+
+
+class ImageTextToText:
+    """A vision encoder, the token embeddings and a decoder of inputs_embeds, with the processor,
+    from :func:`image_text_to_text`.
+
+    The prompt's embeddings are embed_tokens of its ids with the image token positions replaced,
+    in order, by the vision encoder's image features (as transformers' ``inputs_merger``).
+
+    Attributes:
+        files: the files of the decoder and the embeddings (folder, family, decoder, embed).
+        vision_encoder: the path of the vision encoder.
+        processor: the chat and image processor (Idefics3 / SmolVLM).
+        tokenizer: the tokenizer of ``tokenizer.json``.
+        image_token_id: the id of the image token.
+        options: the default generation options (transformers' names).
+    """
+
+    def __init__(self, repo, *, dtype=None, file=None, **options):
+        self.files = resolve(repo, dtype, file)
+        self.vision_encoder = _vision_encoder(self.files.decoder)
+        if not os.path.exists(self.vision_encoder):
+            raise ValueError(
+                f"{os.fspath(repo)!r} has no vision encoder ({self.vision_encoder}): it is not an "
+                "image-text-to-text model"
+            )
+        if self.files.embed is None:
+            raise ValueError(f"{os.fspath(repo)!r} has no embed_tokens.onnx beside the decoder")
+        self.tokenizer = Tokenizer.from_folder(self.files.folder)
+        self.processor = Idefics3Processor(self.files.folder, self.tokenizer)
+        config = hub.read_json(self.files.folder, "config.json")
+        token = config.get("image_token_id", config.get("image_token_index"))
+        if token is None:
+            raise ValueError(f"{self.files.folder!r}: no image_token_id in config.json")
+        self.image_token_id = int(token)
+        self.encoder = load(self.vision_encoder)
+        names = {i.name for i in self.encoder.inputs}
+        if not {"pixel_values", "pixel_attention_mask"} <= names:
+            raise ValueError(
+                f"the vision encoder {self.vision_encoder!r} takes {sorted(names)}, not "
+                "pixel_values and pixel_attention_mask"
+            )
+        decoder, embed = load_decoder(self.files)
+        self._runner = Runner(
+            self.files.folder, decoder, embed=embed,
+            options={**options, "image_token": self.image_token_id}, tokenizer=self.tokenizer,
+        )  # fmt: skip
+        self.options = dict(options)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The generation options a call starts from: transformers' defaults,
+        generation_config.json, then the pipeline's options."""
+        return dict(self._runner.defaults)
+
+    def inputs(
+        self, conversations: Sequence[Messages], **processor_options: Any
+    ) -> tuple[list[list[int]], np.ndarray | None]:
+        """The prompt ids of each conversation and the image features of all their image
+        tokens, in order ([tokens, hidden]; None without images)."""
+        if isinstance(conversations, str) or not conversations:
+            raise TypeError("conversations is a non-empty list of chat message lists")
+        images = [self.processor.images_of(c) for c in conversations]
+        texts = [self.processor.chat_text(c) for c in conversations]
+        if not any(images):
+            for i, text in enumerate(texts):
+                count = text.count(self.processor.tokens.image)
+                if count:
+                    raise ValueError(
+                        f"conversation {i} has {count} {self.processor.tokens.image} tokens for 0 "
+                        "images"
+                    )
+            return [self.tokenizer.encode(t, add_special_tokens=True) for t in texts], None
+        ids, processed = self.processor.encode(texts, images, **processor_options)
+        out = self.encoder(
+            {
+                "pixel_values": processed.pixel_values,
+                "pixel_attention_mask": processed.pixel_attention_mask,
+            }
+        )
+        features = np.asarray(out.get("image_features", next(iter(out.values()))), np.float32)
+        count = processed.pixel_values.shape[1]
+        features = features.reshape(len(ids), count, -1, features.shape[-1])
+        kept = []
+        for b, (r_list, c_list) in enumerate(zip(processed.rows, processed.cols, strict=True)):
+            frames = sum(r * c + 1 for r, c in zip(r_list, c_list, strict=True))
+            kept.append(features[b, :frames].reshape(-1, features.shape[-1]))
+        merged = np.concatenate(kept)
+        tokens = sum(row.count(self.image_token_id) for row in ids)
+        if tokens != merged.shape[0]:
+            raise ValueError(
+                f"the prompts have {tokens} image tokens for {merged.shape[0]} image features"
+            )
+        return ids, merged
+
+    def generate(
+        self,
+        conversations: Sequence[Messages],
+        *,
+        seed: int | None = None,
+        **options: Any,
+    ) -> list[Result] | list[list[Result]]:
+        """Generates the answer of each conversation, in one batch.
+
+        Args:
+            conversations: chat message lists whose content parts carry the images
+                (``{"type": "image", "image": PATH_OR_PIL_OR_ARRAY}``).
+            seed: the sampling seed of the first conversation (the next get seed + 1, ...).
+            **options: generation options (max_new_tokens, ...) and image processor options by
+                transformers' names (do_image_splitting, ...).
+
+        Returns:
+            One :class:`Result` per conversation (text, token_ids, logprobs, finish_reason);
+            with num_return_sequences n > 1, a list of n per conversation.
+        """
+        generation, processing = self._split(options)
+        ids, features = self.inputs(conversations, **processing)
+        given = {} if features is None else {"image_features": features}
+        return self._runner.run(self.tokenizer, ids, generation, seed=seed, inputs=given)
+
+    def __call__(
+        self,
+        messages: Messages | ImageInput,
+        question: str | None = None,
+        *,
+        seed: int | None = None,
+        **options: Any,
+    ) -> str | list[str]:
+        """The answer to chat messages, or with ``pipe(image, "question")`` to one user message
+        of the image and the question."""
+        out = texts_of(self.generate([self._messages(messages, question)], seed=seed, **options))
+        return out[0]
+
+    def stream(
+        self,
+        messages: Messages | ImageInput,
+        question: str | None = None,
+        *,
+        seed: int | None = None,
+        **options: Any,
+    ) -> Iterator[str]:
+        """Yields the answer in pieces as it is generated; they join to the text the same call
+        without streaming gives."""
+        generation, processing = self._split(options)
+        ids, features = self.inputs([self._messages(messages, question)], **processing)
+        given = {} if features is None else {"image_features": features}
+        return self._runner.stream(self.tokenizer, ids[0], generation, seed=seed, inputs=given)
+
+    @staticmethod
+    def _messages(messages: Messages | ImageInput, question: str | None) -> Messages:
+        """Chat messages as given, or the user message of an image and a question."""
+        if question is None:
+            if isinstance(messages, Sequence) and not isinstance(messages, str | bytes):
+                if messages and all(isinstance(m, Mapping) for m in messages):
+                    return messages
+            raise TypeError("give chat messages, or an image and a question: pipe(image, 'q')")
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": messages},
+                    {"type": "text", "text": question},
+                ],
+            }
+        ]
+
+    def _split(self, options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The generation options and the image processor options of ``options``."""
+        known = self.processor.images.DEFAULTS
+        processing = {k: v for k, v in options.items() if k in known}
+        return {k: v for k, v in options.items() if k not in known}, processing
+
+
+def image_text_to_text(
+    repo: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    file: str | None = None,
+    **options: Any,
+) -> ImageTextToText:
+    """An image-and-text-to-text pipeline over a SmolVLM / Idefics3 model (onnx-community layout:
+    ``onnx/vision_encoder.onnx``, ``onnx/embed_tokens.onnx``, ``onnx/decoder_model_merged.onnx``).
+
+    Args:
+        repo: a local folder or a hub id.
+        dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
+        file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        **options: default generation options, transformers' names.
+
+    Returns:
+        An :class:`ImageTextToText`: call it with messages or ``(image, question)``, or use
+        ``generate``/``stream``.
+    """
+    return ImageTextToText(repo, dtype=dtype, file=file, **options)
