@@ -11,7 +11,9 @@ from generation_cases import FIXTURES, case, context, decoder, encoder_inputs, r
 from transmuter_jax import generation
 
 EXACT = sorted(
-    p.parent.name for p in FIXTURES.glob("*/reference.json") if json.loads(p.read_text())["exact"]
+    p.parent.name
+    for p in FIXTURES.glob("*/reference.json")
+    if json.loads(p.read_text()).get("exact")
 )
 MODES = {
     "gpt2-optimum": "append",

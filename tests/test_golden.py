@@ -27,7 +27,7 @@ def _cases():
     params = []
     for file in sorted(FIXTURES.glob("*/reference.json")):
         reference = json.loads(file.read_text())
-        if not reference["exact"]:
+        if not reference.get("exact"):  # the vision fixtures keep other references
             continue
         for case in reference["cases"]:
             if case["name"] == "beam" or "logits" not in case:

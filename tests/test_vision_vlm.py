@@ -16,7 +16,7 @@ from transmuter_jax import vision  # noqa: E402
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "smolvlm-community"
 TEXT_ONLY = pathlib.Path(__file__).parent / "fixtures" / "smolvlm-torch"
-REF = json.loads((FIXTURE / "reference.json").read_text())
+REF = json.loads((FIXTURE / "vlm.json").read_text())
 SINGLE = [c for c in REF["cases"] if not c.get("batch")]
 BATCH = [c for c in REF["cases"] if c.get("batch")]
 
