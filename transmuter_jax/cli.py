@@ -293,6 +293,16 @@ def _returns(options: dict[str, Any], defaults: dict[str, Any]) -> int:
     return 1 if n is None else int(n)
 
 
+def _record(result: Any, index: int | None = None, **head: Any) -> dict[str, Any]:
+    """The JSON object of one result: ``head``, then text, token ids, log-probabilities and
+    finish reason, then its ``index`` among several sequences (when given)."""
+    record = dict(head, text=result.text, token_ids=result.token_ids)
+    record.update(logprobs=result.logprobs, finish_reason=result.finish_reason)
+    if index is not None:
+        record["index"] = index
+    return record
+
+
 def _print_texts(results: Sequence[Any]) -> None:
     """The texts of several sequences, each on a line of its own after its index: '[j] text'."""
     for j, result in enumerate(results):
@@ -325,16 +335,7 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
             _print_texts(results)
             return 0
         for j, result in enumerate(results):
-            record = {
-                "model": pipe.files.folder,
-                "prompt": prompt,
-                "text": result.text,
-                "token_ids": result.token_ids,
-                "logprobs": result.logprobs,
-                "finish_reason": result.finish_reason,
-            }
-            if n > 1:
-                record["index"] = j
+            record = _record(result, j if n > 1 else None, model=pipe.files.folder, prompt=prompt)
             if result.top_logprobs is not None:  # OpenAI-style: per token, the best k with text
                 decode = pipe.tokenizer.decode
                 record["top_logprobs"] = [
@@ -414,14 +415,7 @@ def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
             _print_texts(results)
             return 0
         for j, result in enumerate(results):
-            record = {
-                "text": result.text,
-                "token_ids": result.token_ids,
-                "logprobs": result.logprobs,
-                "finish_reason": result.finish_reason,
-            }
-            if n > 1:
-                record["index"] = j
+            record = _record(result, j if n > 1 else None)
             print(json.dumps(record, ensure_ascii=False))
         return 0
     for piece in pipe.stream(source, seed=args.seed, **options):
@@ -494,8 +488,7 @@ def _transcribe(args: argparse.Namespace, notice: _CompileNotice) -> int:
     notice.report()
     for index, (path, result) in enumerate(zip(files, results, strict=True)):
         if args.json:
-            record = {"file": path, "text": result.text, "token_ids": result.token_ids}
-            record.update(logprobs=result.logprobs, finish_reason=result.finish_reason)
+            record = _record(result, file=path)
             if result.chunks is not None:
                 record["chunks"] = [{"timestamp": list(c["timestamp"]), "text": c["text"]}
                                     for c in result.chunks]  # fmt: skip
