@@ -4,12 +4,19 @@
 from .image_text_to_text import ImageTextToText, image_text_to_text
 from .image_to_text import ImageToText, image_to_text
 from .images import ImageError, load_image
-from .processing import ViTImageProcessor, image_processor
+from .processing import (
+    BeitImageProcessor,
+    DeiTImageProcessor,
+    ViTImageProcessor,
+    image_processor,
+)
 
 __all__ = [
     "ImageError",
     "ImageTextToText",
     "ImageToText",
+    "BeitImageProcessor",
+    "DeiTImageProcessor",
     "ViTImageProcessor",
     "image_processor",
     "image_text_to_text",

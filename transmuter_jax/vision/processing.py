@@ -54,6 +54,38 @@ def _per_channel(value: float | Sequence[float], channels: int, name: str) -> li
     return [float(v) for v in value]
 
 
+def size_dict(value: Any, name: str = "size") -> dict[str, int]:
+    """``{"height", "width"}`` of a size as transformers' ``get_size_dict`` reads a fixed size:
+    an int is a square, a pair is (height, width), a dict names both."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} is {{'height': H, 'width': W}} or an int, not {value!r}")
+    if isinstance(value, int):
+        return {"height": value, "width": value}
+    if isinstance(value, list | tuple) and len(value) == 2:
+        return {"height": int(value[0]), "width": int(value[1])}
+    if isinstance(value, Mapping) and set(value) == {"height", "width"}:
+        return {"height": int(value["height"]), "width": int(value["width"])}
+    raise ValueError(f"{name} is {{'height': H, 'width': W}} or an int, not {value!r}")
+
+
+def center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The centre ``height`` x ``width`` of ``pixels`` [H, W, C], as transformers'
+    ``center_crop``: the top-left corner at ((H - height) // 2, (W - width) // 2); an image
+    smaller than the crop is first padded with zeros, centred (the extra pixel after)."""
+    h, w = pixels.shape[:2]
+    if height < 1 or width < 1:
+        raise ValueError(f"cannot crop to {height}x{width}")
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0:
+        return pixels[top : top + height, left : left + width]
+    new_h, new_w = max(height, h), max(width, w)
+    pad_top, pad_left = -(-(new_h - h) // 2), -(-(new_w - w) // 2)  # ceil
+    padded = np.zeros((new_h, new_w) + pixels.shape[2:], pixels.dtype)
+    padded[pad_top : pad_top + h, pad_left : pad_left + w] = pixels
+    top, left = top + pad_top, left + pad_left
+    return padded[max(0, top) : min(new_h, top + height), max(0, left) : min(new_w, left + width)]
+
+
 class ViTImageProcessor:
     """transformers' ``ViTImageProcessor``: resize to a fixed size, rescale, normalize.
 
@@ -62,6 +94,7 @@ class ViTImageProcessor:
             resample, do_rescale, rescale_factor, do_normalize, image_mean, image_std.
     """
 
+    NAME = "ViTImageProcessor"
     DEFAULTS: Mapping[str, Any] = {
         "do_resize": True,
         "size": {"height": 224, "width": 224},
@@ -75,8 +108,8 @@ class ViTImageProcessor:
 
     def __init__(self, config: Mapping[str, Any]):
         self.config = {k: config.get(k, v) for k, v in self.DEFAULTS.items()}
-        for k in ("image_mean", "image_std"):
-            if self.config[k] is None:
+        for k in ("image_mean", "image_std", "size", "crop_size"):
+            if k in self.config and self.config[k] is None:
                 self.config[k] = self.DEFAULTS[k]
 
     def settings(self, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,9 +117,26 @@ class ViTImageProcessor:
         unknown = sorted(set(options) - set(self.DEFAULTS))
         if unknown:
             raise TypeError(
-                f"unknown image processor options {unknown}; known: {sorted(self.DEFAULTS)}"
+                f"unknown {self.NAME} options {unknown}; known: {sorted(self.DEFAULTS)}"
             )
         return {**self.config, **{k: v for k, v in options.items() if v is not None}}
+
+    def _pixels(self, image: ImageInput, s: Mapping[str, Any]) -> np.ndarray:
+        """One image's float32 [height, width, 3] after every step."""
+        rgb = load_image(image)
+        if s["do_resize"]:
+            size = size_dict(s["size"])
+            pixels = resize(rgb, size["height"], size["width"], int(s["resample"]))
+        else:
+            pixels = np.asarray(rgb)
+        if s.get("do_center_crop"):
+            crop = size_dict(s["crop_size"], "crop_size")
+            pixels = center_crop(pixels, crop["height"], crop["width"])
+        if s["do_rescale"]:
+            pixels = rescale(pixels, s["rescale_factor"])
+        if s["do_normalize"]:
+            pixels = normalize(pixels, s["image_mean"], s["image_std"])
+        return np.asarray(pixels, np.float32)
 
     def __call__(self, images: Sequence[ImageInput], **options: Any) -> np.ndarray:
         """The pixel values of ``images``: float32 [batch, 3, height, width].
@@ -96,21 +146,7 @@ class ViTImageProcessor:
             **options: settings for this call, by transformers' names (size, resample, ...).
         """
         s = self.settings(options)
-        out = []
-        for image in images:
-            rgb = load_image(image)
-            if s["do_resize"]:
-                size = s["size"]
-                if not isinstance(size, Mapping) or set(size) != {"height", "width"}:
-                    raise ValueError(f"size is {{'height': H, 'width': W}}, not {size!r}")
-                pixels = resize(rgb, size["height"], size["width"], int(s["resample"]))
-            else:
-                pixels = np.asarray(rgb)
-            if s["do_rescale"]:
-                pixels = rescale(pixels, s["rescale_factor"])
-            if s["do_normalize"]:
-                pixels = normalize(pixels, s["image_mean"], s["image_std"])
-            out.append(np.asarray(pixels, np.float32).transpose(2, 0, 1))  # HWC -> CHW
+        out = [self._pixels(image, s).transpose(2, 0, 1) for image in images]  # HWC -> CHW
         shapes = {p.shape for p in out}
         if len(shapes) > 1:
             raise ValueError(
@@ -119,8 +155,58 @@ class ViTImageProcessor:
         return np.stack(out)
 
 
+class DeiTImageProcessor(ViTImageProcessor):
+    """transformers' ``DeiTImageProcessor``: resize to ``size``, centre-crop to ``crop_size``,
+    rescale, normalize (the defaults: 256 x 256 bicubic, then 224 x 224)."""
+
+    NAME = "DeiTImageProcessor"
+    DEFAULTS: Mapping[str, Any] = {
+        **ViTImageProcessor.DEFAULTS,
+        "size": {"height": 256, "width": 256},
+        "resample": 3,
+        "do_center_crop": True,
+        "crop_size": {"height": 224, "width": 224},
+    }
+
+
+class BeitImageProcessor(DeiTImageProcessor):
+    """transformers' ``BeitImageProcessor`` on images: the steps and defaults of DeiT's
+    (``do_reduce_labels`` concerns segmentation maps only: images are never reduced)."""
+
+    NAME = "BeitImageProcessor"
+    DEFAULTS: Mapping[str, Any] = {**DeiTImageProcessor.DEFAULTS, "do_reduce_labels": False}
+
+
+PROCESSORS: Mapping[str, type[ViTImageProcessor]] = {
+    "ViTImageProcessor": ViTImageProcessor,
+    "ViTFeatureExtractor": ViTImageProcessor,
+    "DeiTImageProcessor": DeiTImageProcessor,
+    "DeiTFeatureExtractor": DeiTImageProcessor,
+    "BeitImageProcessor": BeitImageProcessor,
+    "BeitFeatureExtractor": BeitImageProcessor,
+}
+"""The implemented image processors by the type names of ``preprocessor_config.json``."""
+
+BY_MODEL_TYPE = {
+    "vit": "ViTImageProcessor",
+    "swin": "ViTImageProcessor",
+    "swinv2": "ViTImageProcessor",
+    "deit": "DeiTImageProcessor",
+    "beit": "BeitImageProcessor",
+}
+"""The image processor transformers' ``AutoImageProcessor`` picks for config.json's model_type
+when ``preprocessor_config.json`` names none."""
+
+
+def _model_type(repo: str | os.PathLike) -> str:
+    """The model_type of config.json ("" without one)."""
+    return str(hub.read_json(repo, "config.json").get("model_type") or "")
+
+
 def image_processor(repo: str | os.PathLike) -> ViTImageProcessor:
-    """The image processor of ``preprocessor_config.json`` in ``repo``.
+    """The image processor of ``preprocessor_config.json`` in ``repo``: its
+    ``image_processor_type`` (or ``feature_extractor_type``; a ``…Fast`` type as the Pillow one),
+    else the one transformers' ``AutoImageProcessor`` picks for config.json's model_type.
 
     Raises:
         ValueError: the repo has no preprocessor_config.json, or one of a processor this
@@ -131,9 +217,15 @@ def image_processor(repo: str | os.PathLike) -> ViTImageProcessor:
         raise ValueError(f"{os.fspath(repo)!r} has no preprocessor_config.json")
     kind = config.get("image_processor_type") or config.get("feature_extractor_type") or ""
     kind = kind.removesuffix("Fast")
-    if kind in ("ViTImageProcessor", "ViTFeatureExtractor"):
-        return ViTImageProcessor(config)
+    named = f"image processor {kind!r}"
+    if not kind:
+        model_type = _model_type(repo)
+        kind = BY_MODEL_TYPE.get(model_type, "")
+        named = f"no image processor type, and config.json's model_type is {model_type!r}"
+    if kind in PROCESSORS:
+        return PROCESSORS[kind](config)
+    implemented = sorted({c.NAME for c in PROCESSORS.values()})
     raise ValueError(
-        f"{os.fspath(repo)!r}: image processor {kind or '(none named)'!r} is not implemented; "
-        "implemented: ViTImageProcessor"
+        f"{os.fspath(repo)!r}: {named}: not implemented; implemented: {', '.join(implemented)}"
+        f" (and by model_type: {', '.join(sorted(BY_MODEL_TYPE))})"
     )
