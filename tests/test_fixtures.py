@@ -26,10 +26,16 @@ TOLERANCE = 1e-4
 INT8_TOLERANCE = 5e-4
 
 
+# fixtures whose references have a family's format (not reference.json): their graphs too
+FAMILY_REFERENCES = ("smolvlm-community/vlm.json", "trocr-community/trocr.json")
+
+
 def _graphs():
     params = []
-    for reference in sorted(FIXTURES.glob("*/reference.json")):
+    references = [*FIXTURES.glob("*/reference.json"), *(FIXTURES / f for f in FAMILY_REFERENCES)]
+    for reference in sorted(references):
         folder = reference.parent
+        assert reference.exists(), reference
         for path in sorted(folder.rglob("*.onnx")):
             params.append(pytest.param(path, id=f"{folder.name}/{path.relative_to(folder)}"))
     return params
@@ -155,8 +161,25 @@ def test_int4_graph_matches_exact_onnxruntime_when_asked(path, monkeypatch):
             raise AssertionError(f"{label}: {error}") from error
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in GRAPHS if p.values[0].name == "decoder_model_merged.onnx"]
-)
+def _graph_inputs(path: pathlib.Path) -> set[str]:
+    proto = onnx.load(path, load_external_data=False)
+    return {i.name for i in proto.graph.input}
+
+
+MERGED = [p for p in GRAPHS if "use_cache_branch" in _graph_inputs(p.values[0])]
+
+
+def test_merged_decoders_are_found_by_their_input():
+    """Optimum's merged decoders (an If on use_cache_branch), whatever their file name; a graph
+    named decoder_model_merged without the input (smolvlm-community's) is not one."""
+    names = {p.values[0].name for p in MERGED}
+    assert {"decoder_model_merged.onnx", "decoder_model_merged_quantized.onnx"} <= names
+    unmerged = FIXTURES / "smolvlm-community" / "onnx" / "decoder_model_merged.onnx"
+    assert unmerged in [p.values[0] for p in GRAPHS] and unmerged not in [
+        p.values[0] for p in MERGED
+    ]
+
+
+@pytest.mark.parametrize("path", MERGED)
 def test_merged_decoders_pick_their_branch_at_trace_time(path):
     assert _load(path).static_inputs == ("use_cache_branch",)

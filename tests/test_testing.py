@@ -57,3 +57,14 @@ def test_first_divergence_names_the_wrong_node(monkeypatch):
     model = tj.load(LLAMA)
     label, name, diff = first_divergence(model, example_inputs(model, batch=1, length=3))
     assert "(Sigmoid)" in label and diff > 1e-4
+
+
+def test_example_inputs_of_a_vision_encoder_of_images_and_masks():
+    """pixel_values [batch, images, 3, H, W] and pixel_attention_mask [batch, images, H, W]:
+    each row's first image whole, the others padded (the top-left quarter real)."""
+    path = pathlib.Path(__file__).parent / "fixtures/smolvlm-community/onnx/vision_encoder.onnx"
+    inputs = example_inputs(tj.load(path), batch=2)
+    pixels, mask = inputs["pixel_values"], inputs["pixel_attention_mask"]
+    assert pixels.shape == (2, 2, 3, 64, 64) and pixels.dtype == np.float32
+    assert mask.shape == (2, 2, 64, 64) and mask.dtype == np.int64
+    assert (mask[:, 0] == 1).all() and mask[:, 1].sum((1, 2)).tolist() == [32 * 32] * 2

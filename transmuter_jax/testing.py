@@ -55,6 +55,29 @@ def _rows(value: int | Sequence[int], batch: int) -> np.ndarray:
     return rows.copy()
 
 
+def _pixel_shape(model: Model, batch: int) -> list[int]:
+    """The shape of ``pixel_values``: [batch, (images,) channels, height, width], the fixed
+    dimensions of the signature, else 2 images, 3 channels and 32 x 32 pixels."""
+    info = next((i for i in model.inputs if i.name == "pixel_values"), None)
+    rank = len(info.shape) if info is not None and info.shape is not None else 4
+    defaults = {rank - 3: 3, rank - 2: 32, rank - 1: 32, 1: 2} if rank == 5 else {1: 3}
+    return [batch] + [_fixed(info, a, defaults.get(a, 32)) for a in range(1, rank)]
+
+
+def _pixel_mask(pixels: Sequence[int]) -> np.ndarray:
+    """A ``pixel_attention_mask`` [batch, (images,) height, width] for pixel values of shape
+    ``pixels``: the first image of a row is whole, the others are padded images whose real
+    pixels are the top-left half of each edge (as a batch of images of different sizes)."""
+    *lead, _, height, width = pixels
+    mask = np.zeros((*lead, height, width), bool)
+    mask[..., : max(1, height // 2), : max(1, width // 2)] = True
+    if len(lead) == 2:
+        mask[:, 0] = True
+    else:
+        mask[0] = True
+    return mask
+
+
 def example_inputs(
     model: Model,
     *,
@@ -136,9 +159,9 @@ def example_inputs(
             frames = _fixed(info, 2, encoder_length)
             inputs[name] = rng.standard_normal((batch, mels, frames)).astype(dtype)
         elif name == "pixel_values":
-            rank = len(info.shape or [0] * 4)  # [batch, (images,) channels, height, width]
-            shape = [batch] + [_fixed(info, a, 3 if a == rank - 3 else 32) for a in range(1, rank)]
-            inputs[name] = rng.standard_normal(shape).astype(dtype)
+            inputs[name] = rng.standard_normal(_pixel_shape(model, batch)).astype(dtype)
+        elif name == "pixel_attention_mask":
+            inputs[name] = _pixel_mask(_pixel_shape(model, batch)).astype(dtype)
         else:
             raise ValueError(f"no example value for input {name!r} {info.dtype} {info.shape}")
     return inputs
