@@ -203,3 +203,10 @@ def test_num_return_sequences_errors_are_clear(capsys):
     assert "num_return_sequences 3 is more than num_beams 2" in capsys.readouterr().err
     assert cli.main(["generate", MODEL, "hi", "--num-return-sequences", "2"]) == 1
     assert "needs sampling" in capsys.readouterr().err
+
+
+def test_an_image_to_text_model_for_generate_is_one_clear_line():
+    out = _cli("generate", str(FIXTURES / "vitgpt2-optimum"), "hi", stdin="")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert "is an image-to-text model" in lines[0] and "vision.image_to_text" in lines[0]

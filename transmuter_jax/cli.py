@@ -258,6 +258,8 @@ def _pipeline(task: str, model: str | None, args: argparse.Namespace):
         pipe = make(model, dtype=args.dtype, file=args.file)
     except text.WrongTask as error:
         name = model or "the default model"
+        if error.task == "image_to_text":
+            raise ValueError(str(error)) from None
         if error.task == "generation":
             raise ValueError(f"{name} has no encoder (a decoder-only model): use "
                              f"'{PROG} generate MODEL PROMPT'") from None  # fmt: skip

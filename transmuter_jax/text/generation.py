@@ -6,7 +6,16 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ._runner import Result, Runner, WrongTask, load_decoder, prompt_kind, resolve, texts_of
+from ._runner import (
+    Result,
+    Runner,
+    WrongTask,
+    load_decoder,
+    prompt_kind,
+    refuse_image_encoder,
+    resolve,
+    texts_of,
+)
 from .tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
@@ -24,6 +33,7 @@ class TextGeneration:
 
     def __init__(self, repo, *, dtype=None, file=None, chat_template=None, **options):
         self.files = resolve(repo, dtype, file)
+        refuse_image_encoder(repo, self.files)
         if self.files.encoder is not None:
             raise WrongTask(
                 f"{repo!r} is an encoder-decoder model: use transmuter_jax.text.text_to_text",
@@ -72,6 +82,12 @@ class TextGeneration:
             if isinstance(content, list | tuple) and any(
                 isinstance(p, Mapping) and p.get("type") == "image" for p in content
             ):
+                if _beside(self.files.decoder, "vision_encoder"):
+                    raise ValueError(
+                        f"text.generation runs only the text decoder of {self.files.folder!r}: "
+                        "it takes no images (an image content part was given); use "
+                        "vision.image_text_to_text, which runs its vision encoder"
+                    )
                 raise ValueError(
                     f"{self.files.folder!r} is a text-only model: it takes no images (an image "
                     "content part was given); use vision.image_text_to_text for a vision model"
@@ -175,3 +191,9 @@ def generation(
         A :class:`TextGeneration`: call it with a prompt, or use ``stream`` and ``generate``.
     """
     return TextGeneration(repo, dtype=dtype, file=file, chat_template=chat_template, **options)
+
+
+def _beside(path: str, stem: str) -> bool:
+    """Whether an ONNX file whose name starts with ``stem`` lies in the folder of ``path``."""
+    folder = os.path.dirname(path)
+    return any(n.startswith(stem) and n.endswith(".onnx") for n in os.listdir(folder))

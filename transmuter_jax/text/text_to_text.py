@@ -9,7 +9,15 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
-from ._runner import Result, Runner, WrongTask, load_decoder, resolve, texts_of
+from ._runner import (
+    Result,
+    Runner,
+    WrongTask,
+    load_decoder,
+    refuse_image_encoder,
+    resolve,
+    texts_of,
+)
 from .tokenizer import Tokenizer
 
 
@@ -27,6 +35,7 @@ class TextToText:
 
     def __init__(self, repo, *, dtype=None, file=None, **options):
         self.files = resolve(repo, dtype, file)
+        refuse_image_encoder(repo, self.files)
         if self.files.encoder is None:
             raise WrongTask(
                 f"{repo!r} has no encoder: use transmuter_jax.text.generation", "generation"

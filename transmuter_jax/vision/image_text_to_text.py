@@ -48,9 +48,13 @@ class ImageTextToText:
         self.files = resolve(repo, dtype, file)
         self.vision_encoder = _vision_encoder(self.files.decoder)
         if not os.path.exists(self.vision_encoder):
+            hint = "" if self.files.encoder is None else (
+                f" (its encoder {os.path.basename(self.files.encoder)}: use "
+                "vision.image_to_text for an encoder-decoder model)"
+            )  # fmt: skip
             raise ValueError(
                 f"{os.fspath(repo)!r} has no vision encoder ({self.vision_encoder}): it is not an "
-                "image-text-to-text model"
+                f"image-text-to-text model{hint}"
             )
         if self.files.embed is None:
             raise ValueError(f"{os.fspath(repo)!r} has no embed_tokens.onnx beside the decoder")

@@ -32,15 +32,21 @@ class ImageToText:
     def __init__(self, repo, *, dtype=None, file=None, **options):
         self.files = resolve(repo, dtype, file)
         if self.files.encoder is None:
+            folder = os.path.dirname(self.files.decoder)
+            vlm = os.path.exists(os.path.join(folder, "vision_encoder.onnx"))
+            hint = " (it has vision_encoder.onnx: use vision.image_text_to_text)" if vlm else ""
             raise ValueError(
                 f"{os.fspath(repo)!r} has no image encoder (encoder_model.onnx): it is not an "
-                "image-to-text model"
+                f"image-to-text model{hint}"
+            )
+        self.encoder = load(self.files.encoder)
+        if "pixel_values" not in {i.name for i in self.encoder.inputs}:
+            raise ValueError(
+                f"the encoder {self.files.encoder!r} takes no pixel_values: it is not an image "
+                "encoder (use text.text_to_text for a text encoder-decoder model)"
             )
         self.processor = image_processor(self.files.folder)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
-        self.encoder = load(self.files.encoder)
-        if "pixel_values" not in {i.name for i in self.encoder.inputs}:
-            raise ValueError(f"the encoder {self.files.encoder!r} takes no pixel_values")
         decoder, embed = load_decoder(self.files)
         names = {i.name for i in decoder.inputs}
         if "encoder_hidden_states" not in names:
