@@ -113,3 +113,13 @@ def test_grayscale_arrays_repeat_the_channel_as_the_image_does():
     assert np.array_equal(processor([gray])[0], expected)
     assert np.array_equal(processor([gray[..., None]])[0], expected)
     assert np.array_equal(processor([Image.open(FIXTURE / "gray.png")])[0], expected)
+
+
+def test_a_fast_processor_type_is_read_as_the_pillow_one(tmp_path):
+    config = json.loads((FIXTURE / "deit" / "preprocessor_config.json").read_text())
+    config["image_processor_type"] = "DeiTImageProcessorFast"
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    processor = vision.image_processor(tmp_path)
+    assert isinstance(processor, vision.DeiTImageProcessor)
+    got = processor([FIXTURE / "noise.jpg"])[0]
+    assert np.array_equal(got, NPZ["deit/noise.jpg"])
