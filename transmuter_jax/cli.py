@@ -395,7 +395,7 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     sys.stdout.flush()
     notice.report()
     _say(args, f"{count} pieces in {time.perf_counter() - start:.1f} s "
-         f"(compiled shapes: {pipe.compiled_shapes})")  # fmt: skip
+         f"(compiled shapes: {getattr(pipe, 'compiled_shapes', '-')})")  # fmt: skip
     return 0
 
 
