@@ -90,7 +90,7 @@ def test_generate_with_an_image_gives_transformers_tokens(split, capsys):
     args += [] if split else ["--no-image-splitting"]
     record = json.loads(_run(capsys, *args, "--json"))
     assert record["token_ids"] == case["tokens"][0]
-    assert record["prompt"] == QUESTION
+    assert record["prompt"] == QUESTION and record["images"] == [image]
     assert _run(capsys, *args) == record["text"] + "\n"
 
 

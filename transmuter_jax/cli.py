@@ -384,7 +384,10 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
         if not args.json:
             _print_texts(results)
             return 0
-        _print_json(results, n, pipe.tokenizer, model=pipe.files.folder, prompt=prompt)
+        head = dict(model=pipe.files.folder, prompt=prompt)
+        if args.image:
+            head["images"] = list(args.image)
+        _print_json(results, n, pipe.tokenizer, **head)
         return 0
     count = 0
     for piece in pipe.stream(source, seed=args.seed, **extra, **options):
