@@ -31,7 +31,7 @@ three ONNX files,
   step's presents are the next step's pasts), one warm-up call, then ``--repeats`` timed calls.
 
 Both generate exactly ``--new`` greedy tokens (the eos logits masked until then: transformers'
-``min_new_tokens``). Figures (the best of the timed calls): the vision encoder's time, the time
+``min_new_tokens``). Figures (each the best of the timed calls, on its own): the vision encoder's time, the time
 from the start of the vision encoder to the first new token (TTFT: vision encoder plus prefill),
 decode tokens/s after the first token, and whether the tokens agree (the count of leading tokens
 that are equal). Writes ``<out>/vision-<date>.json`` with ``--json``.
@@ -392,6 +392,7 @@ def run(folder: str, args: argparse.Namespace) -> dict:
             "agree": agree, "ttft_ratio": j["ttft_ms"] / o["ttft_ms"],
             "vision_ratio": j["vision_ms"] / o["vision_ms"],
             "decode_ratio": j["decode_tokens_per_s"] / o["decode_tokens_per_s"],
+            "load_average": os.getloadavg(),
         })  # fmt: skip
     with open(os.path.join(folder, "bench.json")) as file:
         model = json.load(file)
