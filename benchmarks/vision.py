@@ -31,8 +31,9 @@ three ONNX files,
   step's presents are the next step's pasts), one warm-up call, then ``--repeats`` timed calls.
 
 Both generate exactly ``--new`` greedy tokens (the eos logits masked until then: transformers'
-``min_new_tokens``). Figures (each the best of the timed calls, on its own): the vision encoder's time, the time
-from the start of the vision encoder to the first new token (TTFT: vision encoder plus prefill),
+``min_new_tokens``). Figures (each the best of the timed calls, on its own): the vision
+encoder's time, the time from the start of the vision encoder to the first new token (TTFT:
+vision encoder plus prefill),
 decode tokens/s after the first token, and whether the tokens agree (the count of leading tokens
 that are equal). Writes ``<out>/vision-<date>.json`` with ``--json``.
 """
