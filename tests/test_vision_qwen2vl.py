@@ -150,3 +150,44 @@ def test_a_vision_encoder_of_other_inputs_is_refused_naming_the_file(tmp_path):
     shutil.copy(other / "vision_encoder.onnx", folder / "onnx" / "vision_encoder.onnx")
     with pytest.raises(VisionEncoderError, match=r"vision_encoder\.onnx.*pixel_attention_mask"):
         vision.image_text_to_text(folder)
+
+
+def _range_over_the_grid(path: pathlib.Path) -> None:
+    """A vision encoder whose output length is read from the values of grid_thw (as in an
+    export that loops over the images): Range(0, max(grid_thw)) -> image_features."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("ReduceMax", ["grid_thw"], ["top"], keepdims=0),
+        helper.make_node("Range", ["zero", "top", "one"], ["steps"]),
+        helper.make_node("Cast", ["steps"], ["steps_f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["steps_f", "axes"], ["column"]),
+        helper.make_node("Expand", ["column", "shape"], ["image_features"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "range_over_the_grid",
+        [
+            helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["patches", 1176]),
+            helper.make_tensor_value_info("grid_thw", TensorProto.INT64, ["images", 3]),
+        ],
+        [helper.make_tensor_value_info("image_features", TensorProto.FLOAT, ["tokens", 64])],
+        initializer=[
+            helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+            helper.make_tensor("one", TensorProto.INT64, [], [1]),
+            helper.make_tensor("axes", TensorProto.INT64, [1], [1]),
+            helper.make_tensor("shape", TensorProto.INT64, [2], [1, 64]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(path))
+
+
+def test_a_vision_encoder_that_reads_shapes_from_the_grid_is_refused_naming_the_file(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(FIXTURE, folder)
+    _range_over_the_grid(folder / "onnx" / "vision_encoder.onnx")
+    pipe = vision.image_text_to_text(folder, max_new_tokens=2)
+    with pytest.raises(VisionEncoderError, match=r"vision_encoder\.onnx.*values of grid_thw"):
+        pipe.generate([_conversations(SINGLE[0])[0]])

@@ -158,12 +158,13 @@ def run_vision_encoder(encoder, path: str, pixels: np.ndarray, grid: np.ndarray)
 
     Raises:
         VisionEncoderError: the graph computes a shape from the values of its inputs (such as
-            a loop over the images of grid_thw), which a compiled program cannot take.
+            a loop over the images of grid_thw), which a compiled program cannot take, or it
+            cannot be traced for these inputs.
     """
     name = next(i.name for i in encoder.inputs if i.name in GRID_INPUTS)
     try:
         out = encoder({"pixel_values": pixels, name: grid})
-    except (DynamicShapeError, UnsupportedOpError) as error:
+    except (DynamicShapeError, UnsupportedOpError, GraphError) as error:
         raise VisionEncoderError(
             f"the vision encoder {path!r} cannot run here: {error}. A graph whose shapes follow "
             f"from the shape of pixel_values alone runs; one that reads shapes from the values of "
