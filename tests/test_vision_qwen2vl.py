@@ -133,13 +133,23 @@ def test_tokens_equal_transformers(pipe, case):
     assert len(out[0].logprobs) == len(case["tokens"][0])
 
 
-def test_left_padded_batch_equals_transformers(pipe):
-    (case,) = BATCH
+@pytest.mark.parametrize(
+    "case",
+    [BATCH[0], *(pytest.param(c, marks=pytest.mark.slow) for c in BATCH[1:])],
+    ids=lambda c: "+".join(str(len(f)) for f in c["files"]),
+)
+def test_left_padded_batch_equals_transformers(pipe, case):
+    """Two conversations of other lengths in one batch: of one and two images, and of one
+    image and none (text positions only)."""
     out = pipe.generate(_conversations(case))
     assert [r.token_ids for r in out] == case["tokens"]
-    one = _conversations(case)[0]
-    assert pipe(one) == out[0].text
-    assert "".join(pipe.stream(one)) == out[0].text
+
+
+def test_call_and_stream_give_the_text_of_generate(pipe):
+    (one,) = _conversations(SINGLE[0])
+    text = pipe(one)
+    assert text == pipe.tokenizer.decode(SINGLE[0]["tokens"][0], skip_special_tokens=True)
+    assert "".join(pipe.stream(one)) == text
 
 
 def test_a_vision_encoder_of_other_inputs_is_refused_naming_the_file(tmp_path):
@@ -191,3 +201,9 @@ def test_a_vision_encoder_that_reads_shapes_from_the_grid_is_refused_naming_the_
     pipe = vision.image_text_to_text(folder, max_new_tokens=2)
     with pytest.raises(VisionEncoderError, match=r"vision_encoder\.onnx.*values of grid_thw"):
         pipe.generate([_conversations(SINGLE[0])[0]])
+
+
+def test_the_genai_layout_is_refused_naming_what_is_missing():
+    genai = pathlib.Path(__file__).parent / "fixtures" / "qwen25vl-genai-fp32"
+    with pytest.raises(ValueError, match="onnxruntime-genai layout.*onnx/vision_encoder.onnx"):
+        vision.image_text_to_text(genai)

@@ -45,6 +45,13 @@ class Qwen2VLImageTextToText(ImageTextToText):
 
     def __init__(self, repo, *, dtype=None, file=None, **options):
         self.files = resolve(repo, dtype, file)
+        if self.files.family == "genai":
+            raise ValueError(
+                f"{os.fspath(repo)!r} is in the onnxruntime-genai layout (genai_config.json), "
+                "whose Qwen2-VL vision and embedding graphs are not supported: use the "
+                "onnx-community layout (onnx/vision_encoder.onnx, onnx/embed_tokens.onnx, "
+                "onnx/decoder_model_merged.onnx); see docs/vision.md"
+            )
         self.vision_encoder = _vision_encoder(self.files.decoder)
         if not os.path.exists(self.vision_encoder):
             raise ValueError(
