@@ -207,3 +207,28 @@ def test_the_genai_layout_is_refused_naming_what_is_missing():
     genai = pathlib.Path(__file__).parent / "fixtures" / "qwen25vl-genai-fp32"
     with pytest.raises(ValueError, match="onnxruntime-genai layout.*onnx/vision_encoder.onnx"):
         vision.image_text_to_text(genai)
+
+
+def test_a_vision_encoder_with_an_unknown_op_is_refused_naming_the_file(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    folder = tmp_path / "model"
+    shutil.copytree(FIXTURE, folder)
+    node = helper.make_node("PatchMagic", ["pixel_values", "grid_thw"], ["image_features"],
+                            domain="example.custom")  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "unknown_op",
+        [
+            helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["patches", 1176]),
+            helper.make_tensor_value_info("grid_thw", TensorProto.INT64, ["images", 3]),
+        ],
+        [helper.make_tensor_value_info("image_features", TensorProto.FLOAT, ["tokens", 64])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("example.custom", 1)]
+    onnx.save(
+        helper.make_model(graph, opset_imports=opsets), str(folder / "onnx" / "vision_encoder.onnx")
+    )
+    with pytest.raises(VisionEncoderError, match=r"vision_encoder\.onnx.*PatchMagic"):
+        vision.image_text_to_text(folder)
