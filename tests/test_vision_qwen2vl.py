@@ -232,3 +232,21 @@ def test_a_vision_encoder_with_an_unknown_op_is_refused_naming_the_file(tmp_path
     )
     with pytest.raises(VisionEncoderError, match=r"vision_encoder\.onnx.*PatchMagic"):
         vision.image_text_to_text(folder)
+
+
+QWEN2 = pathlib.Path(__file__).parent / "fixtures" / "qwen2vl-community"
+QWEN2_REF = json.loads((QWEN2 / "qwen2vl.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "case",
+    [QWEN2_REF["generate"][0], *(pytest.param(c, marks=pytest.mark.slow)
+                                 for c in QWEN2_REF["generate"][1:])],
+    ids=lambda c: "+".join(f[0] if len(f) == 1 else str(len(f)) for f in c["files"]),
+)  # fmt: skip
+def test_qwen2vl_tokens_equal_transformers(case):
+    """Qwen2-VL (its own vision tower: layer norms, no windows) in the same layout."""
+    pipe = vision.image_text_to_text(QWEN2, max_new_tokens=QWEN2_REF["max_new_tokens"])
+    assert pipe.processor.rope.model_type == "qwen2_vl"
+    out = pipe.generate(_conversations(case))
+    assert [r.token_ids for r in out] == case["tokens"]
