@@ -16,6 +16,7 @@ from .idefics3 import Idefics3Processor
 from .images import ImageInput
 
 Messages = Sequence[Mapping[str, Any]]
+QWEN2VL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # model types of vision/qwen2vl_pipeline.py
 
 
 def _vision_encoder(decoder: str) -> str:
@@ -210,8 +211,9 @@ def image_text_to_text(
     file: str | None = None,
     **options: Any,
 ) -> ImageTextToText:
-    """An image-and-text-to-text pipeline over a SmolVLM / Idefics3 model (onnx-community layout:
-    ``onnx/vision_encoder.onnx``, ``onnx/embed_tokens.onnx``, ``onnx/decoder_model_merged.onnx``).
+    """An image-and-text-to-text pipeline over a SmolVLM / Idefics3 or Qwen2-VL / Qwen2.5-VL model
+    (onnx-community layout: ``onnx/vision_encoder.onnx``, ``onnx/embed_tokens.onnx``,
+    ``onnx/decoder_model_merged.onnx``).
 
     Args:
         repo: a local folder or a hub id.
@@ -223,4 +225,9 @@ def image_text_to_text(
         An :class:`ImageTextToText`: call it with messages or ``(image, question)``, or use
         ``generate``/``stream``.
     """
+    files = resolve(repo, dtype, file)
+    if hub.read_json(files.folder, "config.json").get("model_type") in QWEN2VL_TYPES:
+        from .qwen2vl_pipeline import Qwen2VLImageTextToText
+
+        return Qwen2VLImageTextToText(repo, dtype=dtype, file=file, **options)
     return ImageTextToText(repo, dtype=dtype, file=file, **options)

@@ -1,0 +1,181 @@
+"""Image and text to text with Qwen2-VL / Qwen2.5-VL in the onnx-community layout."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..onnx.errors import DynamicShapeError, GraphError, ModelFileError, UnsupportedOpError
+from ..onnx.model import load
+from ..text._runner import Result, Runner, load_decoder, resolve
+from ..text.tokenizer import Tokenizer
+from .image_text_to_text import ImageTextToText, Messages, _vision_encoder
+from .images import ImageInput
+from .qwen2vl import Qwen2VLProcessor
+
+GRID_INPUTS = ("grid_thw", "image_grid_thw")  # transformers.js's name, and transformers'
+
+
+class VisionEncoderError(ValueError):
+    """A vision encoder this engine cannot run: the message names the file and why."""
+
+
+class Qwen2VLImageTextToText(ImageTextToText):
+    """A Qwen2-VL / Qwen2.5-VL vision encoder, the token embeddings and a decoder of
+    inputs_embeds with 3-axis positions, with the processor, from ``image_text_to_text``.
+
+    The vision encoder takes the patches of all the images of a call (``pixel_values``
+    [patches, C*T*P*P]) and their grids (``grid_thw`` [images, 3]) and gives one feature per
+    merged token (``image_features`` [tokens, hidden]). The prompt's embeddings are embed_tokens
+    of its ids with the ``<|image_pad|>`` positions replaced, in order, by the features; the
+    positions of the prompt are transformers' ``get_rope_index``, and generation continues them
+    with the rope delta.
+
+    Attributes:
+        files: the files of the decoder and the embeddings (folder, family, decoder, embed).
+        vision_encoder: the path of the vision encoder.
+        processor: the chat and image processor (:class:`~.qwen2vl.Qwen2VLProcessor`).
+        tokenizer: the tokenizer of ``tokenizer.json``.
+        image_token_id: the id of ``<|image_pad|>``.
+        options: the default generation options (transformers' names).
+    """
+
+    def __init__(self, repo, *, dtype=None, file=None, **options):
+        self.files = resolve(repo, dtype, file)
+        if self.files.family == "genai":
+            raise ValueError(
+                f"{os.fspath(repo)!r} is in the onnxruntime-genai layout (genai_config.json), "
+                "whose Qwen2-VL vision and embedding graphs are not supported: use the "
+                "onnx-community layout (onnx/vision_encoder.onnx, onnx/embed_tokens.onnx, "
+                "onnx/decoder_model_merged.onnx); see docs/vision.md"
+            )
+        self.vision_encoder = _vision_encoder(self.files.decoder)
+        if not os.path.exists(self.vision_encoder):
+            raise ValueError(
+                f"{os.fspath(repo)!r} has no vision encoder ({self.vision_encoder}): it is not an "
+                "image-text-to-text model"
+            )
+        if self.files.embed is None:
+            raise ValueError(f"{os.fspath(repo)!r} has no embed_tokens.onnx beside the decoder")
+        self.tokenizer = Tokenizer.from_folder(self.files.folder)
+        self.processor = Qwen2VLProcessor(self.files.folder, self.tokenizer)
+        self.image_token_id = self.processor.rope.image_token_id
+        self.encoder = load_vision_encoder(self.vision_encoder)
+        decoder, embed = load_decoder(self.files)
+        position = next((i for i in decoder.inputs if i.name == "position_ids"), None)
+        if position is None or position.shape is None or len(position.shape) != 3:
+            shape = None if position is None else position.shape
+            raise ValueError(
+                f"the decoder {self.files.decoder!r} takes position_ids of shape {shape}, not the "
+                "3-axis positions [3, batch, sequence] of Qwen2-VL"
+            )
+        self._runner = Runner(
+            self.files.folder, decoder, embed=embed,
+            options={**options, "image_token": self.image_token_id}, tokenizer=self.tokenizer,
+        )  # fmt: skip
+        self.options = dict(options)
+
+    def inputs(
+        self, conversations: Sequence[Messages], **processor_options: Any
+    ) -> tuple[list[list[int]], np.ndarray | None]:
+        """The prompt ids of each conversation and the image features of all their image
+        tokens, in order ([tokens, hidden]; None without images)."""
+        ids, given = self._prepare(conversations, processor_options)
+        return ids, given.get("image_features")
+
+    def generate(
+        self, conversations: Sequence[Messages], *, seed: int | None = None, **options: Any
+    ) -> list[Result] | list[list[Result]]:
+        """Generates the answer of each conversation, in one batch (see
+        :meth:`ImageTextToText.generate`); image processor options (min_pixels, max_pixels,
+        ...) pass through by transformers' names."""
+        generation, processing = self._split(options)
+        ids, given = self._prepare(conversations, processing)
+        return self._runner.run(self.tokenizer, ids, generation, seed=seed, inputs=given)
+
+    def stream(
+        self,
+        messages: Messages | ImageInput,
+        question: str | None = None,
+        *,
+        seed: int | None = None,
+        **options: Any,
+    ) -> Iterator[str]:
+        """Yields the answer in pieces as it is generated."""
+        generation, processing = self._split(options)
+        ids, given = self._prepare([self._messages(messages, question)], processing)
+        return self._runner.stream(self.tokenizer, ids[0], generation, seed=seed, inputs=given)
+
+    def _prepare(
+        self, conversations: Sequence[Messages], processing: Mapping[str, Any]
+    ) -> tuple[list[list[int]], dict[str, Any]]:
+        """The prompt ids and what generate takes beside them: the image features and the
+        positions of each prompt."""
+        if isinstance(conversations, str) or not conversations:
+            raise TypeError("conversations is a non-empty list of chat message lists")
+        ids, images, positions = self.processor(conversations, **processing)
+        given: dict[str, Any] = {"position_ids": positions}
+        if images is None:
+            return ids, given
+        features = run_vision_encoder(
+            self.encoder, self.vision_encoder, images.pixel_values, images.image_grid_thw
+        )
+        tokens = sum(row.count(self.image_token_id) for row in ids)
+        if tokens != features.shape[0]:
+            raise ValueError(
+                f"the prompts have {tokens} image tokens for {features.shape[0]} image features "
+                f"of {self.vision_encoder!r}"
+            )
+        given["image_features"] = features
+        return ids, given
+
+    def _split(self, options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The generation options and the image processor options of ``options``."""
+        known = self.processor.images.OPTIONS
+        processing = {k: v for k, v in options.items() if k in known}
+        return {k: v for k, v in options.items() if k not in known}, processing
+
+
+def load_vision_encoder(path: str):
+    """The Model of a Qwen2-VL vision encoder.
+
+    Raises:
+        VisionEncoderError: the file cannot be loaded here (an op without implementation, a
+            malformed graph), or it does not take pixel_values and grid_thw.
+    """
+    try:
+        encoder = load(path)
+    except (UnsupportedOpError, GraphError, ModelFileError) as error:
+        raise VisionEncoderError(f"the vision encoder {path!r} cannot run here: {error}") from error
+    names = {i.name for i in encoder.inputs}
+    if "pixel_values" not in names or not names & set(GRID_INPUTS) or len(names) != 2:
+        raise VisionEncoderError(
+            f"the vision encoder {path!r} takes {sorted(names)}, not pixel_values [patches, "
+            "C*T*P*P] and grid_thw [images, 3] (the onnx-community layout of Qwen2-VL)"
+        )
+    return encoder
+
+
+def run_vision_encoder(encoder, path: str, pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """The image features of ``pixels`` [patches, C*T*P*P] with ``grid`` [images, 3]: float32
+    [tokens, hidden].
+
+    Raises:
+        VisionEncoderError: the graph computes a shape from the values of its inputs (such as
+            a loop over the images of grid_thw), which a compiled program cannot take, or it
+            cannot be traced for these inputs.
+    """
+    name = next(i.name for i in encoder.inputs if i.name in GRID_INPUTS)
+    try:
+        out = encoder({"pixel_values": pixels, name: grid})
+    except (DynamicShapeError, UnsupportedOpError, GraphError) as error:
+        raise VisionEncoderError(
+            f"the vision encoder {path!r} cannot run here: {error}. A graph whose shapes follow "
+            f"from the shape of pixel_values alone runs; one that reads shapes from the values of "
+            f"{name} (a loop over the images, a range per grid) does not."
+        ) from error
+    features = out.get("image_features", next(iter(out.values())))
+    return np.asarray(features, np.float32)
