@@ -2,8 +2,9 @@
 
 Run by tests/test_sharding.py with XLA_FLAGS=--xla_force_host_platform_device_count=8 (JAX
 reads it at import). Arguments: a JSON list of cases, each {"fixture", "meshes": [[model,
-data], ...], "options": {...}}. For each case it runs the fixture on one device, then on each
-mesh, and reports the tokens, every weight's spec with the nodes that read it, the cache
+data], ...], "options": {...}, "load": bool}. For each case it runs the fixture on one
+device, then on each mesh (with "load", on the decoder loaded with ``mesh=``), and reports the
+tokens, every weight's spec with the nodes that read it, the cache
 specs and the warnings.
 """
 
@@ -19,7 +20,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from generation_cases import FIXTURES, case, context, encoder_inputs  # noqa: E402
+from generation_cases import (  # noqa: E402
+    FIXTURES,
+    case,
+    context,
+    embed,
+    encoder_inputs,
+    reference,
+)
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import transmuter_jax as tj  # noqa: E402
@@ -59,13 +67,19 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
     results = []
     for model, data in spec["meshes"]:
         mesh = sharding.make_mesh(model=model, data=data)
+        loaded, on = None, ctx
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sharded = generation.compile(ctx, BATCH, mesh=mesh, shard_small=0)
+            if spec.get("load"):  # placed at load, from the file straight to the shards
+                loaded, on = _load(name, mesh, tmp, given, options)
+            sharded = generation.compile(on, BATCH, mesh=mesh, shard_small=0)
             tokens = generation.generate(sharded, prompts, seeds, inputs)
         params = sharded.model.params
+        if loaded is not None:
+            loaded["reused"] = all(params[k] is v for k, v in on.model.params.items())
         results.append(
             {
+                "loaded": loaded,
                 "fixture": name,
                 "mode": ctx.mode,
                 "mesh": [model, data],
@@ -93,6 +107,20 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
             }
         )
     return results
+
+
+def _load(name: str, mesh, tmp: pathlib.Path, given, options) -> tuple[dict, object]:
+    """Loads the decoder with ``mesh=``; reports the arrays that appeared meanwhile (each
+    with its shape and the devices it spans) and the context of the placed model."""
+    before = {id(a) for a in jax.live_arrays()}
+    file = FIXTURES / name / reference(name)[0]["files"]["decoder"]
+    placed = tj.load(file, mesh=mesh, shard_small=0)
+    made = [a for a in jax.live_arrays() if id(a) not in before]
+    arrays = [[list(a.shape), len(a.sharding.device_set)] for a in made]
+    ctx = generation.context(
+        FIXTURES / name, placed, given=given, embed=embed(name, tmp), **options
+    )
+    return {"arrays": arrays, "params": len(placed.params)}, ctx
 
 
 def unrecognised(tmp: pathlib.Path) -> dict:

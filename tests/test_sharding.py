@@ -127,6 +127,11 @@ def _check(result: dict) -> None:
                 len(case["weights"][name]["shape"]) == 2
             ):
                 assert replicated and name in replicated[0], f"{where}: {name}"
+        loaded = case["loaded"]
+        if loaded is not None:  # load(mesh=): no whole copy of a weight on one device
+            assert len(loaded["arrays"]) == loaded["params"], where
+            assert all(devices == 8 for _, devices in loaded["arrays"]), where
+            assert loaded["reused"], where  # compile(mesh=) kept the load's placement
         sharded = [w for w in case["weights"].values() if _norm(w["spec"])]
         if sharded:  # each device holds less than all the weights
             total = sum(w["bytes"] for w in case["weights"].values())
@@ -137,11 +142,12 @@ def _check(result: dict) -> None:
 
 
 def test_meshes_give_single_device_tokens():
-    """append (llama-optimum) on every mesh, the encoder-decoder (marian, grow) on model 2 x
-    data 4, and a graph whose MatMul the rules do not recognise."""
+    """append (llama-optimum, placed at load) on every mesh, the encoder-decoder (marian, grow,
+    placed at compile) on model 2 x data 4, and a graph whose MatMul the rules do not
+    recognise."""
     result = _run(
         [
-            {"fixture": "llama-optimum", "meshes": MESHES},
+            {"fixture": "llama-optimum", "meshes": MESHES, "load": True},
             {"fixture": "marian-optimum", "meshes": [[2, 4]]},
             "unrecognised",
         ]
