@@ -11,6 +11,7 @@ specs and the warnings.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -31,11 +32,12 @@ from generation_cases import (  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import transmuter_jax as tj  # noqa: E402
-from transmuter_jax import generation  # noqa: E402
+from transmuter_jax import generation, kernels, text  # noqa: E402
 from transmuter_jax.generation import sharding  # noqa: E402
 from transmuter_jax.onnx.trace import subgraphs  # noqa: E402
 
 BATCH = 8
+TEXTS = (["The quiet river", "A small cat sat"],)  # 2 rows: the data axis of 4 rounds them up
 
 
 def _readers(graph, found):
@@ -59,13 +61,16 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
     prompts = [base_prompts[i % len(base_prompts)][: 4 - i % 2] for i in range(4)]
     rows = [i % len(base_prompts) for i in range(4)]
     given, inputs = encoder_inputs(name, the_case, rows)
-    options = {"max_new_tokens": 6, "decode_steps": 3} | spec.get("options", {})
+    options = {"max_new_tokens": 6, "decode_steps": 3, "token_logprobs": True}
+    options |= spec.get("options", {})
     ctx = context(name, tmp, given=given, **options)
     seeds = list(range(len(prompts)))
-    single = generation.generate(generation.compile(ctx, BATCH), prompts, seeds, inputs)
+    single, single_lp = _pairs(
+        generation.generate(generation.compile(ctx, BATCH), prompts, seeds, inputs)
+    )
     readers = _readers(ctx.model.graph.proto, {})
     results = []
-    for model, data in spec["meshes"]:
+    for at, (model, data) in enumerate(spec["meshes"]):
         mesh = sharding.make_mesh(model=model, data=data)
         loaded, on = None, ctx
         with warnings.catch_warnings(record=True) as caught:
@@ -73,7 +78,8 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
             if spec.get("load"):  # placed at load, from the file straight to the shards
                 loaded, on = _load(name, mesh, tmp, given, options)
             sharded = generation.compile(on, BATCH, mesh=mesh, shard_small=0)
-            tokens = generation.generate(sharded, prompts, seeds, inputs)
+            tokens, logprobs = _pairs(generation.generate(sharded, prompts, seeds, inputs))
+            gap = None if at else _logits_gap(ctx, sharded, prompts[0], inputs)
         params = sharded.model.params
         if loaded is not None:
             loaded["reused"] = all(params[k] is v for k, v in on.model.params.items())
@@ -85,6 +91,8 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
                 "mesh": [model, data],
                 "single": single,
                 "tokens": tokens,
+                "logprob_gap": _gap(single_lp, logprobs),
+                "logits_gap": gap,
                 "config": ctx.config,
                 "weights": {
                     k: {
@@ -107,6 +115,42 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
             }
         )
     return results
+
+
+def _gap(a: list, b: list) -> float:
+    """The largest difference of two runs' log-probabilities (their tokens are equal)."""
+    return max((abs(x - y) for r, q in zip(a, b, strict=True) for x, y in zip(r, q, strict=True)),
+               default=0.0)  # fmt: skip
+
+
+def _pairs(out: list) -> tuple[list, list]:
+    """The tokens and the log-probabilities of generate's (token, log-probability) pairs."""
+    return [[t for t, _ in row] for row in out], [[lp for _, lp in row] for row in out]
+
+
+def _logits_gap(ctx, sharded, prompt: list[int], inputs: dict) -> float:
+    """The largest difference between the logits of the first step of ``prompt`` (an empty
+    cache) on one device and over the mesh, by a direct call of each context's decoder."""
+    entries = {e.input: e for e in ctx.cache.entries}
+    feeds = {}
+    for info in ctx.model.inputs:
+        name = info.name
+        if name == "input_ids":
+            feeds[name] = np.array([prompt], np.int64)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((1, len(prompt)), np.int64)
+        elif name == "position_ids":
+            feeds[name] = np.arange(len(prompt), dtype=np.int64)[None]
+        elif name in entries:
+            e = entries[name]
+            feeds[name] = np.zeros((1, e.heads, 0, e.head_size), np.dtype(info.dtype))
+        elif name == "use_cache_branch":
+            feeds[name] = np.array([False])
+        else:
+            feeds[name] = np.asarray(inputs[name])[:1]
+    alone = np.asarray(ctx.model(feeds)["logits"])
+    together = np.asarray(sharded.model(feeds)["logits"])
+    return float(np.abs(alone - together).max())
 
 
 def _load(name: str, mesh, tmp: pathlib.Path, given, options) -> tuple[dict, object]:
@@ -167,6 +211,71 @@ def unrecognised(tmp: pathlib.Path) -> dict:
     }
 
 
+def pipelines() -> dict:
+    """text.generation over mesh= (model 2 x data 4: one prompt's batch rounds up to 4 rows)
+    and text.text_to_text over devices= (model 2), against the same pipelines on one device."""
+    out = {}
+    runs = [
+        (
+            "generation",
+            text.generation,
+            "llama-optimum",
+            {"mesh": sharding.make_mesh(model=2, data=4)},
+        ),
+        ("text_to_text", text.text_to_text, "marian-optimum", {"devices": jax.devices()[:2]}),
+    ]
+    for kind, make, folder, where in runs:
+        alone = make(FIXTURES / folder, max_new_tokens=6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the replicated weights, checked elsewhere
+            together = make(FIXTURES / folder, max_new_tokens=6, **where)
+        params = together._runner.model.params
+        out[kind] = {
+            "alone": [[r.token_ids for r in alone.generate(t, seed=0)] for t in TEXTS],
+            "together": [[r.token_ids for r in together.generate(t, seed=0)] for t in TEXTS],
+            "split": sum(1 for v in params.values() if any(a is not None for a in v.sharding.spec)),
+            "devices": sorted({len(v.sharding.device_set) for v in params.values()}),
+        }
+    return out
+
+
+def kernels_on() -> dict:
+    """With the CPU kernels on: a model loaded packed for them, run over a mesh, traces no
+    kernel call (and warns once); the same model on one device does."""
+    os.environ.pop("TRANSMUTER_JAX_KERNELS", None)
+    try:
+        if not kernels.enabled():
+            return {"enabled": False}
+        file = FIXTURES / "llama-optimum" / "model.onnx"
+        packed = tj.load(file)
+        prompt = case("llama-optimum", "batch")["prompts"][0][:4]
+        feeds = {
+            "input_ids": np.array([prompt], np.int64),
+            "attention_mask": np.ones((1, 4), np.int64),
+            "position_ids": np.arange(4, dtype=np.int64)[None],
+        }
+        for info in packed.inputs:
+            if info.name.startswith("past_key_values."):
+                feeds[info.name] = np.zeros((1, info.shape[1], 0, info.shape[3]), np.float32)
+        alone = np.asarray(packed(feeds)["logits"])
+        ctx = generation.context(FIXTURES / "llama-optimum", packed, max_new_tokens=4)
+        mesh = sharding.make_mesh(model=2, data=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sharded = generation.compile(ctx, BATCH, mesh=mesh)
+            together = np.asarray(sharded.model(feeds)["logits"])
+        texts = [fn.as_text() for fn in sharded.model._compiled.values()]
+        return {
+            "enabled": True,
+            "alone_calls": any("tj_gemm_f32" in fn.as_text() for fn in packed._compiled.values()),
+            "mesh_calls": any("tj_" in t for t in texts),
+            "gap": float(np.abs(alone - together).max()),
+            "warnings": [str(w.message) for w in caught if "kernels" in str(w.message)],
+        }
+    finally:
+        os.environ["TRANSMUTER_JAX_KERNELS"] = "0"
+
+
 def main() -> None:
     cases = json.loads(sys.argv[1])
     assert jax.device_count() == 8, jax.devices()
@@ -175,6 +284,8 @@ def main() -> None:
         for spec in cases:
             if spec == "unrecognised":
                 out["unrecognised"] = unrecognised(pathlib.Path(tmp))
+            elif spec in ("pipelines", "kernels_on"):
+                out[spec] = globals()[spec]()
             else:
                 out["cases"].extend(run_case(spec, pathlib.Path(tmp)))
     print("RESULT " + json.dumps(out))

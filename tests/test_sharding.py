@@ -101,6 +101,8 @@ def _check(result: dict) -> None:
         where = f"{case['fixture']} ({case['mode']}) on model x data {case['mesh']}"
         n, data = case["mesh"]
         assert case["tokens"] == case["single"], where
+        assert case["logprob_gap"] <= 1e-5, where  # only the order of some sums differs
+        assert case["logits_gap"] is None or case["logits_gap"] <= 1e-5, where
         assert case["on_device"] == (case["beams"] == 1), where  # beams run on the host
         readers = [r[1] for w in case["weights"].values() for r in w["readers"]]
         fused = any(f in node for node in readers for f in FUSED)
@@ -143,17 +145,28 @@ def _check(result: dict) -> None:
 
 def test_meshes_give_single_device_tokens():
     """append (llama-optimum, placed at load) on every mesh, the encoder-decoder (marian, grow,
-    placed at compile) on model 2 x data 4, and a graph whose MatMul the rules do not
-    recognise."""
+    placed at compile) on model 2 x data 4, a graph whose MatMul the rules do not recognise,
+    the text generation and text-to-text pipelines over a mesh, and the CPU kernels off over a
+    mesh."""
     result = _run(
         [
             {"fixture": "llama-optimum", "meshes": MESHES, "load": True},
             {"fixture": "marian-optimum", "meshes": [[2, 4]]},
             "unrecognised",
+            "pipelines",
+            "kernels_on",
         ]
     )
     assert len(result["cases"]) == 4
     _check(result)
+    for kind, run in result["pipelines"].items():  # text generation and an encoder-decoder
+        assert run["together"] == run["alone"], kind
+        assert run["split"] > 0 and run["devices"] == [8 if kind == "generation" else 2], kind
+    on = result["kernels_on"]
+    if on["enabled"]:  # the library built here: a mesh traces no kernel, and says so once
+        assert on["alone_calls"] and not on["mesh_calls"]
+        assert on["gap"] <= 1e-4  # the kernel's sums against XLA's
+        assert len(on["warnings"]) == 1 and "packed" in on["warnings"][0]
     odd = result["unrecognised"]
     assert odd["close"] <= 1e-5
     assert odd["specs"] == {"w_in": [], "scale": [], "w_head": [None, "model"]}
