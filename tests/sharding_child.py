@@ -68,7 +68,6 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
     single, single_lp = _pairs(
         generation.generate(generation.compile(ctx, BATCH), prompts, seeds, inputs)
     )
-    readers = _readers(ctx.model.graph.proto, {})
     results = []
     for at, (model, data) in enumerate(spec["meshes"]):
         mesh = sharding.make_mesh(model=model, data=data)
@@ -81,6 +80,7 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
             tokens, logprobs = _pairs(generation.generate(sharded, prompts, seeds, inputs))
             gap = None if at else _logits_gap(ctx, sharded, prompts[0], inputs)
         params = sharded.model.params
+        readers = _readers(sharded.model.graph.proto, {})  # fused q/k/v split: new weights
         if loaded is not None:
             loaded["reused"] = all(params[k] is v for k, v in on.model.params.items())
         results.append(

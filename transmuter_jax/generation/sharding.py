@@ -500,6 +500,10 @@ def place_model(
     unknown = [a for a in mesh.axis_names if a not in AXES]
     if unknown:
         raise GenerationError(f"mesh axes {unknown} are not 'model' or 'data'")
+    if axis_size(mesh, MODEL) > 1:  # fused q/k/v products as one each (see .qkv)
+        from .qkv import split_qkv  # it reads this module's view of the products
+
+        model = split_qkv(model)
     rules = find_rules(model, mesh, head_size=head_size(model), small=small, overrides=overrides)
     warn_replicated(rules, model.path)
     specs = rules.specs

@@ -316,12 +316,20 @@ class Model:
         """The graph this model traces (without its weights, which are :attr:`params`)."""
         return self._graph
 
-    def with_graph(self, proto: GraphProto, *, inputs: Sequence[ValueInfo] | None = None) -> Model:
+    def with_graph(
+        self,
+        proto: GraphProto,
+        *,
+        inputs: Sequence[ValueInfo] | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> Model:
         """A model that runs ``proto`` in place of this graph, sharing this model's weights.
 
         Args:
             proto: the new main graph; it keeps this graph's opsets, file and constants.
             inputs: the graph inputs the caller gives (default: this model's).
+            params: the weights ``proto`` reads, when they are not this model's (a rewrite
+                that cut some of them).
 
         Returns:
             A new Model with its own, empty, compile cache and stats.
@@ -332,6 +340,8 @@ class Model:
         new._graph = Graph(proto, graph.opsets, graph.file, graph.constants)
         if inputs is not None:
             new.inputs = list(inputs)
+        if params is not None:
+            new.params = dict(params)
         new._by_name = {i.name: i for i in new.inputs}
         new._compiled = {}
         new.compile_stats = []
