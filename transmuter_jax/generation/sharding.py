@@ -9,8 +9,9 @@ every op but Shape/Size, whose outputs carry no values) finds the linear nodes t
   it reaches are its *column-parallel* partners (attention's q/k/v, the MLP's gate and up);
 - a group whose walk passes attention (Softmax, GroupQueryAttention, MultiHeadAttention,
   Attention) is split by heads: every projection's outputs must hold whole heads on each
-  device, and a fused q/k/v projection (its output split, or packed into GroupQueryAttention)
-  cannot be split by heads without a rewrite, so its group stays replicated;
+  device; a fused q/k/v projection (its output split, or packed into GroupQueryAttention) is
+  first rewritten as one product each (:mod:`.qkv`, by :func:`place_model` and compile), and
+  one left fused (its weight a constant of the program) keeps its group replicated;
 - an embedding (Gather along axis 0 of an initializer) and the LM head (a linear node whose
   output reaches the logits through no other linear node) are split on the vocabulary when
   they hold at least ``small`` elements, else replicated;
