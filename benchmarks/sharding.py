@@ -8,9 +8,11 @@ host with ``--xla_force_host_platform_device_count=N`` forced host devices; on a
 host with the first N real devices (pass --real). The default repo is the default model's
 genai fp32 export (SmolLM2-135M-Instruct). Greedy, ``--batch`` prompts of 32 random tokens.
 
-On a CPU the forced devices share the same cores, so the figures show correctness (the tokens
-equal the one-device run) and memory per device, not speed. The CPU kernels are off
-(TRANSMUTER_JAX_KERNELS=0) unless set: XLA does not partition their custom calls.
+The weights are loaded with ``mesh=``: each device receives only its shards ("after load" is
+every array on the most loaded device once the model is loaded). On a CPU the forced devices
+share the same cores, so the figures show correctness (the tokens equal the one-device run) and
+memory per device, not speed. The CPU kernels are off (TRANSMUTER_JAX_KERNELS=0) unless set,
+so that the one-device run computes as the sharded ones, which run without them anyway.
 """
 
 from __future__ import annotations
@@ -35,15 +37,16 @@ def child(args) -> dict:
     n = args.child
     devices = jax.devices()[:n]
     repo = args.repo
-    model = tj.load(os.path.join(repo, "model.onnx"))
-    ctx = generation.context(repo, model, max_new_tokens=args.new, eos_token_id=[])
-    rng = np.random.default_rng(0)
-    vocab = ctx.vocab_size or 1000
-    prompts = [rng.integers(0, vocab, 32).tolist() for _ in range(args.batch)]
     mesh = None
     if n > 1:
         shape = {"model": n, "data": 1} if args.axis == "model" else {"model": 1, "data": n}
         mesh = sharding.make_mesh(devices, **shape)
+    model = tj.load(os.path.join(repo, "model.onnx"), mesh=mesh)  # straight to the shards
+    loaded = sharding.memory(jax.live_arrays())  # every array on the devices after load
+    ctx = generation.context(repo, model, max_new_tokens=args.new, eos_token_id=[])
+    rng = np.random.default_rng(0)
+    vocab = ctx.vocab_size or 1000
+    prompts = [rng.integers(0, vocab, 32).tolist() for _ in range(args.batch)]
     start = time.perf_counter()
     ready = generation.compile(ctx, args.batch, mesh=mesh)
     marks = []
@@ -73,6 +76,7 @@ def child(args) -> dict:
         "tokens_per_s": new / decode if decode > 0 else None,
         "cold_s": cold,
         "weights_bytes_per_device": weights,
+        "loaded_bytes_per_device": loaded,
         "cache_bytes_per_device": sharding.memory(cache),
         "weights_bytes_total": int(sum(v.nbytes for v in ready.model.params.values())),
         "compiled_shapes": sorted(map(list, ready.compiled.steps.shapes)),
@@ -114,17 +118,21 @@ def main() -> None:
         rows.append(json.loads(line[-1][7:]))
     base = rows[0]["tokens"]
     print(f"{rows[0]['backend']}: {args.repo}, batch {args.batch}, {args.new} new tokens")
-    print("devices  axis   tokens/s  same  weights/device (max)  cache/device (max)  shapes")
+    print(
+        "devices  axis   tokens/s  same  weights/device (max)  after load (max)  "
+        "cache/device (max)  shapes"
+    )
     for row in rows:
         row["same_tokens"] = row["tokens"] == base
         weights = max(row["weights_bytes_per_device"].values())
+        loaded = max(row["loaded_bytes_per_device"].values())
         cache = max(row["cache_bytes_per_device"].values())
         speed = row["tokens_per_s"] or 0.0
         same = str(row["same_tokens"])
         print(
             f"{row['devices']:>7}  {row['axis'] or '-':5}  {speed:8.1f}  {same:5} "
-            f"{weights / 2**20:14.1f} MiB  {cache / 2**20:14.1f} MiB  "
-            f"{len(row['compiled_shapes'])}"
+            f"{weights / 2**20:14.1f} MiB  {loaded / 2**20:12.1f} MiB  "
+            f"{cache / 2**20:14.1f} MiB  {len(row['compiled_shapes'])}"
         )
     if rows[0]["backend"] == "cpu":
         print("(forced host devices share this CPU's cores: correctness and memory, not speed)")

@@ -2,14 +2,16 @@
 
 Run by tests/test_sharding.py with XLA_FLAGS=--xla_force_host_platform_device_count=8 (JAX
 reads it at import). Arguments: a JSON list of cases, each {"fixture", "meshes": [[model,
-data], ...], "options": {...}}. For each case it runs the fixture on one device, then on each
-mesh, and reports the tokens, every weight's spec with the nodes that read it, the cache
+data], ...], "options": {...}, "load": bool}. For each case it runs the fixture on one
+device, then on each mesh (with "load", on the decoder loaded with ``mesh=``), and reports the
+tokens, every weight's spec with the nodes that read it, the cache
 specs and the warnings.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -19,15 +21,24 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from generation_cases import FIXTURES, case, context, encoder_inputs  # noqa: E402
+from generation_cases import (  # noqa: E402
+    FIXTURES,
+    case,
+    context,
+    embed,
+    encoder_inputs,
+    reference,
+)
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import transmuter_jax as tj  # noqa: E402
-from transmuter_jax import generation  # noqa: E402
+from transmuter_jax import generation, kernels, text  # noqa: E402
 from transmuter_jax.generation import sharding  # noqa: E402
+from transmuter_jax.onnx.dtypes import to_device_dtype  # noqa: E402
 from transmuter_jax.onnx.trace import subgraphs  # noqa: E402
 
 BATCH = 8
+TEXTS = (["The quiet river", "A small cat sat"],)  # 2 rows: the data axis of 4 rounds them up
 
 
 def _readers(graph, found):
@@ -51,26 +62,38 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
     prompts = [base_prompts[i % len(base_prompts)][: 4 - i % 2] for i in range(4)]
     rows = [i % len(base_prompts) for i in range(4)]
     given, inputs = encoder_inputs(name, the_case, rows)
-    options = {"max_new_tokens": 6, "decode_steps": 3} | spec.get("options", {})
+    options = {"max_new_tokens": 6, "decode_steps": 3, "token_logprobs": True}
+    options |= spec.get("options", {})
     ctx = context(name, tmp, given=given, **options)
     seeds = list(range(len(prompts)))
-    single = generation.generate(generation.compile(ctx, BATCH), prompts, seeds, inputs)
-    readers = _readers(ctx.model.graph.proto, {})
+    single, single_lp = _pairs(
+        generation.generate(generation.compile(ctx, BATCH), prompts, seeds, inputs)
+    )
     results = []
-    for model, data in spec["meshes"]:
+    for at, (model, data) in enumerate(spec["meshes"]):
         mesh = sharding.make_mesh(model=model, data=data)
+        loaded, on = None, ctx
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sharded = generation.compile(ctx, BATCH, mesh=mesh, shard_small=0)
-            tokens = generation.generate(sharded, prompts, seeds, inputs)
+            if spec.get("load"):  # placed at load, from the file straight to the shards
+                loaded, on = _load(name, mesh, tmp, given, options)
+            sharded = generation.compile(on, BATCH, mesh=mesh, shard_small=0)
+            tokens, logprobs = _pairs(generation.generate(sharded, prompts, seeds, inputs))
+            gap = None if at else _logits_gap(ctx, sharded, prompts[0], inputs)
         params = sharded.model.params
+        readers = _readers(sharded.model.graph.proto, {})  # fused q/k/v split: new weights
+        if loaded is not None:
+            loaded["reused"] = all(params[k] is v for k, v in on.model.params.items())
         results.append(
             {
+                "loaded": loaded,
                 "fixture": name,
                 "mode": ctx.mode,
                 "mesh": [model, data],
                 "single": single,
                 "tokens": tokens,
+                "logprob_gap": _gap(single_lp, logprobs),
+                "logits_gap": gap,
                 "config": ctx.config,
                 "weights": {
                     k: {
@@ -93,6 +116,56 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
             }
         )
     return results
+
+
+def _gap(a: list, b: list) -> float:
+    """The largest difference of two runs' log-probabilities (their tokens are equal)."""
+    return max((abs(x - y) for r, q in zip(a, b, strict=True) for x, y in zip(r, q, strict=True)),
+               default=0.0)  # fmt: skip
+
+
+def _pairs(out: list) -> tuple[list, list]:
+    """The tokens and the log-probabilities of generate's (token, log-probability) pairs."""
+    return [[t for t, _ in row] for row in out], [[lp for _, lp in row] for row in out]
+
+
+def _logits_gap(ctx, sharded, prompt: list[int], inputs: dict) -> float:
+    """The largest difference between the logits of the first step of ``prompt`` (an empty
+    cache) on one device and over the mesh, by a direct call of each context's decoder."""
+    entries = {e.input: e for e in ctx.cache.entries}
+    feeds = {}
+    for info in ctx.model.inputs:
+        name = info.name
+        if name == "input_ids":
+            feeds[name] = np.array([prompt], np.int64)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((1, len(prompt)), np.int64)
+        elif name == "position_ids":
+            feeds[name] = np.arange(len(prompt), dtype=np.int64)[None]
+        elif name in entries:
+            e = entries[name]
+            feeds[name] = np.zeros((1, e.heads, 0, e.head_size), np.dtype(info.dtype))
+        elif name == "use_cache_branch":
+            feeds[name] = np.array([False])
+        else:
+            feeds[name] = np.asarray(inputs[name])[:1]
+    alone = np.asarray(ctx.model(feeds)["logits"])
+    together = np.asarray(sharded.model(feeds)["logits"])
+    return float(np.abs(alone - together).max())
+
+
+def _load(name: str, mesh, tmp: pathlib.Path, given, options) -> tuple[dict, object]:
+    """Loads the decoder with ``mesh=``; reports the arrays that appeared meanwhile (each
+    with its shape and the devices it spans) and the context of the placed model."""
+    before = {id(a) for a in jax.live_arrays()}
+    file = FIXTURES / name / reference(name)[0]["files"]["decoder"]
+    placed = tj.load(file, mesh=mesh, shard_small=0)
+    made = [a for a in jax.live_arrays() if id(a) not in before]
+    arrays = [[list(a.shape), len(a.sharding.device_set)] for a in made]
+    ctx = generation.context(
+        FIXTURES / name, placed, given=given, embed=embed(name, tmp), **options
+    )
+    return {"arrays": arrays, "params": len(placed.params)}, ctx
 
 
 def unrecognised(tmp: pathlib.Path) -> dict:
@@ -139,6 +212,76 @@ def unrecognised(tmp: pathlib.Path) -> dict:
     }
 
 
+def pipelines() -> dict:
+    """text.generation over mesh= (model 2 x data 4: one prompt's batch rounds up to 4 rows)
+    and text.text_to_text over devices= (model 2), against the same pipelines on one device."""
+    out = {}
+    runs = [
+        (
+            "generation",
+            text.generation,
+            "llama-optimum",
+            {"mesh": sharding.make_mesh(model=2, data=4)},
+        ),
+        ("text_to_text", text.text_to_text, "marian-optimum", {"devices": jax.devices()[:2]}),
+    ]
+    for kind, make, folder, where in runs:
+        alone = make(FIXTURES / folder, max_new_tokens=6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the replicated weights, checked elsewhere
+            together = make(FIXTURES / folder, max_new_tokens=6, **where)
+        params = together._runner.model.params
+        out[kind] = {
+            "alone": [[r.token_ids for r in alone.generate(t, seed=0)] for t in TEXTS],
+            "together": [[r.token_ids for r in together.generate(t, seed=0)] for t in TEXTS],
+            "split": sum(1 for v in params.values() if any(a is not None for a in v.sharding.spec)),
+            "devices": sorted({len(v.sharding.device_set) for v in params.values()}),
+        }
+    return out
+
+
+def _program(model, feeds: dict) -> str:
+    """The compiled program text of ``model`` for ``feeds`` (which it has run)."""
+    dynamic = {k: to_device_dtype(np.asarray(v)) for k, v in feeds.items()}
+    return model.compiled(dynamic, {}).as_text()
+
+
+def kernels_on() -> dict:
+    """With the CPU kernels on: a model loaded packed for them, run over a mesh, traces no
+    kernel call (and warns once); the same model on one device does."""
+    os.environ.pop("TRANSMUTER_JAX_KERNELS", None)
+    try:
+        if not kernels.enabled():
+            return {"enabled": False}
+        file = FIXTURES / "llama-optimum" / "model.onnx"
+        packed = tj.load(file)
+        prompt = case("llama-optimum", "batch")["prompts"][0][:4]
+        feeds = {
+            "input_ids": np.array([prompt], np.int64),
+            "attention_mask": np.ones((1, 4), np.int64),
+            "position_ids": np.arange(4, dtype=np.int64)[None],
+        }
+        for info in packed.inputs:
+            if info.name.startswith("past_key_values."):
+                feeds[info.name] = np.zeros((1, info.shape[1], 0, info.shape[3]), np.float32)
+        alone = np.asarray(packed(feeds)["logits"])
+        ctx = generation.context(FIXTURES / "llama-optimum", packed, max_new_tokens=4)
+        mesh = sharding.make_mesh(model=2, data=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sharded = generation.compile(ctx, BATCH, mesh=mesh)
+            together = np.asarray(sharded.model(feeds)["logits"])
+        return {
+            "enabled": True,
+            "alone_calls": "tj_gemm_f32" in _program(packed, feeds),
+            "mesh_calls": "tj_" in _program(sharded.model, feeds),
+            "gap": float(np.abs(alone - together).max()),
+            "warnings": [str(w.message) for w in caught if "kernels" in str(w.message)],
+        }
+    finally:
+        os.environ["TRANSMUTER_JAX_KERNELS"] = "0"
+
+
 def main() -> None:
     cases = json.loads(sys.argv[1])
     assert jax.device_count() == 8, jax.devices()
@@ -147,6 +290,8 @@ def main() -> None:
         for spec in cases:
             if spec == "unrecognised":
                 out["unrecognised"] = unrecognised(pathlib.Path(tmp))
+            elif spec in ("pipelines", "kernels_on"):
+                out[spec] = globals()[spec]()
             else:
                 out["cases"].extend(run_case(spec, pathlib.Path(tmp)))
     print("RESULT " + json.dumps(out))

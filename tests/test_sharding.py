@@ -16,19 +16,22 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from generation_cases import context
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from transmuter_jax import generation
-from transmuter_jax.generation import GenerationError, sharding
+from transmuter_jax.generation import GenerationError, qkv, sharding
 
 ROOT = pathlib.Path(__file__).parent.parent
 MESHES = [[8, 1], [2, 4], [1, 8]]  # [model, data]
-FUSED = ("qkv_proj", "attn/c_")  # q, k and v in one projection: replicated with the out one
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "mlp/c_fc")
-ROW = ("o_proj", "out_proj", "down_proj", "fc2", "mlp/c_proj")
+# q, k and v in one product: split into one product each (their nodes' names end in .colsN);
+# one that stays fused (its weight a constant of the program) keeps its attention replicated
+FUSED = ("qkv_proj", "attn/c_attn")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", *FUSED, "attn/c_proj")
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "mlp/c_fc", *FUSED)
+ROW = ("o_proj", "out_proj", "down_proj", "fc2", "mlp/c_proj", "attn/c_proj")
 
 
 def _run(cases: list) -> dict:
@@ -64,7 +67,7 @@ def _heads(config: dict) -> tuple[int, int]:
 
 def _expected(name: str, weight: dict, n: int, config: dict, fused: bool, blocks: bool) -> list:
     """The spec of a weight from the name and op of the node that reads it (``fused``: the
-    model's attention projects q, k and v in one product, so its attention is replicated;
+    model's attention still projects q, k and v in one product, so it is replicated;
     ``blocks``: the axis divides the int4 row-parallel products' blocks of K, else their groups
     are replicated)."""
     (op, node), shape = weight["readers"][0], weight["shape"]
@@ -76,8 +79,6 @@ def _expected(name: str, weight: dict, n: int, config: dict, fused: bool, blocks
         return []  # norms, biases after an Add, rotary caches
     if "lm_head" in node:
         column, row = True, False
-    elif any(f in node for f in FUSED):
-        return []
     else:
         column, row = any(c in node for c in COLUMN), any(r in node for r in ROW)
     assert column or row, f"no role for {name} read by {node}"
@@ -101,9 +102,11 @@ def _check(result: dict) -> None:
         where = f"{case['fixture']} ({case['mode']}) on model x data {case['mesh']}"
         n, data = case["mesh"]
         assert case["tokens"] == case["single"], where
+        assert case["logprob_gap"] <= 1e-5, where  # only the order of some sums differs
+        assert case["logits_gap"] is None or case["logits_gap"] <= 1e-5, where
         assert case["on_device"] == (case["beams"] == 1), where  # beams run on the host
         readers = [r[1] for w in case["weights"].values() for r in w["readers"]]
-        fused = any(f in node for node in readers for f in FUSED)
+        fused = any(f in node and ".cols" not in node for node in readers for f in FUSED)
         blocks = all(
             w["shape"][1] % n == 0
             for w in case["weights"].values()
@@ -127,6 +130,11 @@ def _check(result: dict) -> None:
                 len(case["weights"][name]["shape"]) == 2
             ):
                 assert replicated and name in replicated[0], f"{where}: {name}"
+        loaded = case["loaded"]
+        if loaded is not None:  # load(mesh=): no whole copy of a weight on one device
+            assert len(loaded["arrays"]) == loaded["params"], where
+            assert all(devices == 8 for _, devices in loaded["arrays"]), where
+            assert loaded["reused"], where  # compile(mesh=) kept the load's placement
         sharded = [w for w in case["weights"].values() if _norm(w["spec"])]
         if sharded:  # each device holds less than all the weights
             total = sum(w["bytes"] for w in case["weights"].values())
@@ -137,17 +145,36 @@ def _check(result: dict) -> None:
 
 
 def test_meshes_give_single_device_tokens():
-    """append (llama-optimum) on every mesh, the encoder-decoder (marian, grow) on model 2 x
-    data 4, and a graph whose MatMul the rules do not recognise."""
+    """append (llama-optimum, placed at load) on every mesh, the encoder-decoder (marian, grow,
+    placed at compile), gpt2's and the genai builder's fused q/k/v on model 2 x data 4, a graph
+    whose MatMul the rules do not recognise, the text generation and text-to-text pipelines over
+    a mesh, and the CPU kernels off over a mesh."""
     result = _run(
         [
-            {"fixture": "llama-optimum", "meshes": MESHES},
+            {"fixture": "llama-optimum", "meshes": MESHES, "load": True},
             {"fixture": "marian-optimum", "meshes": [[2, 4]]},
+            {"fixture": "gpt2-optimum", "meshes": [[2, 4]]},
+            {"fixture": "llama-genai-fp32", "meshes": [[2, 4]]},
             "unrecognised",
+            "pipelines",
+            "kernels_on",
         ]
     )
-    assert len(result["cases"]) == 4
+    assert len(result["cases"]) == 6
     _check(result)
+    for case in result["cases"][4:]:  # the fused q/k/v products, split by heads
+        parts = {k: w for k, w in case["weights"].items() if ".cols" in k}
+        assert len(parts) >= 3, case["fixture"]
+        for k, w in parts.items():  # columns of the weights, and of the biases
+            assert _norm(w["spec"]) == ([None, "model"] if len(w["shape"]) == 2 else ["model"]), k
+    for kind, run in result["pipelines"].items():  # text generation and an encoder-decoder
+        assert run["together"] == run["alone"], kind
+        assert run["split"] > 0 and run["devices"] == [8 if kind == "generation" else 2], kind
+    on = result["kernels_on"]
+    if on["enabled"]:  # the library built here: a mesh traces no kernel, and says so once
+        assert on["alone_calls"] and not on["mesh_calls"]
+        assert on["gap"] <= 1e-4  # the kernel's sums against XLA's
+        assert len(on["warnings"]) == 1 and "packed" in on["warnings"][0]
     odd = result["unrecognised"]
     assert odd["close"] <= 1e-5
     assert odd["specs"] == {"w_in": [], "scale": [], "w_head": [None, "model"]}
@@ -174,6 +201,35 @@ def test_every_mode_and_mesh():
         ]
     )
     _check(result)
+
+
+@pytest.mark.parametrize("name", ["gpt2-optimum", "llama-genai-fp32"])
+def test_fused_qkv_products_split_by_heads(name, tmp_path):
+    """GPT-2's c_attn (a product cut by a Split) and the genai builder's packed QKV (into
+    GroupQueryAttention) become one product each: the same logits, and on "model" 2 the
+    rules split q, k and v by heads with the output projection."""
+    model = context(name, tmp_path).model
+    split = qkv.split_qkv(model)
+    assert split is not model and qkv.split_qkv(split) is split  # nothing fused is left
+    parts = [k for k in split.params if ".cols" in k]
+    assert parts and not set(parts) & set(model.params)
+    rules = sharding.find_rules(split, AbstractMesh((2,), ("model",)), head_size=16, small=0)
+    assert not rules.replicated
+    for k in parts:  # the weights' columns, and the biases
+        want = PartitionSpec(None, "model") if split.params[k].ndim == 2 else PartitionSpec("model")
+        assert rules.specs[k] == want, k
+    attention = [g for g in rules.groups if g[2] == "attention"]
+    assert attention and all(any(".cols" in c for c in g[0]) for g in attention)
+    feeds = {"input_ids": np.array([[5, 9, 2]], np.int64)}
+    for info in model.inputs:
+        if info.name == "attention_mask":
+            feeds[info.name] = np.ones((1, 3), np.int64)
+        elif info.name == "position_ids":
+            feeds[info.name] = np.arange(3, dtype=np.int64)[None]
+        elif info.name.startswith("past_key_values."):
+            feeds[info.name] = np.zeros((1, info.shape[1], 0, 16), np.float32)
+    want = np.asarray(model(feeds)["logits"])
+    np.testing.assert_allclose(np.asarray(split(feeds)["logits"]), want, atol=1e-6)
 
 
 def test_data_axis_must_divide_the_batch(tmp_path):

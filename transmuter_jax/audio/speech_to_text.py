@@ -12,7 +12,7 @@ import numpy as np
 from .. import generation as gen
 from .. import hub
 from ..onnx.model import load
-from ..text._runner import Result, Runner, load_decoder, resolve, texts_of
+from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from . import prompt as forced
 from . import timestamps as stamps
@@ -52,12 +52,13 @@ class SpeechToText:
         options: the default options (language, task and generation options).
     """
 
-    def __init__(self, repo, *, dtype=None, file=None, **options):
+    def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         if repo is None or repo in _default_aliases():
             from .. import default
 
             repo = default.speech_folder(repo)  # prepared offline on first use
         self.files = resolve(repo, dtype, file)
+        mesh = mesh_of(mesh, devices)
         if self.files.encoder is None:
             raise ValueError(f"{repo!r} has no encoder: a Whisper export has encoder_model.onnx")
         folder = self.files.folder
@@ -65,14 +66,14 @@ class SpeechToText:
         self.features = FeatureExtractor.from_folder(folder)
         self.generation_config = hub.read_json(folder, "generation_config.json")
         self.encoder = load(self.files.encoder)
-        decoder, embed = load_decoder(self.files)
+        decoder, embed = load_decoder(self.files, mesh)
         if "encoder_hidden_states" not in {i.name for i in decoder.inputs}:
             raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
         speech, generation = _split(options)
         forced.check(self.generation_config, speech.get("language"), speech.get("task"))
         self._runner = Runner(
             folder, decoder, embed=embed, given=["encoder_hidden_states"], options=generation,
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer, mesh=mesh,
         )  # fmt: skip
         self.options = dict(options)
         self._stamps = None
@@ -253,6 +254,8 @@ def speech_to_text(
     *,
     dtype: str | None = None,
     file: str | None = None,
+    mesh: Any = None,
+    devices: Sequence[Any] | None = None,
     **options: Any,
 ) -> SpeechToText:
     """A speech-to-text pipeline over a Whisper export.
@@ -264,10 +267,14 @@ def speech_to_text(
             offline on first use (:func:`transmuter_jax.default.speech_folder`).
         dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
+            are split over it at load and its steps run over it (docs/distributed.md); the
+            encoder stays on the default device.
+        devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         **options: default options: ``language``, ``task`` and generation options
             (transformers' names).
 
     Returns:
         A :class:`SpeechToText`: call it with audio, or use ``generate`` and ``stream``.
     """
-    return SpeechToText(repo, dtype=dtype, file=file, **options)
+    return SpeechToText(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)

@@ -27,6 +27,7 @@ from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
 from .errors import GenerationError
 from .processors import Rows, static_masks
+from .qkv import split_qkv
 from .select import beam_selection, selection
 from .steps import Steps, chunk, pad_grow
 
@@ -108,13 +109,16 @@ def compile(  # noqa: A001
     make = beam_selection if options.num_beams > 1 else selection
     select = make(options, tuple(ready.processors), masks, **jit_options)
     reorder = cache_modes.reorder_function(ctx.cache, **jit_options)
-    padding, reason, runs = None, "", ""
-    if ctx.mode == "grow":
-        padding, reason = pad_grow(ctx) if grow_cache != "exact" else (None, "grow_cache='exact'")
-        runs = grow_cache if padding is not None else "exact"
-    mode = cache_modes.mode(ctx.mode, padding is not None, runs == "buckets")
     if mesh is None and devices is not None:
         mesh = sharding.make_mesh(devices)
+    if mesh is not None and sharding.axis_size(mesh, sharding.MODEL) > 1:
+        # fused q/k/v products as one each, so that they split by heads (see .qkv)
+        ready = dataclasses.replace(ready, model=split_qkv(ready.model))
+    padding, reason, runs = None, "", ""
+    if ctx.mode == "grow":
+        padding, reason = pad_grow(ready) if grow_cache != "exact" else (None, "grow_cache='exact'")
+        runs = grow_cache if padding is not None else "exact"
+    mode = cache_modes.mode(ctx.mode, padding is not None, runs == "buckets")
     if mesh is not None:  # the weights placed on the mesh (after the padded rewrite's probe)
         ready = sharding.apply(
             ready, mesh, batch_size, small=shard_small, overrides=shard_overrides

@@ -9,8 +9,9 @@ every op but Shape/Size, whose outputs carry no values) finds the linear nodes t
   it reaches are its *column-parallel* partners (attention's q/k/v, the MLP's gate and up);
 - a group whose walk passes attention (Softmax, GroupQueryAttention, MultiHeadAttention,
   Attention) is split by heads: every projection's outputs must hold whole heads on each
-  device, and a fused q/k/v projection (its output split, or packed into GroupQueryAttention)
-  cannot be split by heads without a rewrite, so its group stays replicated;
+  device; a fused q/k/v projection (its output split, or packed into GroupQueryAttention) is
+  first rewritten as one product each (:mod:`.qkv`, by :func:`place_model` and compile), and
+  one left fused (its weight a constant of the program) keeps its group replicated;
 - an embedding (Gather along axis 0 of an initializer) and the LM head (a linear node whose
   output reaches the logits through no other linear node) are split on the vocabulary when
   they hold at least ``small`` elements, else replicated;
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +40,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from onnx import helper
 
+from .. import kernels
+from ..onnx import prepack
 from ..onnx.model import Model
 from ..onnx.trace import subgraphs
 from .errors import GenerationError
@@ -55,6 +59,8 @@ _NORMS = {
     "ReduceMean",
 }
 _SHAPE_ONLY = {"Shape", "Size"}
+# The replicated weights each placed model was warned about (compile does not repeat it).
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PASS = {"Reshape", "Add", "Cast", "Identity", "Squeeze", "Unsqueeze"}  # before the heads
 
 
@@ -429,9 +435,87 @@ def warn_replicated(rules: Rules, path: str) -> None:
 
 def place(value: Any, sharding: NamedSharding) -> jax.Array:
     """``value`` (the same on every process) on ``sharding``: each addressable device gets its
-    own slice, read from the host copy, so no device ever holds more than its shard."""
+    own slice, read from the host copy, so no device ever holds more than its shard. An array
+    already placed so is returned as it is."""
+    if isinstance(value, jax.Array) and _placed(value, sharding):
+        return value
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _placed(value: jax.Array, sharding: NamedSharding) -> bool:
+    held = value.sharding
+    return held.device_set == sharding.device_set and held.is_equivalent_to(sharding, value.ndim)
+
+
+def spans_devices(arrays: Any) -> bool:
+    """Whether any array of ``arrays`` (a pytree) lies on more than one device."""
+    return any(
+        isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in jax.tree.leaves(arrays)
+    )
+
+
+def head_size(model: Model) -> int | None:
+    """The attention head size the graph says: the last dimension of its past_key_values.*
+    inputs, else a GroupQueryAttention's query width over its heads (None: neither says)."""
+    sizes = {
+        i.shape[3]
+        for i in model.inputs
+        if i.name.startswith(("past_key_values.", "past."))
+        and i.shape is not None
+        and len(i.shape) == 4
+        and isinstance(i.shape[3], int)
+    }
+    if len(sizes) == 1:
+        return sizes.pop()
+    shapes = {k: tuple(np.shape(v)) for k, v in model.params.items()}
+    producer = {o: node for node in model.graph.proto.node for o in node.output}
+    for node in model.graph.proto.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        heads, kv = int(_attr(node, "num_heads", 0)), int(_attr(node, "kv_num_heads", 0))
+        packed = len(node.input) < 2 or not node.input[1]
+        source = producer.get(node.input[0])
+        for _ in range(4):  # through a bias Add or a Reshape
+            if source is None or source.op_type not in _PASS:
+                break
+            source = producer.get(source.input[0])
+        lin = _linear(source, shapes) if source is not None else None
+        parts = heads + 2 * kv if packed else heads
+        if lin is not None and parts and lin.n % parts == 0:
+            return lin.n // parts
+    return None
+
+
+def place_model(
+    model: Model,
+    mesh: Mesh,
+    *,
+    small: int = SMALL,
+    overrides: Mapping[str, PartitionSpec | None] | None = None,
+) -> Model:
+    """``model`` with its weights on ``mesh`` by the rules (:func:`find_rules`, the head size
+    from :func:`head_size`): each device gets its shards from the host copy of the weights
+    (``Model(..., host=True)`` keeps them there), so no device holds a whole split weight.
+    Warns once, in one line, naming the linear weights that stay replicated."""
+    unknown = [a for a in mesh.axis_names if a not in AXES]
+    if unknown:
+        raise GenerationError(f"mesh axes {unknown} are not 'model' or 'data'")
+    if axis_size(mesh, MODEL) > 1:  # fused q/k/v products as one each (see .qkv)
+        from .qkv import split_qkv  # it reads this module's view of the products
+
+        model = split_qkv(model)
+    rules = find_rules(model, mesh, head_size=head_size(model), small=small, overrides=overrides)
+    warn_replicated(rules, model.path)
+    specs = rules.specs
+    placed = model.with_params(
+        {
+            k: place(v, NamedSharding(mesh, specs.get(k, PartitionSpec())))
+            for k, v in model.params.items()
+        }
+    )
+    _WARNED[placed] = dict(rules.replicated)  # compile does not repeat the same warning
+    return placed
 
 
 def placement(
@@ -441,9 +525,11 @@ def placement(
     *,
     small: int = SMALL,
     overrides: Mapping[str, PartitionSpec | None] | None = None,
+    warn: bool = True,
 ) -> Placement:
-    """The placement of a context's weights and cache on ``mesh``; warns once, in one line,
-    naming the linear weights that stay replicated against the rules."""
+    """The placement of a context's weights and cache on ``mesh``; warns once, in one line
+    (unless ``warn`` is False), naming the linear weights that stay replicated against the
+    rules."""
     unknown = [a for a in mesh.axis_names if a not in AXES]
     if unknown:
         raise GenerationError(f"mesh axes {unknown} are not 'model' or 'data'")
@@ -455,7 +541,8 @@ def placement(
     sizes = {e.head_size for e in ctx.cache.entries}
     head = sizes.pop() if len(sizes) == 1 else None
     rules = find_rules(ctx.model, mesh, head_size=head, small=small, overrides=overrides)
-    warn_replicated(rules, ctx.model.path)
+    if warn:
+        warn_replicated(rules, ctx.model.path)
     cache = {
         e.input: PartitionSpec(
             DATA if data > 1 else None, MODEL if n > 1 and e.heads % n == 0 else None
@@ -485,16 +572,53 @@ def apply(
     overrides: Mapping[str, PartitionSpec | None] | None = None,
 ) -> Any:
     """``ctx`` with its weights (and its embedding model's) placed on ``mesh`` and its
-    :class:`Placement` set; the models are copies, the caller's keep their weights."""
-    where = placement(ctx, mesh, batch_size, small=small, overrides=overrides)
-    model = ctx.model.with_params(where.place_params(ctx.model.params))
+    :class:`Placement` set; the models are copies, the caller's keep their weights. Weights that
+    ``transmuter_jax.load(..., mesh=)`` placed as the rules say are kept as they are (and its
+    warning is not repeated); others are read back to the host and put on their shards.
+
+    On CPU, the kernels are off in the programs of a mesh of more than one device (their custom
+    calls are not partitioned): one warning says so."""
+    where = placement(ctx, mesh, batch_size, small=small, overrides=overrides, warn=False)
+    params = where.place_params(ctx.model.params)
+    moved = any(params[k] is not v for k, v in ctx.model.params.items())
+    if _WARNED.get(ctx.model) != where.rules.replicated:
+        warn_replicated(where.rules, ctx.model.path)
+    model = ctx.model
+    if moved:
+        model = model.with_params(params)
+        _WARNED[model] = dict(where.rules.replicated)
     embed = ctx.embed
     if embed is not None:
         rules = find_rules(embed, mesh, small=small)
-        embed = embed.with_params(
-            {
-                k: place(v, where.sharding(rules.specs.get(k, PartitionSpec())))
-                for k, v in embed.params.items()
-            }
-        )
+        placed = {
+            k: place(v, where.sharding(rules.specs.get(k, PartitionSpec())))
+            for k, v in embed.params.items()
+        }
+        if any(placed[k] is not v for k, v in embed.params.items()):
+            embed = embed.with_params(placed)
+    if mesh.devices.size > 1:
+        _warn_kernels(model)
     return dataclasses.replace(ctx, model=model, embed=embed, placement=where)
+
+
+def _warn_kernels(model: Model) -> None:
+    """One warning, once per process, that the sharded programs run without the CPU kernels."""
+    global _KERNELS_WARNED
+    if _KERNELS_WARNED or not kernels.enabled():
+        return
+    _KERNELS_WARNED = True
+    packed = any(n.domain == prepack.DOMAIN for n in model.graph.proto.node)
+    extra = (
+        f"; {model.path!r} was loaded with its weights packed for them, which stay replicated: "
+        "load it with transmuter_jax.load(..., mesh=) to split them"
+        if packed
+        else ""
+    )
+    warnings.warn(
+        "transmuter_jax: programs over a mesh run without the CPU kernels, whose custom calls "
+        f"XLA does not partition{extra}",
+        stacklevel=4,
+    )
+
+
+_KERNELS_WARNED = False

@@ -7,6 +7,7 @@ XLA program. The cache buffers are donated, so XLA updates them in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kernels
 from ..onnx.compiler import jit_options
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
@@ -207,7 +209,9 @@ def _step_function(
         if padding is not None:  # the rows before each row's valid ones (all rows alike)
             have = cache_modes.cache_length(cache, layout)
             inputs[padding.input] = jnp.int32(have) - lengths[0]
-        outputs = model.trace(static, params, inputs)
+        sharded = ctx.placement is not None and ctx.placement.mesh.devices.size > 1
+        with kernels.off() if sharded else contextlib.nullcontext():
+            outputs = model.trace(static, params, inputs)  # a mesh: no custom calls
         logits = outputs["logits"]  # [B, S, V]
         index = jnp.arange(logits.shape[0])
         last_logits = logits[index, last].astype(jnp.float32)  # [B, V]

@@ -14,6 +14,8 @@ sets the threads of their pool (default: the CPUs this process may use) and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import os
@@ -39,9 +41,24 @@ def available() -> bool:
     return library() is not None
 
 
+_OFF = contextvars.ContextVar("transmuter_jax_kernels_off", default=False)
+
+
 def enabled() -> bool:
-    """Whether the kernels run here: the library is available and the backend is the CPU."""
-    return jax.default_backend() == "cpu" and available()
+    """Whether the kernels run here: the library is available, the backend is the CPU, and no
+    :func:`off` block is tracing."""
+    return not _OFF.get() and jax.default_backend() == "cpu" and available()
+
+
+@contextlib.contextmanager
+def off():
+    """Traces without the kernels inside the block: programs over a mesh, whose custom calls
+    XLA's partitioner cannot split (it would gather their operands on each device)."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
 
 
 # ---------------------------------------------------------------- packed float32 weights

@@ -191,20 +191,41 @@ def _is_weight(array: np.ndarray) -> bool:
     return array.size > limit and fits_device(array)
 
 
-def load(onnx_file: str | os.PathLike, *, outputs: Sequence[str] | None = None) -> Model:
+def load(
+    onnx_file: str | os.PathLike,
+    *,
+    outputs: Sequence[str] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    shard_overrides: Mapping[str, Any] | None = None,
+    shard_small: int | None = None,
+) -> Model:
     """Loads an ONNX model as a :class:`Model`.
 
     Args:
         onnx_file: path of the ``.onnx`` file; external data must lie in its folder.
         outputs: names of the graph outputs to compute; the graph is pruned to what they need.
+        mesh: a mesh with axes "model" and/or "data": the weights go from the file straight to
+            their shards by the sharding rules (:mod:`transmuter_jax.generation.sharding`), so
+            that no device ever holds a whole split weight; the CPU kernels' packing is skipped.
+            ``generation.compile(..., mesh=)`` keeps this placement.
+        shard_overrides: with ``mesh``, partition specs by initializer name that win over the
+            rules (None: replicated), as ``generation.compile`` takes them.
+        shard_small: with ``mesh``, embeddings and LM heads of fewer elements stay replicated
+            (default 65536).
 
     Returns:
-        The model, whose weights are on the default JAX device.
+        The model, whose weights are on the default JAX device, or on ``mesh``.
     """
     compile_cache.configure()
     path = os.fspath(onnx_file)
     with _graph_errors(path, "load"):
-        return Model(path, outputs=outputs)
+        if mesh is None:
+            return Model(path, outputs=outputs)
+        from ..generation import sharding  # the rules read the graph's structure
+
+        small = sharding.SMALL if shard_small is None else shard_small
+        host = Model(path, outputs=outputs, host=True)
+        return sharding.place_model(host, mesh, small=small, overrides=shard_overrides)
 
 
 class Model:
@@ -215,11 +236,12 @@ class Model:
         outputs: the graph outputs computed.
         static_inputs: inputs whose values select the program (such as ``use_cache_branch``):
             each distinct value compiles once.
-        params: the weights, a dict of JAX arrays passed to the compiled function.
+        params: the weights, a dict of JAX arrays passed to the compiled function (with
+            ``host=True``, numpy arrays in their device dtypes, until they are placed).
         compile_stats: trace and compile time of each compiled signature.
     """
 
-    def __init__(self, path: str, *, outputs: Sequence[str] | None = None):
+    def __init__(self, path: str, *, outputs: Sequence[str] | None = None, host: bool = False):
         self.path = path
         proto, in_place = _read_onnx(path)
         if proto.functions:
@@ -244,9 +266,10 @@ class Model:
 
         limits = _index_limits(graph)
         constants: dict[str, np.ndarray] = {}
-        params: dict[str, jax.Array] = {}
-        # On CPU with the kernels, matrix-product weights are packed once, in place of the original.
-        packings = prepack.plan(graph) if kernels.enabled() else {}
+        params: dict[str, Any] = {}
+        # On CPU with the kernels, matrix-product weights are packed once, in place of the original
+        # (not for weights kept on the host to be split over a mesh: packed strips do not split).
+        packings = prepack.plan(graph) if kernels.enabled() and not host else {}
         for tensor in graph.initializer:
             array = in_place.pop(tensor.name, None)
             if array is None:
@@ -255,10 +278,11 @@ class Model:
                 # device_put may keep the packed array without copying it (CPU, aligned).
                 params[tensor.name] = jax.device_put(packings[tensor.name].pack(array))
             elif _is_weight(array):
-                params[tensor.name] = jnp.asarray(to_device_dtype(np.asarray(array)))
+                array = to_device_dtype(np.asarray(array))  # a view of a memmap when it fits
+                params[tensor.name] = array if host else jnp.asarray(array)
             else:
                 constants[tensor.name] = np.array(array)
-        # Weights now live on the device: drop them from the graph.
+        # Weights now live on the device (or in params on the host): drop them from the graph.
         del graph.initializer[:]
         prepack.rewrite(graph, packings)
 
@@ -292,12 +316,20 @@ class Model:
         """The graph this model traces (without its weights, which are :attr:`params`)."""
         return self._graph
 
-    def with_graph(self, proto: GraphProto, *, inputs: Sequence[ValueInfo] | None = None) -> Model:
+    def with_graph(
+        self,
+        proto: GraphProto,
+        *,
+        inputs: Sequence[ValueInfo] | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> Model:
         """A model that runs ``proto`` in place of this graph, sharing this model's weights.
 
         Args:
             proto: the new main graph; it keeps this graph's opsets, file and constants.
             inputs: the graph inputs the caller gives (default: this model's).
+            params: the weights ``proto`` reads, when they are not this model's (a rewrite
+                that cut some of them).
 
         Returns:
             A new Model with its own, empty, compile cache and stats.
@@ -308,6 +340,8 @@ class Model:
         new._graph = Graph(proto, graph.opsets, graph.file, graph.constants)
         if inputs is not None:
             new.inputs = list(inputs)
+        if params is not None:
+            new.params = dict(params)
         new._by_name = {i.name: i for i in new.inputs}
         new._compiled = {}
         new.compile_stats = []
@@ -354,7 +388,13 @@ class Model:
         if fn is None:
             start = time.perf_counter()
             function = partial(self.trace, dict(static))
-            with compile_cache.scope(), _graph_errors(self.path, "trace"):
+            # Weights over a mesh: no kernels, whose custom calls XLA does not partition.
+            sharded = any(
+                isinstance(v, jax.Array) and len(v.sharding.device_set) > 1
+                for v in self.params.values()
+            )
+            off = kernels.off() if sharded else contextlib.nullcontext()
+            with compile_cache.scope(), _graph_errors(self.path, "trace"), off:
                 lowered = jax.jit(function, **jit_options()).lower(self.params, dynamic)
                 traced = time.perf_counter()
                 fn = lowered.compile()

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import default, hub
 from .. import generation as gen
+from ..generation import sharding
 from ..onnx.model import Model, load
 from .tokenizer import Tokenizer
 
@@ -165,8 +166,10 @@ class Runner:
         given: Sequence[str] = (),
         options: Mapping[str, Any],
         tokenizer: Tokenizer | None = None,
+        mesh: Any = None,
     ):
         self.folder, self.model, self.embed, self.given = folder, model, embed, tuple(given)
+        self.mesh = mesh  # a jax.sharding.Mesh the steps run over, or None
         self.options, self.tokenizer = dict(options), tokenizer
         self._contexts: OrderedDict[tuple, gen.Context] = OrderedDict()
         self._steps: Any = None
@@ -183,6 +186,9 @@ class Runner:
         """The compiled context for ``batch`` prompts and the defaults updated by ``options``;
         ``processors``: a task's own processors (see generation.processors), after the others."""
         merged = stop_option({**self.options, **options})[0]
+        if self.mesh is not None:  # the rows of a batch split over "data": a multiple of it
+            data = sharding.axis_size(self.mesh, sharding.DATA)
+            batch = -(-batch // data) * data
         key = (batch, _frozen(merged), tuple(id(p) for p in processors))
         ctx = self._contexts.get(key)
         if ctx is not None:
@@ -193,7 +199,7 @@ class Runner:
             tokenizer=self.tokenizer, **merged,
         )  # fmt: skip
         ctx.processors = [*ctx.processors, *processors]
-        ctx = gen.compile(ctx, batch)
+        ctx = gen.compile(ctx, batch, mesh=self.mesh)
         if self._steps is None:
             self._steps = ctx.compiled.steps
         else:  # the decoder's compiled shapes do not depend on the options
@@ -341,11 +347,19 @@ class _Cancelled(Exception):
     """Raised in the generation thread when the reader stopped the stream."""
 
 
-def load_decoder(files: hub.Files) -> tuple[Model, Model | None]:
-    """The decoder of ``files`` and, for a decoder of inputs_embeds, its embedding model."""
-    model = load(files.decoder)
-    embed = load(files.embed) if files.embed else None
+def load_decoder(files: hub.Files, mesh: Any = None) -> tuple[Model, Model | None]:
+    """The decoder of ``files`` and, for a decoder of inputs_embeds, its embedding model (with a
+    mesh, their weights placed over it)."""
+    model = load(files.decoder, mesh=mesh)
+    embed = load(files.embed, mesh=mesh) if files.embed else None
     return model, embed
+
+
+def mesh_of(mesh: Any, devices: Sequence[Any] | None) -> Any:
+    """The mesh of a pipeline's ``mesh=`` or ``devices=`` (all on "model"), or None."""
+    if mesh is not None and devices is not None:
+        raise ValueError("pass mesh= or devices=, not both")
+    return sharding.make_mesh(devices) if devices is not None else mesh
 
 
 def prompt_kind(prompt: Any) -> str:

@@ -11,6 +11,7 @@ from ._runner import (
     Runner,
     WrongTask,
     load_decoder,
+    mesh_of,
     prompt_kind,
     refuse_image_encoder,
     resolve,
@@ -31,9 +32,12 @@ class TextGeneration:
         options: the default generation options (transformers' names).
     """
 
-    def __init__(self, repo, *, dtype=None, file=None, chat_template=None, **options):
+    def __init__(
+        self, repo, *, dtype=None, file=None, chat_template=None, mesh=None, devices=None, **options
+    ):
         self.files = resolve(repo, dtype, file)
         refuse_image_encoder(repo, self.files)
+        mesh = mesh_of(mesh, devices)
         if self.files.encoder is not None:
             raise WrongTask(
                 f"{repo!r} is an encoder-decoder model: use transmuter_jax.text.text_to_text",
@@ -42,9 +46,14 @@ class TextGeneration:
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
-        model, embed = load_decoder(self.files)
+        model, embed = load_decoder(self.files, mesh)
         self._runner = Runner(
-            self.files.folder, model, embed=embed, options=options, tokenizer=self.tokenizer
+            self.files.folder,
+            model,
+            embed=embed,
+            options=options,
+            tokenizer=self.tokenizer,
+            mesh=mesh,
         )
         self.options = dict(options)
 
@@ -173,6 +182,8 @@ def generation(
     dtype: str | None = None,
     file: str | None = None,
     chat_template: str | None = None,
+    mesh: Any = None,
+    devices: Sequence[Any] | None = None,
     **options: Any,
 ) -> TextGeneration:
     """A text-generation pipeline.
@@ -184,13 +195,24 @@ def generation(
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
         chat_template: a Jinja chat template replacing the tokenizer's. With a chat template,
             string prompts go through it as user messages unless a call says ``chat=False``.
+        mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
+            are split over it at load and its steps run over it (docs/distributed.md).
+        devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         **options: default generation options, transformers' names (max_new_tokens, do_sample,
             temperature, top_k, top_p, num_beams, repetition_penalty, token_logprobs, ...).
 
     Returns:
         A :class:`TextGeneration`: call it with a prompt, or use ``stream`` and ``generate``.
     """
-    return TextGeneration(repo, dtype=dtype, file=file, chat_template=chat_template, **options)
+    return TextGeneration(
+        repo,
+        dtype=dtype,
+        file=file,
+        chat_template=chat_template,
+        mesh=mesh,
+        devices=devices,
+        **options,
+    )
 
 
 def _beside(path: str, stem: str) -> bool:

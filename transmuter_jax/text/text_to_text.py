@@ -14,6 +14,7 @@ from ._runner import (
     Runner,
     WrongTask,
     load_decoder,
+    mesh_of,
     refuse_image_encoder,
     resolve,
     texts_of,
@@ -33,23 +34,24 @@ class TextToText:
         options: the default generation options (transformers' names).
     """
 
-    def __init__(self, repo, *, dtype=None, file=None, **options):
+    def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         self.files = resolve(repo, dtype, file)
         refuse_image_encoder(repo, self.files)
+        mesh = mesh_of(mesh, devices)
         if self.files.encoder is None:
             raise WrongTask(
                 f"{repo!r} has no encoder: use transmuter_jax.text.generation", "generation"
             )
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         self.encoder = load(self.files.encoder)
-        decoder, embed = load_decoder(self.files)
+        decoder, embed = load_decoder(self.files, mesh)
         names = {i.name for i in decoder.inputs}
         given = [n for n in ("encoder_hidden_states", "encoder_attention_mask") if n in names]
         if "encoder_hidden_states" not in given:
             raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
         self._runner = Runner(
             self.files.folder, decoder, embed=embed, given=given, options=options,
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer, mesh=mesh,
         )  # fmt: skip
         self.options = dict(options)
 
@@ -145,6 +147,8 @@ def text_to_text(
     *,
     dtype: str | None = None,
     file: str | None = None,
+    mesh: Any = None,
+    devices: Sequence[Any] | None = None,
     **options: Any,
 ) -> TextToText:
     """A text-to-text pipeline over an encoder-decoder model (translation, summarisation).
@@ -153,6 +157,10 @@ def text_to_text(
         repo: a local folder or a hub id with an encoder and a merged decoder.
         dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
+            are split over it at load and its steps run over it (docs/distributed.md); the
+            encoder stays on the default device.
+        devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         **options: default generation options, transformers' names.
     """
-    return TextToText(repo, dtype=dtype, file=file, **options)
+    return TextToText(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import hub
 from ..onnx.model import load
-from ..text._runner import Result, Runner, load_decoder, resolve, texts_of
+from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from .idefics3 import Idefics3Processor
 from .images import ImageInput
@@ -45,8 +45,9 @@ class ImageTextToText:
         options: the default generation options (transformers' names).
     """
 
-    def __init__(self, repo, *, dtype=None, file=None, **options):
+    def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         self.files = resolve(repo, dtype, file)
+        mesh = mesh_of(mesh, devices)
         self.vision_encoder = _vision_encoder(self.files.decoder)
         if not os.path.exists(self.vision_encoder):
             hint = "" if self.files.encoder is None else (
@@ -73,10 +74,11 @@ class ImageTextToText:
                 f"the vision encoder {self.vision_encoder!r} takes {sorted(names)}, not "
                 "pixel_values and pixel_attention_mask"
             )
-        decoder, embed = load_decoder(self.files)
+        decoder, embed = load_decoder(self.files, mesh)
         self._runner = Runner(
             self.files.folder, decoder, embed=embed,
             options={**options, "image_token": self.image_token_id}, tokenizer=self.tokenizer,
+            mesh=mesh,
         )  # fmt: skip
         self.options = dict(options)
 
@@ -209,6 +211,8 @@ def image_text_to_text(
     *,
     dtype: str | None = None,
     file: str | None = None,
+    mesh: Any = None,
+    devices: Sequence[Any] | None = None,
     **options: Any,
 ) -> ImageTextToText:
     """An image-and-text-to-text pipeline over a SmolVLM / Idefics3 or Qwen2-VL / Qwen2.5-VL model
@@ -219,6 +223,10 @@ def image_text_to_text(
         repo: a local folder or a hub id.
         dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
+            are split over it at load and its steps run over it (docs/distributed.md); the
+            encoder stays on the default device.
+        devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         **options: default generation options, transformers' names.
 
     Returns:
@@ -229,5 +237,5 @@ def image_text_to_text(
     if hub.read_json(files.folder, "config.json").get("model_type") in QWEN2VL_TYPES:
         from .qwen2vl_pipeline import Qwen2VLImageTextToText
 
-        return Qwen2VLImageTextToText(repo, dtype=dtype, file=file, **options)
-    return ImageTextToText(repo, dtype=dtype, file=file, **options)
+        return Qwen2VLImageTextToText(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
+    return ImageTextToText(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)

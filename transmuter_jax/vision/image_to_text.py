@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
-from ..text._runner import Result, Runner, load_decoder, resolve, texts_of
+from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from .images import ImageInput
 from .processing import image_processor
@@ -29,8 +29,9 @@ class ImageToText:
         options: the default generation options (transformers' names).
     """
 
-    def __init__(self, repo, *, dtype=None, file=None, **options):
+    def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         self.files = resolve(repo, dtype, file)
+        mesh = mesh_of(mesh, devices)
         if self.files.encoder is None:
             folder = os.path.dirname(self.files.decoder)
             vlm = os.path.exists(os.path.join(folder, "vision_encoder.onnx"))
@@ -47,7 +48,7 @@ class ImageToText:
             )
         self.processor = image_processor(self.files.folder)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
-        decoder, embed = load_decoder(self.files)
+        decoder, embed = load_decoder(self.files, mesh)
         names = {i.name for i in decoder.inputs}
         if "encoder_hidden_states" not in names:
             raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
@@ -55,7 +56,7 @@ class ImageToText:
         given = ["encoder_hidden_states"] + (["encoder_attention_mask"] if self._mask else [])
         self._runner = Runner(
             self.files.folder, decoder, embed=embed, given=given, options=options,
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer, mesh=mesh,
         )  # fmt: skip
         self.options = dict(options)
 
@@ -144,6 +145,8 @@ def image_to_text(
     *,
     dtype: str | None = None,
     file: str | None = None,
+    mesh: Any = None,
+    devices: Sequence[Any] | None = None,
     **options: Any,
 ) -> ImageToText:
     """An image-to-text pipeline over a VisionEncoderDecoder model (captioning, OCR).
@@ -153,9 +156,13 @@ def image_to_text(
             merged decoder and ``preprocessor_config.json``.
         dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
+        mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
+            are split over it at load and its steps run over it (docs/distributed.md); the
+            encoder stays on the default device.
+        devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         **options: default generation options, transformers' names.
 
     Returns:
         An :class:`ImageToText`: call it with an image or a list, or use ``generate``/``stream``.
     """
-    return ImageToText(repo, dtype=dtype, file=file, **options)
+    return ImageToText(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)

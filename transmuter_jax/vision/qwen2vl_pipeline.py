@@ -10,7 +10,7 @@ import numpy as np
 
 from ..onnx.errors import DynamicShapeError, GraphError, ModelFileError, UnsupportedOpError
 from ..onnx.model import load
-from ..text._runner import Result, Runner, load_decoder, resolve
+from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve
 from ..text.tokenizer import Tokenizer
 from .image_text_to_text import ImageTextToText, Messages, _vision_encoder
 from .images import ImageInput
@@ -43,8 +43,9 @@ class Qwen2VLImageTextToText(ImageTextToText):
         options: the default generation options (transformers' names).
     """
 
-    def __init__(self, repo, *, dtype=None, file=None, **options):
+    def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         self.files = resolve(repo, dtype, file)
+        mesh = mesh_of(mesh, devices)
         if self.files.family == "genai":
             raise ValueError(
                 f"{os.fspath(repo)!r} is in the onnxruntime-genai layout (genai_config.json), "
@@ -64,7 +65,7 @@ class Qwen2VLImageTextToText(ImageTextToText):
         self.processor = Qwen2VLProcessor(self.files.folder, self.tokenizer)
         self.image_token_id = self.processor.rope.image_token_id
         self.encoder = load_vision_encoder(self.vision_encoder)
-        decoder, embed = load_decoder(self.files)
+        decoder, embed = load_decoder(self.files, mesh)
         position = next((i for i in decoder.inputs if i.name == "position_ids"), None)
         if position is None or position.shape is None or len(position.shape) != 3:
             shape = None if position is None else position.shape
@@ -75,6 +76,7 @@ class Qwen2VLImageTextToText(ImageTextToText):
         self._runner = Runner(
             self.files.folder, decoder, embed=embed,
             options={**options, "image_token": self.image_token_id}, tokenizer=self.tokenizer,
+            mesh=mesh,
         )  # fmt: skip
         self.options = dict(options)
 
