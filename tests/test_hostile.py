@@ -178,37 +178,8 @@ def test_genai_config_naming_a_file_outside_the_folder_is_refused(tmp_path, deco
         hub.files(root)
 
 
-# Probe 8: the program store without flatbuffers says so, once.
-
-
-def test_the_store_without_flatbuffers_warns_once_and_runs(tmp_path):
-    out = _python(
-        """
-        import json, sys, warnings
-        sys.modules["flatbuffers"] = None  # as if it were not installed
-        import numpy as np
-        from transmuter_jax import compile_cache, stored
-        compile_cache.enable(sys.argv[1])
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            a = stored.StoredJit(lambda x: x + 1, ("plus one",))("s", np.arange(3.0))
-            b = stored.StoredJit(lambda x: x * 2, ("twice",))("s", np.arange(3.0))
-        print(json.dumps({
-            "values": [np.asarray(a).tolist(), np.asarray(b).tolist()],
-            "warnings": [str(w.message) for w in caught],
-            "counts": stored.counts,
-        }))
-        """,
-        tmp_path,
-    )
-    assert out["values"] == [[1.0, 2.0, 3.0], [0.0, 2.0, 4.0]]
-    assert len(out["warnings"]) == 1
-    assert "needs the package flatbuffers" in out["warnings"][0]
-    assert out["counts"] == {"exported": 0, "read": 0}
-    assert not list(tmp_path.glob("lowered/*"))
-
-
-# Probe 9: a stored program (or a compiled one) under the wrong key.
+# Probes 8 and 9: a script that runs two stored programs and prints their values, warnings
+# and the store's counts.
 
 STORE = """
 import json, sys, warnings
@@ -226,6 +197,23 @@ print(json.dumps({
     "counts": stored.counts,
 }))
 """
+VALUES = [[1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]  # STORE's values
+
+
+# Probe 8: the program store without flatbuffers says so, once.
+
+
+def test_the_store_without_flatbuffers_warns_once_and_runs(tmp_path):
+    without = 'import sys; sys.modules["flatbuffers"] = None  # as if it were not installed'
+    out = _python(without + STORE, tmp_path)
+    assert out["values"] == VALUES
+    assert len(out["warnings"]) == 1
+    assert "needs the package flatbuffers" in out["warnings"][0]
+    assert out["counts"] == {"exported": 0, "read": 0}
+    assert not list(tmp_path.glob("lowered/*"))
+
+
+# Probe 9: a stored program (or a compiled one) under the wrong key.
 
 
 def test_a_stored_program_under_the_wrong_key_is_traced_again_and_replaced(tmp_path):
@@ -237,7 +225,7 @@ def test_a_stored_program_under_the_wrong_key_is_traced_again_and_replaced(tmp_p
     files[0].write_bytes(contents[1])  # each a valid program, under the other's name
     files[1].write_bytes(contents[0])
     second = _python(STORE, tmp_path)
-    assert second["values"] == first["values"] == [[1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
+    assert second["values"] == first["values"] == VALUES
     assert second["counts"] == {"exported": 2, "read": 0}
     problems = [w for w in second["warnings"] if "does not match its key" in w]
     assert len(problems) == 1 and "stored program" in problems[0]

@@ -241,22 +241,16 @@ def test_mha_cross_lengths_and_bias():
     _mha(inputs, num_heads=2, scale=0.2)
 
 
-def test_mha_key_padding_mask():
-    mask = np.ones((2, 6), np.int32)
-    mask[1, 4:] = 0
-    inputs = {
-        "query": _randn(2, 3, 32),
-        "key": _randn(2, 6, 32),
-        "value": _randn(2, 6, 32),
-        "bias": None,
-        "key_padding_mask": mask,
-    }
-    _mha(inputs, num_heads=4)
-
-
-@pytest.mark.parametrize("kind", ["lengths", "3d"])
-def test_mha_key_padding_mask_other_shapes(kind):
-    if kind == "lengths":
+@pytest.mark.parametrize(
+    ("kind", "attrs"),
+    [("2d", {}), ("lengths", {"mask_filter_value": -1e9}), ("3d", {"mask_filter_value": -1e9})],
+)
+def test_mha_key_padding_mask(kind, attrs):
+    """key_padding_mask as [B, L] 0/1, as lengths [B] or as [B, S, L] 0/1."""
+    if kind == "2d":
+        mask = np.ones((2, 6), np.int32)
+        mask[1, 4:] = 0
+    elif kind == "lengths":
         mask = np.asarray([6, 3], np.int32)
     else:
         mask = (rng.random((2, 3, 6)) > 0.3).astype(np.int32)
@@ -268,7 +262,7 @@ def test_mha_key_padding_mask_other_shapes(kind):
         "bias": None,
         "key_padding_mask": mask,
     }
-    _mha(inputs, num_heads=4, mask_filter_value=-1e9)
+    _mha(inputs, num_heads=4, **attrs)
 
 
 def test_mha_past_unidirectional():

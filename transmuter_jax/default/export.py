@@ -1,4 +1,5 @@
-"""Export the default model from its GGUF file: run in the preparation environment, not imported.
+"""Export the default model from its GGUF file: run in the preparation environment (and loaded
+by export_speech.py), not imported by the package.
 
 Usage: python export.py STEP GGUF_FILE OUT_FOLDER
 
@@ -20,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # Chat prompts whose transformers greedy tokens the tests compare with.
@@ -158,41 +160,50 @@ def export_genai(hf: Path, out: Path, precision: str) -> None:
     _copy_tokenizer(hf, out)
 
 
-def export_optimum(hf: Path, out: Path) -> None:
+def optimum_export(hf: Path, out: Path, task: str, names: tuple[str, ...]) -> None:
+    """optimum's ``task`` export of hf/, unvalidated on the CPU; the files whose names start
+    with one of ``names`` go to out/."""
     from optimum.exporters.onnx import main_export
 
     raw = out.parent / (out.name + ".raw")
     shutil.rmtree(raw, ignore_errors=True)
-    main_export(
-        str(hf), str(raw), task="text-generation-with-past", do_validation=False, device="cpu"
-    )
+    main_export(str(hf), str(raw), task=task, do_validation=False, device="cpu")
     out.mkdir(parents=True, exist_ok=True)
     for path in raw.iterdir():
-        if path.name.startswith("model.onnx"):
+        if path.name.startswith(names):
             shutil.move(path, out / path.name)
     shutil.rmtree(raw)
+
+
+def export_optimum(hf: Path, out: Path) -> None:
+    optimum_export(hf, out, "text-generation-with-past", ("model.onnx",))
     _copy_tokenizer(hf, out)
 
 
-def main(step: str, gguf: str, root: str) -> None:
+def run_step(step: str, root: str, steps: dict[str, Callable[[Path], None]]) -> None:
+    """Runs ``steps[step]`` on the new folder root/<step>.partial (HF_HUB_OFFLINE=1 unless set),
+    then renames it root/<step>, replacing that."""
+    if step not in steps:
+        raise SystemExit(f"unknown step {step!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    root_path = Path(root)
-    out = root_path / step
-    tmp = root_path / (step + ".partial")
+    out, tmp = Path(root) / step, Path(root) / (step + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    hf = root_path / "hf"
-    if step == "hf":
-        export_hf(Path(gguf), tmp)
-    elif step in ("genai-fp32", "genai-int4"):
-        export_genai(hf, tmp, step.split("-")[1])
-    elif step == "optimum":
-        export_optimum(hf, tmp)
-    else:
-        raise SystemExit(f"unknown step {step!r}")
+    steps[step](tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def main(step: str, gguf: str, root: str) -> None:
+    hf = Path(root) / "hf"
+    steps = {
+        "hf": lambda out: export_hf(Path(gguf), out),
+        "genai-fp32": lambda out: export_genai(hf, out, "fp32"),
+        "genai-int4": lambda out: export_genai(hf, out, "int4"),
+        "optimum": lambda out: export_optimum(hf, out),
+    }
+    run_step(step, root, steps)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import wave
@@ -44,14 +43,19 @@ FILES = (
 )
 
 
-def _ctranslate2():
-    """default/ctranslate2.py, loaded by its path (this script runs outside the package)."""
-    path = Path(__file__).with_name("ctranslate2.py")
-    spec = importlib.util.spec_from_file_location("ctranslate2_reader", path)
+def _sibling(file: str, name: str):
+    """default/<file>, loaded by its path (this script runs outside the package)."""
+    path = Path(__file__).with_name(file)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _export():
+    """default/export.py: the step folders and optimum's export."""
+    return _sibling("export.py", "default_export")
 
 
 def read_wav(path: Path) -> np.ndarray:
@@ -112,7 +116,7 @@ def export_hf(ct2: Path, audio: Path, out: Path) -> None:
         WhisperTokenizerFast,
     )
 
-    reader = _ctranslate2()
+    reader = _sibling("ctranslate2.py", "ctranslate2_reader")
     model_bin = reader.read(ct2 / "model.bin")
     shape = reader.whisper_shape(model_bin)
     reader.save_safetensors(out / "model.safetensors", reader.whisper_weights(model_bin))
@@ -210,21 +214,10 @@ def onnx_greedy(folder: Path, features: np.ndarray, prompt: list[int], generatio
 
 
 def export_optimum(hf: Path, audio: Path, out: Path) -> None:
-    from optimum.exporters.onnx import main_export
     from transformers import GenerationConfig, WhisperFeatureExtractor
 
-    raw = out.parent / (out.name + ".raw")
-    shutil.rmtree(raw, ignore_errors=True)
-    main_export(
-        str(hf),
-        str(raw),
-        task="automatic-speech-recognition-with-past",
-        do_validation=False,
-        device="cpu",
-    )
-    for name in ("encoder_model.onnx", "decoder_model_merged.onnx"):
-        shutil.move(raw / name, out / name)
-    shutil.rmtree(raw)
+    names = ("encoder_model.onnx", "decoder_model_merged.onnx")
+    _export().optimum_export(hf, out, "automatic-speech-recognition-with-past", names)
     for name in FILES:
         if (hf / name).exists():
             shutil.copy(hf / name, out / name)
@@ -242,21 +235,11 @@ def export_optimum(hf: Path, audio: Path, out: Path) -> None:
 
 
 def main(step: str, ct2: str, audio: str, root: str) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    root_path = Path(root)
-    out = root_path / step
-    tmp = root_path / (step + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if step == "hf":
-        export_hf(Path(ct2), Path(audio), tmp)
-    elif step == "optimum":
-        export_optimum(root_path / "hf", Path(audio), tmp)
-    else:
-        raise SystemExit(f"unknown step {step!r}")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    steps = {
+        "hf": lambda out: export_hf(Path(ct2), Path(audio), out),
+        "optimum": lambda out: export_optimum(Path(root) / "hf", Path(audio), out),
+    }
+    _export().run_step(step, root, steps)
 
 
 if __name__ == "__main__":
