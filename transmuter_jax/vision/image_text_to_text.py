@@ -235,7 +235,7 @@ def image_text_to_text(
     """
     files = resolve(repo, dtype, file)
     if hub.read_json(files.folder, "config.json").get("model_type") in QWEN2VL_TYPES:
-        from .qwen2vl_pipeline import Qwen2VLImageTextToText
-
-        return Qwen2VLImageTextToText(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
-    return ImageTextToText(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
+        from .qwen2vl_pipeline import Qwen2VLImageTextToText as pipeline
+    else:
+        pipeline = ImageTextToText
+    return pipeline(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
