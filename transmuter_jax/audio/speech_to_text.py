@@ -246,15 +246,19 @@ class SpeechToText:
         Args:
             audio: file paths, file bytes, or float arrays of samples.
             sampling_rate: the rate of the arrays in Hz (files tell their own).
-            seed: the sampling seed of the first input (the next get seed + 1, ...); None: random.
+            seed: the sampling seed of the first row (the next get seed + 1, ...; each chunk of a
+                long input is a row); None: random.
             **options: ``language`` (a code, name or token; None: detected for a multilingual
                 model), ``task`` ("transcribe" or "translate"), ``return_timestamps`` (predict
-                timestamp tokens, with transformers' rules, and give ``chunks``), and
-                generation options (max_new_tokens, num_beams, token_logprobs, ...).
+                timestamp tokens, with transformers' rules, and give ``chunks``),
+                ``chunk_length_s`` / ``stride_length_s`` (the ASR pipeline's chunking, by
+                default 30 s chunks with 5 s strides for inputs longer than 30 s: see
+                docs/speech.md), and generation options (max_new_tokens, num_beams, ...).
 
         Returns:
             One :class:`SpeechResult` per input: text, token_ids (the new tokens, without the
-            forced prompt and eos), logprobs, finish_reason, chunks; with
+            forced prompt and eos; for a chunked input the merged text tokens), logprobs,
+            finish_reason, chunks; with
             num_return_sequences n > 1, a list of n per input.
         """
         prompts, given, generation, processors, rows = self._prepare(audio, sampling_rate, options)
@@ -288,7 +292,7 @@ class SpeechToText:
         **options: Any,
     ) -> Iterator[str]:
         """Yields the text of one input in pieces as it is decoded; they join to the text of
-        :meth:`generate` (with beam search, as one piece at the end)."""
+        :meth:`generate` (with beam search, or for a chunked input, as one piece at the end)."""
         prompts, given, generation, processors, rows = self._prepare(
             [audio], sampling_rate, options
         )
