@@ -51,17 +51,20 @@ def _check(got, want, timestamps):
         assert got.chunks is None
 
 
-@pytest.mark.parametrize("name", sorted(LONG))
+SLOW = {"chunk10"}  # 8 chunks of 10 s: a batch shape of its own
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(LONG)]
+)
 def test_long_audio_matches_the_pipeline(pipe, clips, name):
     """Every input chunked (chunk_length_s=30 given, as the pipeline was called): text, merged
     tokens and chunks as the pipeline's; all chunks of the batch in one generate call."""
     case = LONG[name]
-    options = dict(case["options"])
+    options = {"chunk_length_s": 30, **case["options"]}
     timestamps = bool(options.get("return_timestamps"))
     audio = [clips[c] for c in case["clips"]]
-    results = pipe.generate(
-        audio, sampling_rate=RATE, chunk_length_s=30, token_logprobs=True, **options
-    )
+    results = pipe.generate(audio, sampling_rate=RATE, token_logprobs=True, **options)
     assert len(results) == len(case["rows"])
     for got, want in zip(results, case["rows"], strict=True):
         _check(got, want, timestamps)
@@ -80,11 +83,14 @@ def test_chunks_cut_and_merge_as_the_pipeline():
     from transmuter_jax.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(FIXTURE)
-    sizes = chunks.lengths(30, None, RATE, 30 * RATE)
-    assert sizes == (480000, 80000, 80000)
+    assert chunks.lengths(30, None, RATE, 30 * RATE) == (480000, 80000, 80000)
     merged = 0
     for case in LONG.values():
         timestamps = bool(case["options"].get("return_timestamps"))
+        sizes = chunks.lengths(
+            case["options"].get("chunk_length_s", 30), case["options"].get("stride_length_s"),
+            RATE, 30 * RATE,
+        )  # fmt: skip
         for clip, row in zip(case["clips"], case["rows"], strict=True):
             length = int(REF["recipes"][clip]["seconds"] * RATE) if clip in REF["recipes"] else 0
             if length:
