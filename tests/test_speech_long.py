@@ -180,3 +180,20 @@ def test_bad_chunk_options(pipe, clips):
         pipe.generate([long], sampling_rate=RATE, stride_length_s=-1)
     with pytest.raises(ValueError, match="not num_return_sequences=2"):
         pipe.generate([long], sampling_rate=RATE, num_beams=2, num_return_sequences=2)
+
+
+def test_command_line_transcribes_a_long_file(clips, tmp_path, capsys):
+    """`transmuter-jax transcribe --json --timestamps` on a 45 s wav: the pipeline's result."""
+    import soundfile
+
+    from transmuter_jax import cli
+
+    case = LONG["long45_timestamps"]
+    path = tmp_path / "long.wav"
+    soundfile.write(path, clips["long45"], RATE, subtype="FLOAT")
+    args = ["transcribe", str(FIXTURE), str(path), "--json", "--timestamps"]
+    assert cli.main([*args, "--language", "en", "--max-new-tokens", "24"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    want = case["rows"][0]
+    assert record["text"] == want["text"] and record["token_ids"] == want["tokens"]
+    assert record["chunks"] == want["chunks"]
