@@ -14,13 +14,15 @@ from .. import hub
 from ..onnx.model import load
 from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
+from . import chunks as chunking
 from . import prompt as forced
 from . import timestamps as stamps
 from .features import FeatureExtractor
 from .load import Audio
 from .load import load as load_audio
 
-SPEECH_OPTIONS = ("language", "task", "return_timestamps")  # the pipeline's, not generation's
+# the pipeline's options, not generation's
+SPEECH_OPTIONS = ("language", "task", "return_timestamps", "chunk_length_s", "stride_length_s")
 
 
 @dataclasses.dataclass
@@ -148,17 +150,78 @@ class SpeechToText:
         ]
 
     def _prepare(self, audio, sampling_rate, options):
-        """(prompts, encoder inputs, generation options, the task's processors)."""
+        """(prompts, encoder inputs, generation options, the task's processors, the rows: whole
+        inputs and chunks of long ones, see :func:`chunks.rows`)."""
         if isinstance(audio, str | os.PathLike | bytes | np.ndarray) or not audio:
             raise TypeError("audio is a non-empty list of inputs (paths, bytes or arrays)")
         speech = _split({**self.options, **options})[0]
         timestamps = bool(speech.get("return_timestamps", False))
         if timestamps and self._stamps is None:
             raise ValueError("the model has no timestamp tokens (no no_timestamps_token_id)")
-        hidden = self._encode(self.input_features(audio, sampling_rate))
+        samples = [load_audio(a, self.features.rate, sampling_rate) for a in audio]
+        rows = chunking.rows(
+            samples, self.features.rate, self.features.samples,
+            speech.get("chunk_length_s"), speech.get("stride_length_s"),
+        )  # fmt: skip
+        generation = _split(options)[1]
+        if any(r.stride is not None for r in rows):
+            self._check_chunked(generation)
+        hidden = self._encode(self.features([r.samples for r in rows]))
         prompts = self.prompts(hidden, speech.get("language"), speech.get("task"), timestamps)
         processors = (self._stamps,) if timestamps else ()
-        return prompts, {"encoder_hidden_states": hidden}, _split(options)[1], processors
+        return prompts, {"encoder_hidden_states": hidden}, generation, processors, rows
+
+    def _check_chunked(self, generation: dict[str, Any]) -> None:
+        """Refuses the options a merged transcript cannot give."""
+        n = {**self._runner.defaults, **self.options, **generation}.get("num_return_sequences")
+        if n not in (None, 1):
+            raise ValueError(f"chunked audio gives one transcript, not num_return_sequences={n}")
+        if {**self.options, **generation}.get("stop"):
+            raise ValueError("stop= is not supported on chunked audio (the text is merged)")
+
+    def _merge(self, results: list[Result], strides: list, timestamps: bool) -> SpeechResult:
+        """The result of one input from those of its chunks (see :func:`chunks.merge`)."""
+        begin = self.timestamp_begin
+        begin = len(self.tokenizer.token_texts) if begin is None else begin
+        config = hub.read_json(self.files.folder, "config.json")
+        window = self.features.samples / self.features.rate
+        langs = self.generation_config.get("lang_to_id") or {}
+        merged = chunking.merge(
+            [r.token_ids for r in results], strides, timestamps=timestamps, begin=begin,
+            special=frozenset(t for t in self.tokenizer.special_ids if t < begin),
+            languages={int(i): t.strip("<|>") for t, i in langs.items()},
+            precision=window / int(config.get("max_source_positions", 1500)),
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+        )  # fmt: skip
+        pick = lambda field: (  # noqa: E731 - each merged token's value in its chunk
+            None
+            if getattr(results[0], field) is None
+            else [getattr(results[c], field)[i] for _, c, i in merged.tokens]
+        )
+        reasons = {r.finish_reason for r in results}
+        return SpeechResult(
+            text=merged.text,
+            token_ids=[t for t, _, _ in merged.tokens],
+            logprobs=pick("logprobs"),
+            finish_reason="length" if "length" in reasons else "eos",
+            top_logprobs=pick("top_logprobs"),
+            chunks=merged.chunks if timestamps else None,
+        )
+
+    def _gather(self, rows: list[chunking.Row], out: list, timestamps: bool) -> list:
+        """One result per input from the results ``out`` of the ``rows``."""
+        results: list = []
+        for index in sorted({r.input for r in rows}):
+            mine = [(r, x) for r, x in zip(rows, out, strict=True) if r.input == index]
+            first = mine[0][1]
+            if mine[0][0].stride is not None:
+                strides = [r.stride for r, _ in mine]
+                results.append(self._merge([x for _, x in mine], strides, timestamps))
+            elif isinstance(first, list):
+                results.append([self._result(r, timestamps) for r in first])
+            else:
+                results.append(self._result(first, timestamps))
+        return results
 
     def _result(self, result: Result, timestamps: bool) -> SpeechResult:
         """``result`` with its text decoded without timestamp tokens, and its chunks."""
@@ -184,26 +247,26 @@ class SpeechToText:
         Args:
             audio: file paths, file bytes, or float arrays of samples.
             sampling_rate: the rate of the arrays in Hz (files tell their own).
-            seed: the sampling seed of the first input (the next get seed + 1, ...); None: random.
+            seed: the sampling seed of the first row (the next get seed + 1, ...; each chunk of a
+                long input is a row); None: random.
             **options: ``language`` (a code, name or token; None: detected for a multilingual
                 model), ``task`` ("transcribe" or "translate"), ``return_timestamps`` (predict
-                timestamp tokens, with transformers' rules, and give ``chunks``), and
-                generation options (max_new_tokens, num_beams, token_logprobs, ...).
+                timestamp tokens, with transformers' rules, and give ``chunks``),
+                ``chunk_length_s`` / ``stride_length_s`` (the ASR pipeline's chunking, by
+                default 30 s chunks with 5 s strides for inputs longer than 30 s: see
+                docs/speech.md), and generation options (max_new_tokens, num_beams, ...).
 
         Returns:
             One :class:`SpeechResult` per input: text, token_ids (the new tokens, without the
-            forced prompt and eos), logprobs, finish_reason, chunks; with
+            forced prompt and eos; for a chunked input the merged text tokens), logprobs,
+            finish_reason, chunks; with
             num_return_sequences n > 1, a list of n per input.
         """
-        prompts, given, generation, processors = self._prepare(audio, sampling_rate, options)
+        prompts, given, generation, processors, rows = self._prepare(audio, sampling_rate, options)
         out = self._runner.run(
             self.tokenizer, prompts, generation, seed=seed, inputs=given, processors=processors
         )
-        keep = bool(processors)
-        return [
-            [self._result(r, keep) for r in x] if isinstance(x, list) else self._result(x, keep)
-            for x in out
-        ]
+        return self._gather(rows, out, bool(processors))
 
     def __call__(
         self,
@@ -230,8 +293,16 @@ class SpeechToText:
         **options: Any,
     ) -> Iterator[str]:
         """Yields the text of one input in pieces as it is decoded; they join to the text of
-        :meth:`generate` (with beam search, as one piece at the end)."""
-        prompts, given, generation, processors = self._prepare([audio], sampling_rate, options)
+        :meth:`generate` (with beam search, or for a chunked input, as one piece at the end)."""
+        prompts, given, generation, processors, rows = self._prepare(
+            [audio], sampling_rate, options
+        )
+        if len(rows) > 1 or rows[0].stride is not None:  # chunks: their merge comes at the end
+            out = self._runner.run(
+                self.tokenizer, prompts, generation, seed=seed, inputs=given, processors=processors
+            )
+            text = self._gather(rows, out, bool(processors))[0].text
+            return iter([text] if text else [])
         return self._runner.stream(
             self.tokenizer, prompts[0], generation, seed=seed, inputs=given, processors=processors
         )
