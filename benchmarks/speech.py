@@ -18,6 +18,10 @@ samples of jfk.wav (``transmuter_jax.default.sample_audio()``, 11 s):
   (PyTorch fp32, ``torch.set_num_threads(cores)``), run with the fixture environment's
   interpreter (``.venv-fixtures``: torch and transformers 4.57), HF_HUB_OFFLINE=1.
 
+--threads N below the cores runs every engine's process on the same N CPUs (its affinity, which
+XLA's and transmuter_jax's thread pools follow) with N onnxruntime and PyTorch threads: on a
+loaded machine, threads waiting on each other at a barrier lose far more than one thread does.
+
 Cases: one input (batch 1) and --batch copies of it in one call, then a long recording (jfk.wav
 and 0.5 s of silence, repeated to --long-s seconds) with ``chunk_length_s=30`` (jax and torch;
 torch with ``batch_size`` = --batch). Per engine and case: the wall time of a call (the best of
@@ -330,16 +334,21 @@ def _torch_python() -> str | None:
     return None
 
 
-def run_worker(python: str, job: dict, env: dict) -> tuple[dict | None, str]:
-    """Runs one job in a fresh process: (its figures, '') or (None, why not)."""
+def run_worker(
+    python: str, job: dict, env: dict, cpus: list[int] | None = None
+) -> tuple[dict | None, str]:
+    """Runs one job in a fresh process (on ``cpus`` only, when given): (its figures, '') or
+    (None, why not)."""
     from perf import _error_line
 
     job = dict(job, launch=time.time())
     command = [python, os.path.abspath(__file__), "--worker", json.dumps(job)]
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, check=False
-        )
+            command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, check=False,
+            preexec_fn=pin,
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
         return None, f"timed out after {TIMEOUT_S} s"
     for line in done.stdout.splitlines():
@@ -362,6 +371,10 @@ def measure(args) -> dict:
         f"{load_start[0]:.2f} (a shared machine: read the ratios of one run)"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cpus = None
+    if args.threads < cores():  # every engine on the same CPUs: jax's pools follow the affinity
+        cpus = sorted(os.sched_getaffinity(0))[: args.threads]
+        env["TRANSMUTER_JAX_KERNEL_THREADS"] = str(args.threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     cases = [("short", e, short, {}) for e in args.engines]
     cases += [("long", e, long, {"chunk_length_s": 30}) for e in args.engines if e != "ort"]
@@ -378,7 +391,7 @@ def measure(args) -> dict:
         job_env = dict(env)
         if engine == "jax":  # an empty compile cache: the first call compiles
             job_env["TRANSMUTER_JAX_COMPILE_CACHE"] = tempfile.mkdtemp(dir=work)
-        result, why = run_worker(python, job, job_env)
+        result, why = run_worker(python, job, job_env, cpus)
         if result is None:
             skipped.append({"engine": engine, "case": case, "why": why})
             print(f"skipped: {why}")
@@ -400,6 +413,7 @@ def measure(args) -> dict:
         "repeats": args.repeats,
         "batch": args.batch,
         "threads": args.threads,
+        "cpus": cpus,
         "results": results,
         "skipped": skipped,
     }
@@ -605,7 +619,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="warm calls timed, the best counts")
     parser.add_argument("--batch", type=int, default=4, help="copies of the input in one call")
     parser.add_argument(
-        "--threads", type=int, default=cores(), help="ort and torch threads (default: cores)"
+        "--threads",
+        type=int,
+        default=cores(),
+        help="ort and torch threads (default: cores); fewer also pins every engine's process to "
+        "that many CPUs",
     )
     parser.add_argument("--long-s", type=float, default=60.0, help="length of the long recording")
     parser.add_argument(
