@@ -41,6 +41,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -379,27 +380,31 @@ def measure(args) -> dict:
     cases = [("short", e, short, {}) for e in args.engines]
     cases += [("long", e, long, {"chunk_length_s": 30}) for e in args.engines if e != "ort"]
     results, skipped = [], []
-    for case, engine, samples, options in cases:
-        print(f"  {engine:<5} {case:<5} ...", end=" ", flush=True)
-        python = _torch_python() if engine == "torch" else sys.executable
-        if python is None:
-            skipped.append({"engine": engine, "case": case, "why": "no .venv-fixtures"})
-            print("skipped: no .venv-fixtures interpreter")
-            continue
-        job = dict(engine=engine, case=case, folder=folders[engine], audio=samples)
-        job.update(options=options, batch=args.batch, repeats=args.repeats, threads=args.threads)
-        job_env = dict(env)
-        if engine == "jax":  # an empty compile cache: the first call compiles
-            job_env["TRANSMUTER_JAX_COMPILE_CACHE"] = tempfile.mkdtemp(dir=work)
-        result, why = run_worker(python, job, job_env, cpus)
-        if result is None:
-            skipped.append({"engine": engine, "case": case, "why": why})
-            print(f"skipped: {why}")
-            continue
-        result["audio_s"] = short_s if case == "short" else long_s
-        results.append(result)
-        walls = ", ".join(f"b{r['batch']} {r['wall_s']:.2f} s" for r in result["runs"])
-        print(walls or result.get("error", ""))
+    try:
+        for case, engine, samples, options in cases:
+            print(f"  {engine:<5} {case:<5} ...", end=" ", flush=True)
+            python = _torch_python() if engine == "torch" else sys.executable
+            if python is None:
+                skipped.append({"engine": engine, "case": case, "why": "no .venv-fixtures"})
+                print("skipped: no .venv-fixtures interpreter")
+                continue
+            job = dict(engine=engine, case=case, folder=folders[engine], audio=samples)
+            job.update(options=options, batch=args.batch, repeats=args.repeats)
+            job["threads"] = args.threads
+            job_env = dict(env)
+            if engine == "jax":  # an empty compile cache: the first call compiles
+                job_env["TRANSMUTER_JAX_COMPILE_CACHE"] = tempfile.mkdtemp(dir=work)
+            result, why = run_worker(python, job, job_env, cpus)
+            if result is None:
+                skipped.append({"engine": engine, "case": case, "why": why})
+                print(f"skipped: {why}")
+                continue
+            result["audio_s"] = short_s if case == "short" else long_s
+            results.append(result)
+            walls = ", ".join(f"b{r['batch']} {r['wall_s']:.2f} s" for r in result["runs"])
+            print(walls or result.get("error", ""))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return {
         "date": started.isoformat(timespec="seconds"),
         "machine": {
