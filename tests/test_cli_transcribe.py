@@ -7,6 +7,7 @@ import json
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from transmuter_jax import audio, cli
@@ -54,6 +55,45 @@ def test_srt_and_timestamps_follow_the_chunks(pipe, capsys):
         assert begin == cli._clock(chunk["timestamp"][0], True)
     plain = _run(capsys, MODEL, CLIP, "--timestamps", "--max-new-tokens", "12")
     assert len(plain.splitlines()) == len(result.chunks)
+
+
+def test_an_unfinished_last_chunk_ends_with_the_audio(tmp_path, capsys):
+    """The pipeline's last chunk of the "timestamps" reference has no end (text after a lone
+    timestamp): SubRip and --timestamps end it at the audio's duration (never before its
+    start), and JSON keeps the pipeline's null."""
+    soundfile = pytest.importorskip("soundfile")
+    reference = json.loads((FIXTURE / "speech.json").read_text())["cases"]["timestamps"]
+    chunks = reference["rows"][0]["chunks"]
+    assert chunks[-1]["timestamp"][1] is None and chunks[0]["timestamp"][1] is not None
+    with np.load(FIXTURE / "speech.npz") as data:
+        samples = data["clip/noise"]
+    path = str(tmp_path / "noise.wav")
+    soundfile.write(path, samples, 16000, subtype="FLOAT")
+    duration = len(samples) / 16000
+    args = [MODEL, path, "--language", "en", "--max-new-tokens", "24"]
+    srt = _run(capsys, *args, "--srt")
+    cues = re.findall(r"^\d+\n(\S+) --> (\S+)\n(.*)$", srt, re.M)
+    assert [c[2] for c in cues] == [c["text"].strip() for c in chunks]
+    start = chunks[-1]["timestamp"][0]
+    assert cues[-1][:2] == (cli._clock(start, True), cli._clock(max(start, duration), True))
+    assert cues[0][1] == cli._clock(chunks[0]["timestamp"][1], True)
+    plain = _run(capsys, *args, "--timestamps").splitlines()
+    assert plain[-1].startswith(f"[{cli._clock(start)} - {cli._clock(max(start, duration))}]")
+    record = json.loads(_run(capsys, *args, "--json", "--timestamps"))
+    assert record["chunks"] == chunks
+
+
+def test_spans_fill_missing_times():
+    chunks = [
+        {"timestamp": (None, 1.0), "text": "a"},
+        {"timestamp": (1.0, None), "text": "b"},
+        {"timestamp": (None, 4.0), "text": "c"},
+        {"timestamp": (3.0, 3.5), "text": "d"},
+        {"timestamp": (5.0, None), "text": "e"},
+    ]
+    spans = cli._spans(chunks, duration=9.0)
+    assert spans == [(0.0, 1.0), (1.0, 3.0), (3.0, 4.0), (3.0, 3.5), (5.0, 9.0)]
+    assert cli._spans([{"timestamp": (12.0, None), "text": "x"}], duration=2.0) == [(12.0, 12.0)]
 
 
 def test_model_and_audio_are_told_apart(tmp_path):

@@ -526,6 +526,28 @@ def _clock(seconds: float | None, comma: bool = False) -> str:
     return f"{hours:02d}:{minutes:02d}:{secs:02d}{',' if comma else '.'}{millis:03d}"
 
 
+def _spans(chunks: Sequence[dict[str, Any]], duration: float) -> list[tuple[float, float]]:
+    """The (start, end) of each chunk to show: a start of None (the pipeline's for text without
+    an opening timestamp) is the end before it (0 for the first), an end of None (an unfinished
+    last chunk) the next start or the audio's ``duration``; an end is never before its start."""
+    out: list[tuple[float, float]] = []
+    for index, chunk in enumerate(chunks):
+        begin, end = chunk["timestamp"]
+        begin = (out[-1][1] if out else 0.0) if begin is None else begin
+        if end is None:
+            later = (c["timestamp"][0] for c in chunks[index + 1 :])
+            end = next((t for t in later if t is not None), duration)
+        out.append((begin, max(begin, end)))
+    return out
+
+
+def _duration(path: str) -> float:
+    """The length of the audio file ``path`` in seconds."""
+    import soundfile
+
+    return float(soundfile.info(path).duration)
+
+
 def _transcribe(args: argparse.Namespace, notice: _CompileNotice) -> int:
     from . import audio
 
@@ -566,16 +588,17 @@ def _transcribe(args: argparse.Namespace, notice: _CompileNotice) -> int:
         elif args.srt:
             if len(files) > 1:
                 print(f"NOTE {path}\n")
-            for cue, chunk in enumerate(result.chunks or [], 1):
-                begin, end = chunk["timestamp"]
-                end = begin if end is None else end
+            chunks = result.chunks or []
+            for cue, (chunk, (begin, end)) in enumerate(
+                zip(chunks, _spans(chunks, _duration(path)), strict=True), 1
+            ):
                 print(f"{cue}\n{_clock(begin, True)} --> {_clock(end, True)}")
                 print(f"{chunk['text'].strip()}\n")
         else:
             if len(files) > 1:
                 print(f"{path}:")
-            for chunk in result.chunks or []:
-                begin, end = chunk["timestamp"]
+            chunks = result.chunks or []
+            for chunk, (begin, end) in zip(chunks, _spans(chunks, _duration(path)), strict=True):
                 print(f"[{_clock(begin)} - {_clock(end)}] {chunk['text'].strip()}")
         if index + 1 < len(files) and not args.json:
             print()

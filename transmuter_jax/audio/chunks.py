@@ -168,7 +168,8 @@ def merge(
 
     Args:
         rows: the new tokens of each chunk, in order.
-        strides: ``(length, left, right)`` of each chunk in seconds.
+        strides: ``(length, left, right)`` of each chunk in seconds; ``(0, 0, 0)`` for an input
+            decoded in one pass (the pipeline without chunking).
         timestamps: whether the tokens were decoded with timestamps (return_timestamps).
         begin: the id of the first timestamp token.
         special: the special token ids (transformers' ``all_special_ids``), timestamps excluded.

@@ -31,8 +31,9 @@ class SpeechResult(Result):
     token_ids with them) and, with return_timestamps=True, its chunks.
 
     Attributes:
-        chunks: ``{"timestamp": (start, end), "text": ...}`` per pair of timestamp tokens (end
-            None for text after a last lone timestamp); None without return_timestamps.
+        chunks: ``{"timestamp": (start, end), "text": ...}`` as transformers' ASR pipeline
+            gives them (end None for text after a last lone timestamp); None without
+            return_timestamps.
     """
 
     chunks: list[dict[str, Any]] | None = None
@@ -179,20 +180,25 @@ class SpeechToText:
         if {**self.options, **generation}.get("stop"):
             raise ValueError("stop= is not supported on chunked audio (the text is merged)")
 
-    def _merge(self, results: list[Result], strides: list, timestamps: bool) -> SpeechResult:
-        """The result of one input from those of its chunks (see :func:`chunks.merge`)."""
+    def _transcript(self, rows: list[list[int]], strides: list, timestamps: bool):
+        """:func:`chunks.merge` of the new tokens of an input's chunks (one row with stride
+        ``(0, 0, 0)`` for an input decoded in one pass, as the pipeline without chunking)."""
         begin = self.timestamp_begin
         begin = len(self.tokenizer.token_texts) if begin is None else begin
         config = hub.read_json(self.files.folder, "config.json")
         window = self.features.samples / self.features.rate
         langs = self.generation_config.get("lang_to_id") or {}
-        merged = chunking.merge(
-            [r.token_ids for r in results], strides, timestamps=timestamps, begin=begin,
+        return chunking.merge(
+            rows, strides, timestamps=timestamps, begin=begin,
             special=frozenset(t for t in self.tokenizer.special_ids if t < begin),
             languages={int(i): t.strip("<|>") for t, i in langs.items()},
             precision=window / int(config.get("max_source_positions", 1500)),
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
         )  # fmt: skip
+
+    def _merge(self, results: list[Result], strides: list, timestamps: bool) -> SpeechResult:
+        """The result of one input from those of its chunks (see :func:`chunks.merge`)."""
+        merged = self._transcript([r.token_ids for r in results], strides, timestamps)
         pick = lambda field: (  # noqa: E731 - each merged token's value in its chunk
             None
             if getattr(results[0], field) is None
@@ -229,9 +235,8 @@ class SpeechToText:
         ids = [t for t in result.token_ids if begin is None or t < begin]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         fields = {**dataclasses.asdict(result), "text": text}
-        if timestamps:
-            decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=False)  # noqa: E731
-            fields["chunks"] = stamps.chunks(result.token_ids, begin, decode)
+        if timestamps:  # the pipeline's chunks of one item without stride
+            fields["chunks"] = self._transcript([result.token_ids], [(0.0, 0.0, 0.0)], True).chunks
         return SpeechResult(**fields)
 
     def generate(

@@ -1,9 +1,9 @@
 """Whisper's timestamp rules (transformers' WhisperTimeStampLogitsProcessor) as a processor of
-the task, and the chunks of a transcript with timestamps."""
+the task (the chunks of a transcript come from :func:`.chunks.merge`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -11,8 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..generation.processors import LOWEST
-
-TIME_PRECISION = 0.02  # seconds per timestamp token
 
 
 def processor(config: Mapping[str, Any]) -> tuple[Callable, Callable]:
@@ -66,36 +64,3 @@ def processor(config: Mapping[str, Any]) -> tuple[Callable, Callable]:
         return jnp.where((stamps > text) & ~stamp, LOWEST, scores)
 
     return state, process
-
-
-def chunks(
-    tokens: Sequence[int], begin: int, decode: Callable[[list[int]], str]
-) -> list[dict[str, Any]]:
-    """The ``{"timestamp": (start, end), "text": ...}`` chunks of one transcript, as the offsets
-    of transformers' Whisper tokenizer: a chunk runs from a timestamp to the timestamp before the
-    next two timestamps in a row (or to the last timestamp), and its text is the text tokens in
-    it (special tokens included, as there). Text before the first timestamp or after the last
-    one is in no chunk.
-
-    Args:
-        tokens: the new tokens (timestamps included).
-        begin: the id of <|0.00|>.
-        decode: the text of a list of token ids.
-    """
-    tokens = list(tokens)
-    stamps = [i for i, t in enumerate(tokens) if t >= begin]
-    if not stamps:
-        return []
-    cuts = [i for i in stamps if i > 0 and tokens[i - 1] >= begin]  # the second of a pair
-    if len(cuts) == 0 and len(stamps) <= 1:
-        return []
-    if stamps[-1] + 1 not in cuts:
-        cuts.append(stamps[-1] + 1)
-    out, start = [], stamps[0]
-    for cut in cuts:
-        part = tokens[start:cut]
-        if len(part) > 1:
-            times = tuple(round((t - begin) * TIME_PRECISION, 2) for t in (part[0], part[-1]))
-            out.append({"timestamp": times, "text": decode([t for t in part if t < begin])})
-        start = cut
-    return out
