@@ -35,11 +35,16 @@ class Qwen2VLImageTextToText(ImageTextToText):
     merged token (``image_features`` [tokens, hidden]). The prompt's embeddings are embed_tokens
     of its ids with the ``<|image_pad|>`` positions replaced, in order, by the features; the
     positions of the prompt are transformers' ``get_rope_index``, and generation continues them
-    with the rope delta.
+    with the rope delta. In the onnxruntime-genai layout, genai_config.json's ``model.vision``,
+    ``model.embedding`` and ``model.decoder`` sections name the graphs; its embedding graph takes
+    the image features and merges them itself.
 
     Attributes:
         files: the files of the decoder and the embeddings (folder, family, decoder, embed).
+        genai: whether the folder is in the onnxruntime-genai layout.
         vision_encoder: the path of the vision encoder.
+        grid_input: the name of the vision graph's grid input that genai_config.json gives
+            (None: grid_thw or image_grid_thw, whichever the graph takes).
         processor: the chat and image processor (:class:`~.qwen2vl.Qwen2VLProcessor`).
         tokenizer: the tokenizer of ``tokenizer.json``.
         image_token_id: the id of ``<|image_pad|>``.
