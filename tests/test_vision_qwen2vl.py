@@ -203,9 +203,9 @@ def test_a_vision_encoder_that_reads_shapes_from_the_grid_is_refused_naming_the_
         pipe.generate([_conversations(SINGLE[0])[0]])
 
 
-def test_the_genai_layout_is_refused_naming_what_is_missing():
+def test_a_genai_folder_without_a_vision_section_is_refused_naming_the_key():
     genai = pathlib.Path(__file__).parent / "fixtures" / "qwen25vl-genai-fp32"
-    with pytest.raises(ValueError, match="onnxruntime-genai layout.*onnx/vision_encoder.onnx"):
+    with pytest.raises(ValueError, match=r"genai_config\.json.*no model\.vision\.filename"):
         vision.image_text_to_text(genai)
 
 

@@ -196,9 +196,12 @@ def _step_function(
         inputs = {k: v for k, v in feed.items() if k in names}
         tokens = feed["tokens"]  # [B, S]
         if "inputs_embeds" in names:
-            embed_in = embed.inputs[0].name
+            ids_in, features_in = embed_inputs(embed)
             embed_out = embed.outputs[0].name
-            embeds = embed.trace({}, embed_params, {embed_in: tokens})[embed_out]
+            given = {ids_in: tokens}
+            if features_in is not None:  # a graph that merges image features itself
+                given[features_in] = _merged_rows(embed, features_in, ctx.image_token, feed)
+            embeds = embed.trace({}, embed_params, given)[embed_out]
             if "image_features" in feed:  # [B, S, H] replace the image tokens' embeddings
                 swap = feed["image_mask"][..., None]
                 embeds = jnp.where(swap, feed["image_features"].astype(embeds.dtype), embeds)
@@ -222,3 +225,42 @@ def _step_function(
         return last_logits, new
 
     return step
+
+
+def embed_inputs(embed) -> tuple[str, str | None]:
+    """The names of the token ids input of an embedding graph and of its image features input
+    (None if it has none): an onnxruntime-genai embedding graph takes input_ids (integers) and
+    image_features [tokens, hidden] (floats), and replaces the k-th image token's embedding by
+    feature row k itself."""
+    if len(embed.inputs) == 1:
+        return embed.inputs[0].name, None
+    ints = [i.name for i in embed.inputs if np.dtype(i.dtype).kind in "iu"]
+    floats = [i.name for i in embed.inputs if np.dtype(i.dtype).kind == "f"]
+    if len(embed.inputs) != 2 or len(ints) != 1 or len(floats) != 1:
+        shown = [(i.name, i.dtype) for i in embed.inputs]
+        raise ValueError(
+            f"the embedding graph {embed.path!r} takes {shown}: not token ids alone, nor token "
+            "ids and image features"
+        )
+    return ints[0], floats[0]
+
+
+def _merged_rows(embed, name: str, image_token: int | None, feed) -> jnp.ndarray:
+    """What an embedding graph that merges image features takes in ``name`` for this step's
+    tokens: [B*S, H], row k the feature of the k-th image token of the step (row-major), the
+    feed's image features where the step has them, zeros elsewhere (a generated image token)."""
+    tokens = feed["tokens"]
+    n = tokens.shape[0] * tokens.shape[1]
+    width = next(i.shape for i in embed.inputs if i.name == name)[-1]
+    if "image_features" in feed:
+        width = feed["image_features"].shape[-1]
+    if not isinstance(width, int):
+        raise ValueError(f"the embedding graph {embed.path!r} gives {name} no fixed width")
+    dtype = np.dtype(next(i.dtype for i in embed.inputs if i.name == name))
+    rows = jnp.zeros((n, width), dtype)
+    if image_token is None or "image_features" not in feed:
+        return rows
+    hits = (tokens == image_token).reshape(-1)
+    order = jnp.where(hits, jnp.cumsum(hits) - 1, n)  # n: dropped
+    given = jnp.where(feed["image_mask"].reshape(-1, 1), feed["image_features"].reshape(n, -1), 0)
+    return rows.at[order].set(given.astype(dtype), mode="drop")

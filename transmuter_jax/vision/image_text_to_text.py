@@ -217,7 +217,8 @@ def image_text_to_text(
 ) -> ImageTextToText:
     """An image-and-text-to-text pipeline over a SmolVLM / Idefics3 or Qwen2-VL / Qwen2.5-VL model
     (onnx-community layout: ``onnx/vision_encoder.onnx``, ``onnx/embed_tokens.onnx``,
-    ``onnx/decoder_model_merged.onnx``).
+    ``onnx/decoder_model_merged.onnx``; for Qwen2.5-VL also the onnxruntime-genai layout, whose
+    genai_config.json names the vision, embedding and decoder graphs).
 
     Args:
         repo: a local folder or a hub id.
