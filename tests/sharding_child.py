@@ -140,8 +140,13 @@ def _logits_gap(ctx, sharded, prompt: list[int], inputs: dict) -> float:
             feeds[name] = np.array([prompt], np.int64)
         elif name == "attention_mask":
             feeds[name] = np.ones((1, len(prompt)), np.int64)
-        elif name == "position_ids":
-            feeds[name] = np.arange(len(prompt), dtype=np.int64)[None]
+        elif name == "position_ids":  # [1, s], or the 3 axes of M-RoPE [3, 1, s]
+            rows = np.arange(len(prompt), dtype=np.int64)
+            mrope = len(info.shape or ()) == 3
+            feeds[name] = np.broadcast_to(rows, (3, 1, len(prompt))) if mrope else rows[None]
+        elif name == "inputs_embeds":  # the prompt's embeddings, from the embedding model
+            ids = np.array([prompt], np.int64)
+            feeds[name] = np.asarray(next(iter(ctx.embed({"input_ids": ids}).values())))
         elif name in entries:
             e = entries[name]
             feeds[name] = np.zeros((1, e.heads, 0, e.head_size), np.dtype(info.dtype))

@@ -120,3 +120,50 @@ def test_encoder_then_decoder_in_transmuter_jax_matches_onnxruntime():
     got = _model("decoder.onnx")(_decoder_feeds(PROMPT, cross))
     want = _ort("decoder.onnx", _decoder_feeds(PROMPT, _ort("encoder.onnx", features)))
     _assert_close({"logits": got["logits"]}, {"logits": want["logits"]})
+
+
+def _cross_inputs(decoder: tj.Model) -> list[str]:
+    """The decoder's cross-attention inputs, which the encoder computes."""
+    return [i.name for i in decoder.inputs if "_cross_" in i.name]
+
+
+@pytest.mark.parametrize("beams", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_generation_on_the_encoder_cross_cache_matches_the_optimum_export(beams):
+    """generate with the cross cache given by the caller (the genai encoder's) gives the tokens
+    of the optimum export of the same model, whose first step computes that cache."""
+    from transmuter_jax import generation as gen
+
+    features = _features(3)
+    encoded = _model("encoder.onnx")({"audio_features": features})
+    cross = {n.replace("present_", "past_", 1): np.asarray(v) for n, v in encoded.items()}
+    cross.pop("hidden_states")
+    decoder = _model("decoder.onnx")
+    options = {"max_new_tokens": 6, "num_beams": beams}  # exact grow: a compiled step per length
+    genai = gen.compile(gen.context(FOLDER, decoder, given=sorted(cross), **options), 2)
+    other = FOLDER.parent / "whisper-optimum"
+    hidden = tj.load(other / "encoder_model.onnx")({"input_features": features})
+    merged = tj.load(other / "decoder_model_merged.onnx")
+    ctx = gen.context(other, merged, given=["encoder_hidden_states"], **options)
+    optimum = gen.compile(ctx, 2)
+    prompts = [[5, 17], [5, 8]]
+    got = gen.generate(genai, prompts, [0, 0], cross)
+    states = {"encoder_hidden_states": hidden["last_hidden_state"]}
+    assert got == gen.generate(optimum, prompts, [0, 0], states)
+    assert sum(len(t) for t in got) > 3
+
+
+def test_a_decoder_without_its_cross_cache_is_refused():
+    """The genai decoder's cross-attention inputs have no present output: the caller gives
+    them, and a context or a call without them is refused with a clear error."""
+    from transmuter_jax import generation as gen
+
+    decoder = _model("decoder.onnx")
+    cross = _cross_inputs(decoder)
+    assert gen.context(FOLDER, decoder, given=cross).cache.given == tuple(cross)
+    with pytest.raises(gen.GenerationError, match=r"from the caller \(past_key_cross_0, "):
+        gen.context(FOLDER, decoder)
+    with pytest.raises(gen.GenerationError, match=r"name them in given="):
+        gen.context(FOLDER, decoder, given=cross[1:])
+    ctx = gen.compile(gen.context(FOLDER, decoder, given=cross, max_new_tokens=2), 1)
+    with pytest.raises(gen.GenerationError, match=r"'past_key_cross_0' \(a cross-attention"):
+        gen.generate(ctx, [[5]], [0], {})

@@ -12,9 +12,17 @@ import pytest
 from transmuter_jax.audio import AudioError, SpeechToText, speech_to_text
 from transmuter_jax.audio.prompt import forced_prompt, language_id
 
-FIXTURE = Path(__file__).parent / "fixtures" / "whisper-speech-optimum"
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE = FIXTURES / "whisper-speech-optimum"
+# the same model in the three exporters' layouts (tests/fixtures/make_speech_layouts.py)
+LAYOUTS = {
+    "optimum": FIXTURE,
+    "genai": FIXTURES / "whisper-speech-genai",
+    "community": FIXTURES / "whisper-speech-community",
+}
 REF = json.loads((FIXTURE / "speech.json").read_text())
 CASES = REF["cases"]
+QUANTIZED = json.loads((LAYOUTS["community"] / "speech-quantized.json").read_text())["cases"]
 RATE = 16000
 # float32 log-probabilities of a random model with weights of std 0.5 over a 1500-frame encoder:
 # onnx/JAX and torch sum in other orders (differences up to 3.5e-4 after 20 steps)
@@ -32,6 +40,29 @@ def pipe() -> SpeechToText:
     return speech_to_text(FIXTURE)
 
 
+@pytest.fixture(scope="module")
+def pipes(pipe):
+    """The pipeline of a layout, made on first use: pipes("genai")."""
+    made = {"optimum": pipe}
+
+    def of(layout: str) -> SpeechToText:
+        if layout not in made:
+            made[layout] = speech_to_text(LAYOUTS[layout])
+        return made[layout]
+
+    return of
+
+
+# each case in each layout; the other layouts run a representative few unless -m slow (the genai
+# decoder's cache grows by its exact length: each length compiles a step)
+FEW = {"optimum": set(CASES), "genai": {"en", "batch_es"}, "community": {"en", "timestamps"}}
+LAYOUT_CASES = [
+    pytest.param(layout, name, marks=() if name in FEW[layout] else pytest.mark.slow)
+    for layout in LAYOUTS
+    for name in sorted(CASES)
+]
+
+
 def _options(case):
     return dict(case["options"])
 
@@ -39,8 +70,10 @@ def _options(case):
 STAMPED = sorted(n for n, c in CASES.items() if c["options"].get("return_timestamps"))
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_generate_matches_transformers(pipe, clips, name):
+@pytest.mark.parametrize(("layout", "name"), LAYOUT_CASES)
+def test_generate_matches_transformers(pipes, clips, layout, name):
+    pipe = pipes(layout)
+    assert pipe.files.family == {"community": "transformers.js"}.get(layout, layout)
     case = CASES[name]
     audio = [clips[c] for c in case["clips"]]
     results = pipe.generate(audio, sampling_rate=RATE, token_logprobs=True, **_options(case))
@@ -74,9 +107,10 @@ def test_timestamp_cases_have_timestamps():
     assert any(t < begin for row in rows for t in row["tokens"])
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_forced_prompt_matches_transformers(pipe, clips, name):
+@pytest.mark.parametrize(("layout", "name"), LAYOUT_CASES)
+def test_forced_prompt_matches_transformers(pipes, clips, layout, name):
     """The prompt generate used, with the language it detected."""
+    pipe = pipes(layout)
     case = CASES[name]
     features = pipe.input_features([clips[c] for c in case["clips"]], RATE)
     options = _options(case)
@@ -157,3 +191,62 @@ def test_stream_with_timestamps_joins_to_the_text(pipe, clips):
     case = CASES["timestamps"]
     pieces = list(pipe.stream(clips["noise"], sampling_rate=RATE, **_options(case)))
     assert "".join(pieces) == case["rows"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def quantized() -> SpeechToText:
+    return speech_to_text(LAYOUTS["community"], dtype="q8")  # q8: transformers.js's _quantized
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if n == "en" else pytest.mark.slow) for n in sorted(QUANTIZED)],
+)
+def test_quantized_variant_matches_onnxruntime(quantized, clips, name):
+    """dtype="q8" runs onnx/*_quantized.onnx (uint8 weights), whose tokens are those of
+    onnxruntime on the same files (speech-quantized.json), not transformers'."""
+    pipe = quantized
+    assert pipe.files.decoder.endswith("onnx/decoder_model_merged_quantized.onnx")
+    assert pipe.files.encoder.endswith("onnx/encoder_model_quantized.onnx")
+    case = QUANTIZED[name]
+    # each input alone: DynamicQuantizeLinear scales a whole tensor, so the rows of a batch
+    # change each other's tokens (in onnxruntime too)
+    results = [
+        pipe.generate([clips[c]], sampling_rate=RATE, **_options(case))[0] for c in case["clips"]
+    ]
+    assert [r.token_ids for r in results] == [row["tokens"] for row in case["rows"]]
+    assert [r.finish_reason for r in results] == [row["finish_reason"] for row in case["rows"]]
+
+
+def test_quantized_tokens_differ_from_fp32():
+    """The quantized references are not the fp32 ones, so the test above tells them apart."""
+    differ = [
+        row["tokens"] != want["tokens"]
+        for name, case in QUANTIZED.items()
+        for row, want in zip(case["rows"], CASES[name]["rows"], strict=True)
+    ]
+    assert any(differ)
+
+
+def test_community_graphs_are_pruned_to_what_is_read(pipes):
+    """The transformers.js export returns attention weights (encoder_attentions.N,
+    decoder_attentions.N, cross_attentions.N): the pipeline does not compute them."""
+    from transmuter_jax.text._runner import output_names
+
+    community = pipes("community")
+    files = community.files
+    assert any(n.startswith("cross_attentions.") for n in output_names(files.decoder))
+    assert any(n.startswith("encoder_attentions.") for n in output_names(files.encoder))
+    decoder = [o.name for o in community._runner.model.outputs]
+    assert "logits" in decoder and not [n for n in decoder if "attentions" in n]
+    assert [o.name for o in community.encoder.model.outputs] == ["last_hidden_state"]
+
+
+def test_genai_encoder_gives_the_cross_cache(pipes):
+    """The genai decoder takes the encoder's cross-attention cache at every step."""
+    genai = pipes("genai")
+    given = genai.encoder.given
+    assert genai.encoder.features == "audio_features"
+    assert given["past_key_cross_0"] == "present_key_cross_0"
+    assert "encoder_hidden_states" not in given
+    assert {i.name: i.dtype for i in genai._runner.model.inputs}["input_ids"] == "int32"

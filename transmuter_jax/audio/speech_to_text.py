@@ -11,10 +11,10 @@ import numpy as np
 
 from .. import generation as gen
 from .. import hub
-from ..onnx.model import load
 from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from . import chunks as chunking
+from . import layouts
 from . import prompt as forced
 from . import timestamps as stamps
 from .features import FeatureExtractor
@@ -48,7 +48,9 @@ class SpeechToText:
     ``WhisperForConditionalGeneration.generate`` does.
 
     Attributes:
-        files: the files it was loaded from (folder, exporter family, encoder, decoder).
+        files: the files it was loaded from (folder, exporter family, encoder, decoder): an
+            optimum, transformers.js or onnxruntime-genai layout (see
+            :mod:`transmuter_jax.audio.layouts`).
         tokenizer: the tokenizer of ``tokenizer.json``.
         features: the log-mel settings of ``preprocessor_config.json``.
         generation_config: generation_config.json (lang_to_id, task_to_id, ...).
@@ -63,19 +65,21 @@ class SpeechToText:
         self.files = resolve(repo, dtype, file)
         mesh = mesh_of(mesh, devices)
         if self.files.encoder is None:
-            raise ValueError(f"{repo!r} has no encoder: a Whisper export has encoder_model.onnx")
+            raise ValueError(
+                f"{repo!r} has no encoder: a Whisper export has encoder_model.onnx (or the "
+                "encoder.onnx that genai_config.json names)"
+            )
         folder = self.files.folder
         self.tokenizer = Tokenizer.from_folder(folder)
         self.features = FeatureExtractor.from_folder(folder)
         self.generation_config = hub.read_json(folder, "generation_config.json")
-        self.encoder = load(self.files.encoder)
         decoder, embed = load_decoder(self.files, mesh)
-        if "encoder_hidden_states" not in {i.name for i in decoder.inputs}:
-            raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
+        config = hub.read_json(folder, "config.json")
+        self.encoder = layouts.encoder(self.files.encoder, decoder, config)
         speech, generation = _split(options)
         forced.check(self.generation_config, speech.get("language"), speech.get("task"))
         self._runner = Runner(
-            folder, decoder, embed=embed, given=["encoder_hidden_states"], options=generation,
+            folder, decoder, embed=embed, given=list(self.encoder.given), options=generation,
             tokenizer=self.tokenizer, mesh=mesh,
         )  # fmt: skip
         self.options = dict(options)
@@ -102,16 +106,12 @@ class SpeechToText:
         samples = [load_audio(a, self.features.rate, sampling_rate) for a in audio]
         return self.features(samples)
 
-    def _encode(self, features: np.ndarray) -> np.ndarray:
-        """[B, frames / 2, hidden] the encoder's last_hidden_state, one input at a time (one
-        compiled shape for every batch)."""
-        states = []
-        for row in features:
-            out = self.encoder({"input_features": row[None]})
-            states.append(np.asarray(out.get("last_hidden_state", next(iter(out.values())))))
-        return np.concatenate(states)
+    def _encode(self, features: np.ndarray) -> dict[str, np.ndarray]:
+        """The decoder's inputs from the encoder (encoder_hidden_states [B, frames / 2, hidden],
+        or a genai decoder's cross-attention cache), one row per input."""
+        return self.encoder(features)
 
-    def _detect(self, hidden: np.ndarray) -> list[int]:
+    def _detect(self, encoded: dict[str, np.ndarray]) -> list[int]:
         """The language token of each row: the most likely of lang_to_id after the start token
         (transformers' ``detect_language``)."""
         model = self._runner.model
@@ -120,29 +120,31 @@ class SpeechToText:
             model, 1, 1, hub.read_json(self.files.folder, "config.json")
         )
         langs = np.asarray(sorted(self.generation_config["lang_to_id"].values()))
+        ids = next(i for i in model.inputs if i.name == "input_ids")
         found = []
-        for row in hidden:
-            feeds = {"input_ids": np.array([[start]], np.int64), "encoder_hidden_states": row[None]}
+        for row in range(len(next(iter(encoded.values())))):
+            feeds = {k: v[row : row + 1] for k, v in encoded.items()}
+            feeds["input_ids"] = np.array([[start]], np.dtype(ids.dtype))
             logits = np.asarray(model({**inputs, **static, **feeds})["logits"])[0, -1]
             found.append(int(langs[np.argmax(logits[langs])]))
         return found
 
     def prompts(
         self,
-        hidden: np.ndarray,
+        encoded: dict[str, np.ndarray],
         language: str | None = None,
         task: str | None = None,
         timestamps: bool = False,
     ) -> list[list[int]]:
-        """The forced prompt of each row of encoder states ``hidden`` (without <|notimestamps|>
-        when ``timestamps``)."""
+        """The forced prompt of each row of ``encoded``, the encoder's outputs as the decoder
+        takes them (without <|notimestamps|> when ``timestamps``)."""
         config = self.generation_config
         language = config.get("language") if language is None else language
         task = config.get("task") if task is None else task
         forced.check(config, language, task)
-        detected: list[int | None] = [None] * len(hidden)
+        detected: list[int | None] = [None] * len(next(iter(encoded.values())))
         if forced.needs_language(config, language, task):
-            detected = list(self._detect(hidden))
+            detected = list(self._detect(encoded))
         return [
             forced.forced_prompt(
                 config, language=language, task=task, detected=d, timestamps=timestamps
@@ -167,10 +169,10 @@ class SpeechToText:
         generation = _split(options)[1]
         if any(r.stride is not None for r in rows):
             self._check_chunked(generation)
-        hidden = self._encode(self.features([r.samples for r in rows]))
-        prompts = self.prompts(hidden, speech.get("language"), speech.get("task"), timestamps)
+        encoded = self._encode(self.features([r.samples for r in rows]))
+        prompts = self.prompts(encoded, speech.get("language"), speech.get("task"), timestamps)
         processors = (self._stamps,) if timestamps else ()
-        return prompts, {"encoder_hidden_states": hidden}, generation, processors, rows
+        return prompts, encoded, generation, processors, rows
 
     def _check_chunked(self, generation: dict[str, Any]) -> None:
         """Refuses the options a merged transcript cannot give."""
@@ -337,11 +339,15 @@ def speech_to_text(
     """A speech-to-text pipeline over a Whisper export.
 
     Args:
-        repo: a local folder or a hub id with encoder_model.onnx, a merged decoder,
-            preprocessor_config.json and generation_config.json; None (or "speech"): the
+        repo: a local folder or a hub id of a Whisper export in the layout of optimum
+            (encoder_model.onnx, decoder_model_merged.onnx), transformers.js (the same under
+            onnx/, with dtype variants) or onnxruntime-genai (encoder.onnx, decoder.onnx,
+            genai_config.json), with preprocessor_config.json and generation_config.json;
+            None (or "speech"): the
             default whisper tiny.en, "speech-base": multilingual whisper base, both prepared
             offline on first use (:func:`transmuter_jax.default.speech_folder`).
-        dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
+        dtype: which variant of the ONNX files (such as "fp32", "fp16", "q4", "quantized" or
+            "q8"), as for the text tasks; None: fp32 (a genai folder: its own).
         file: the decoder file to use, relative to the repo; overrides ``dtype``.
         mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
             are split over it at load and its steps run over it (docs/distributed.md); the

@@ -47,9 +47,18 @@ class CacheEntry:
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """The cache arrays of a decoder."""
+    """The cache arrays of a decoder.
+
+    Attributes:
+        entries: the arrays generation keeps, each with the output that gives it back.
+        given: the cross-attention inputs the caller gives (no step computes them: the
+            decoder has no present output for them; the encoder does, as in the
+            onnxruntime-genai Whisper export). They are inputs of every step, as
+            encoder_hidden_states are; see :func:`transmuter_jax.generation.context`.
+    """
 
     entries: tuple[CacheEntry, ...]
+    given: tuple[str, ...] = ()
 
     def empty(self, batch: int, length: int, cross_length: int = 0) -> dict[str, jax.Array]:
         """Zero buffers: ``length`` rows (``cross_length`` for cross attention)."""
@@ -59,6 +68,27 @@ class CacheLayout:
             )
             for e in self.entries
         }
+
+
+CACHE_PREFIXES = ("past_key_values.", "past.", "past_key_", "past_value_")
+"""The names of cache inputs: optimum's and genai's decoders (past_key_values.0.key), GPT-2's
+(past.0.key), genai Whisper's (past_key_self_0, past_value_cross_0)."""
+
+
+def present_name(name: str) -> str:
+    """The output that gives back the cache input ``name``: present.0.key for
+    past_key_values.0.key or past.0.key, present_key_self_0 for past_key_self_0."""
+    if name.startswith("past_key_values."):
+        return "present." + name.removeprefix("past_key_values.")
+    if name.startswith("past."):
+        return "present." + name.removeprefix("past.")
+    return "present_" + name.removeprefix("past_")
+
+
+def is_cross(name: str) -> bool:
+    """Whether the cache input ``name`` holds cross attention (past_key_values.0.encoder.key,
+    past_key_cross_0)."""
+    return ".encoder." in name or "_cross_" in name
 
 
 def _config_dims(config: dict) -> tuple[int | None, int | None]:
@@ -74,23 +104,26 @@ def _config_dims(config: dict) -> tuple[int | None, int | None]:
 
 
 def layout(model: Model, config: dict) -> CacheLayout:
-    """The cache layout of ``model``: its past_key_values.* inputs and their present outputs."""
+    """The cache layout of ``model``: its cache inputs (:data:`CACHE_PREFIXES`) and their
+    present outputs; cross-attention inputs without a present output are given by the caller."""
     outputs = {o.name for o in model.outputs}
     heads_default, size_default = _config_dims(config)
-    entries = []
+    entries, given = [], []
     for info in model.inputs:
-        if not info.name.startswith(("past_key_values.", "past.")):
+        if not info.name.startswith(CACHE_PREFIXES):
             continue
-        suffix = info.name.split(".", 1)[1]
-        output = f"present.{suffix}"
+        output = present_name(info.name)
+        cross = is_cross(info.name)
         if output not in outputs:
+            if cross:  # computed by the encoder, given to every step
+                given.append(info.name)
+                continue
             raise GenerationError(
                 f"{model.path!r}: cache input {info.name!r} has no output {output!r}"
             )
         shape = info.shape or (None,) * 4
         heads = shape[1] if isinstance(shape[1], int) else heads_default
         size = shape[3] if isinstance(shape[3], int) else size_default
-        cross = ".encoder." in info.name
         if cross:  # cross attention has all the attention heads
             text = config.get("text_config", config)
             heads = shape[1] if isinstance(shape[1], int) else text.get("decoder_attention_heads")
@@ -98,7 +131,7 @@ def layout(model: Model, config: dict) -> CacheLayout:
             raise GenerationError(f"cannot tell the heads and head size of {info.name!r} {shape}")
         dtype = device_dtype(np.dtype(info.dtype))
         entries.append(CacheEntry(info.name, output, int(heads), int(size), dtype, cross))
-    return CacheLayout(tuple(entries))
+    return CacheLayout(tuple(entries), tuple(given))
 
 
 def bucket(rows: int) -> int:

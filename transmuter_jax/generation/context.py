@@ -12,7 +12,7 @@ import numpy as np
 from .. import hub
 from ..onnx.model import Model
 from ..onnx.trace import value_sources
-from .cache import CacheLayout, layout
+from .cache import CacheLayout, layout, present_name
 from .errors import GenerationError
 from .options import Options, merge
 from .processors import from_options
@@ -133,7 +133,9 @@ def context(
     Args:
         repo: the model's folder or hub id, with config.json and generation_config.json.
         model: the decoder, from :func:`transmuter_jax.load`.
-        given: the names of other inputs the caller gives to each step (encoder outputs).
+        given: the names of other inputs the caller gives to each step (encoder outputs:
+            encoder_hidden_states, and the cross-attention cache of a decoder that takes it
+            from the caller, such as past_key_cross_0 of an onnxruntime-genai Whisper).
         embed: for a decoder of inputs_embeds, the model of the token embeddings.
         image_token: the id of the image token whose embeddings image features replace.
         tokenizer: with stop_strings, the :class:`~transmuter_jax.text.tokenizer.Tokenizer` that
@@ -157,6 +159,14 @@ def context(
     cache = layout(model, config)
     if not cache.entries:
         raise GenerationError(f"{model.path!r} has no KV cache inputs (past_key_values.*)")
+    missing = [g for g in cache.given if g not in given]
+    if missing:
+        raise GenerationError(
+            f"the decoder {model.path!r} takes the cross-attention cache from the caller "
+            f"({', '.join(missing)}: no step computes it, the encoder does, as "
+            f"{', '.join(present_name(g) for g in missing[:2])}, ...); name them in given= and "
+            "pass the encoder's arrays to generate in inputs"
+        )
     ctx = Context(
         model=model,
         mode=cache_mode(model),

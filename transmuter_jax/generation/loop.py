@@ -269,7 +269,9 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
             )
     for name in ctx.given:
         if name not in inputs:
-            raise GenerationError(f"missing input {name!r}, which the context says is given")
+            what = " (a cross-attention cache, which the encoder computes)"
+            what = what if name in ctx.cache.given else ""
+            raise GenerationError(f"missing input {name!r}{what}, which the context says is given")
         if np.shape(inputs[name])[0] != len(prompts):
             raise GenerationError(
                 f"input {name!r} has {np.shape(inputs[name])[0]} rows for {len(prompts)} prompts"

@@ -347,10 +347,21 @@ class _Cancelled(Exception):
     """Raised in the generation thread when the reader stopped the stream."""
 
 
+def output_names(path: str) -> list[str]:
+    """The output names of the ONNX graph at ``path`` (its weights are not read)."""
+    import onnx
+
+    return [o.name for o in onnx.load(path, load_external_data=False).graph.output]
+
+
 def load_decoder(files: hub.Files, mesh: Any = None) -> tuple[Model, Model | None]:
     """The decoder of ``files`` and, for a decoder of inputs_embeds, its embedding model (with a
-    mesh, their weights placed over it)."""
-    model = load(files.decoder, mesh=mesh)
+    mesh, their weights placed over it). A decoder with outputs that generation does not read
+    (the attention weights of some transformers.js exports) is pruned to those it reads
+    (:func:`generation.outputs`)."""
+    names = output_names(files.decoder)
+    keep = gen.outputs(names)
+    model = load(files.decoder, outputs=keep if len(keep) < len(names) else None, mesh=mesh)
     embed = load(files.embed, mesh=mesh) if files.embed else None
     return model, embed
 
