@@ -305,7 +305,7 @@ def test_overrides_win_over_the_rules(tmp_path):
 @pytest.mark.slow
 def test_every_family():
     """The other fixture families (Qwen2, Gemma 3, Whisper, the embedding-fed SmolVLM decoder,
-    Qwen2.5-VL's M-RoPE decoder, ViT-GPT2) on model 2 x data 4, with logits processors."""
+    Qwen2.5-VL's M-RoPE decoder) on model 2 x data 4, with logits processors."""
     processors = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}
     names = [
         "qwen2-optimum",
@@ -315,7 +315,6 @@ def test_every_family():
         "whisper-optimum",
         "smolvlm-torch",
         "qwen25vl-genai-fp32",
-        "vitgpt2-optimum",
     ]
     result = _run([{"fixture": n, "meshes": [[2, 4]], "options": processors} for n in names])
     assert sorted({c["fixture"] for c in result["cases"]}) == sorted(names)

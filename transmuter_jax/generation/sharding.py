@@ -4,9 +4,11 @@ The rules come from the graph's structure. A *linear* node is a MatMul, Gemm or 
 whose weight is an initializer. Walking back from a linear node's activation input (through
 every op but Shape/Size, whose outputs carry no values) finds the linear nodes that feed it:
 
-- a node reached without passing a normalization is *row-parallel* (its input features split
-  on "model": attention's output projection, the MLP's down projection), and the linear nodes
-  it reaches are its *column-parallel* partners (attention's q/k/v, the MLP's gate and up);
+- a node reached without passing a normalization (a norm of each head alone, such as Gemma 3's
+  q/k norms with a scale of head_size values, does not count) is *row-parallel* (its input
+  features split on "model": attention's output projection, the MLP's down projection), and the
+  linear nodes it reaches are its *column-parallel* partners (attention's q/k/v, the MLP's gate
+  and up);
 - a group whose walk passes attention (Softmax, GroupQueryAttention, MultiHeadAttention,
   Attention) is split by heads: every projection's outputs must hold whole heads on each
   device; a fused q/k/v projection (its output split, or packed into GroupQueryAttention) is
@@ -219,6 +221,13 @@ def find_rules(
     outputs = {o.name for o in model.outputs}
     logits = {"logits"} & outputs or outputs
 
+    def per_head(node) -> bool:
+        """Whether ``node`` normalizes each attention head alone (a normalization whose scale
+        holds ``head_size`` values), so that a walk passes it."""
+        if node.op_type not in _NORMS or node.op_type == "ReduceMean" or head_size is None:
+            return False
+        return len(node.input) > 1 and shapes.get(node.input[1]) == (head_size,)
+
     def back(index: int) -> tuple[set[int], bool, bool]:
         """The linear nodes feeding the activation of node ``index``; whether a normalization
         and attention were passed."""
@@ -235,6 +244,9 @@ def find_rules(
                 found.add(at)
                 continue
             if node.op_type in _SHAPE_ONLY:
+                continue
+            if per_head(node):  # q/k norms of each head (Gemma 3, Qwen 3) stay within heads
+                stack.append((scope, node.input[0]))
                 continue
             norm |= node.op_type in _NORMS
             attention |= node.op_type in _ATTENTION
