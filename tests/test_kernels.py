@@ -83,6 +83,20 @@ def test_matmul_kernel(rng, m, k, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [kernels.MATMUL_MAX_ROWS, kernels.MATMUL_MAX_ROWS + 1])
+def test_matmul_many_rows_go_to_xla(rng, rows):
+    """Up to MATMUL_MAX_ROWS rows the kernel runs; more (over all leading dimensions) leave the
+    product to XLA's dot on the unpacked weight, with the same result."""
+    x = rng.standard_normal((1, rows, 24)).astype(np.float32)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    fn = jax.jit(kernels.matmul, static_argnums=2)
+    packed = jnp.asarray(kernels.pack(w))
+    hlo = fn.lower(x, packed, 40).as_text()
+    assert ("tj_gemm_f32" in hlo) == (rows <= kernels.MATMUL_MAX_ROWS)
+    _close(fn(x, packed, 40), x.astype(np.float64) @ w, 24)
+
+
+@needs_kernels
 @pytest.mark.parametrize("shape", [(2, 3, 40), (40,), (1, 1, 40), (0, 40), (3, 0)])
 def test_matmul_kernel_batch_dims(rng, shape):
     x = rng.standard_normal(shape).astype(np.float32)

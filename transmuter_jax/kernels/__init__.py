@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import math
 import os
 from collections.abc import Callable
 
@@ -32,6 +33,9 @@ STRIP = build.STRIP  # columns per strip of a packed weight; checked against the
 # More rows than this: exact MatMulNBits leaves the product to XLA (dequantize, then one large
 # dot), which is faster there. int8 activations run in the kernel at any number of rows.
 NBITS_MAX_ROWS = 96
+# More rows than this: float32 matmul leaves the product to XLA's dot on the unpacked weight,
+# which is faster for the large products of prefills and vision encoders.
+MATMUL_MAX_ROWS = 512
 # "1": MatMulNBits runs its portable code even where the CPU has AVX512-VNNI (for testing).
 PORTABLE_ENV = "TRANSMUTER_JAX_KERNEL_PORTABLE"
 
@@ -129,7 +133,7 @@ def _matmul_kernel(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
 def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     """``x [..., K] @ w [K, N]`` in float32, ``w`` given packed by :func:`pack`."""
     x = jnp.asarray(x, jnp.float32)
-    if not enabled() or x.shape[-1] == 0:
+    if not enabled() or x.shape[-1] == 0 or math.prod(x.shape[:-1]) > MATMUL_MAX_ROWS:
         return _matmul_reference(x, packed, n)
     return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
 
