@@ -16,7 +16,11 @@ samples of jfk.wav (``transmuter_jax.default.sample_audio()``, 11 s):
   begin_suppress_tokens applied as transformers does), intra_op_num_threads = cores;
 - torch: transformers' ``pipeline("automatic-speech-recognition")`` on the transformers folder
   (PyTorch fp32, ``torch.set_num_threads(cores)``), run with the fixture environment's
-  interpreter (``.venv-fixtures``: torch and transformers 4.57), HF_HUB_OFFLINE=1.
+  interpreter (``.venv-fixtures``: torch and transformers 4.57), HF_HUB_OFFLINE=1, with
+  ``num_beams=1``: the pipeline's own default is beam search with 5 beams (its
+  ``_default_generation_config``, where generation_config.json sets no num_beams), while
+  ``generate()``, transmuter_jax and the ort loop decode greedily; with 5 beams the long
+  recording's transcript differs (a chunk's first token) and torch does 5 rows of work per row.
 
 --threads N below the cores runs every engine's process on the same N CPUs (its affinity, which
 XLA's and transmuter_jax's thread pools follow) with N onnxruntime and PyTorch threads: on a
@@ -247,7 +251,8 @@ def _torch_engine(job: dict, state: dict):
         clocks.append(_Clock())
         with torch.inference_mode():
             size = job["batch"] if len(batch) > 1 or options else 1
-            out = asr(list(batch), batch_size=size, **options)
+            # greedy as the other engines: the pipeline's default is num_beams=5
+            out = asr(list(batch), batch_size=size, generate_kwargs={"num_beams": 1}, **options)
         wall = time.perf_counter() - clocks[-1].start
         texts = [o["text"] for o in out]
         figures = _figures(clocks[-1], wall, len(batch), texts, [])
