@@ -304,9 +304,9 @@ def test_overrides_win_over_the_rules(tmp_path):
 
 @pytest.mark.slow
 def test_every_family():
-    """The other fixture families (Qwen2, Gemma 3 of the genai builder: its q/k norms of each
-    head are SimplifiedLayerNormalization nodes, which the rules pass; Whisper, the embedding-fed SmolVLM decoder,
-    Qwen2.5-VL's M-RoPE decoder) on model 2 x data 4, with logits processors."""
+    """The other fixture families on model 2 x data 4, with logits processors: Qwen2, Gemma 3 of
+    the genai builder (its q/k norms of each head are SimplifiedLayerNormalization nodes, which
+    the rules pass), Whisper, the embedding-fed SmolVLM decoder, Qwen2.5-VL's M-RoPE decoder."""
     processors = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}
     names = [
         "qwen2-optimum",
