@@ -162,6 +162,13 @@ def test_a_split_decoder_without_the_merged_one_is_refused(tmp_path, folder):
         hub.files(tmp_path)
 
 
+def test_a_decoder_without_a_cache_is_refused_as_such(tmp_path):
+    """optimum exports BERT and RoBERTa decoders of image-to-text models without past."""
+    make(tmp_path, [*TEXT, "encoder_model.onnx", "decoder_model.onnx"])
+    with pytest.raises(ModelFileError, match=r"without a KV cache \(decoder_model\.onnx\).*BERT"):
+        hub.files(tmp_path)
+
+
 def test_a_folder_without_a_decoder_says_what_it_has(tmp_path):
     make(tmp_path, [*TEXT, "vision_encoder.onnx"])
     with pytest.raises(

@@ -369,6 +369,12 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
     unmerged += split
     variants += [_genai(repo, root, c, 3, None) for c in configs if c != "genai_config.json"]
     if not variants:
+        if unmerged and not any("with_past" in posixpath.basename(n) for n in unmerged):
+            raise ModelFileError(
+                f"{repo!r} has only a decoder without a KV cache ({', '.join(unmerged)}), as "
+                "optimum exports BERT and RoBERTa decoders: this engine runs decoders that take "
+                "and return past key values (a merged decoder, decoder_model_merged.onnx)"
+            )
         if unmerged:
             raise ModelFileError(
                 f"{repo!r} has a decoder split in two ({', '.join(unmerged)}) and no merged "
