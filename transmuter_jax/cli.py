@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 PROG = "transmuter-jax"
@@ -329,6 +329,18 @@ def _record(result: Any, index: int | None = None, **head: Any) -> dict[str, Any
     return record
 
 
+def _write_line(pieces: Iterable[str]) -> int:
+    """Writes streamed pieces to stdout as they come, then a newline; returns their count."""
+    count = 0
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        count += 1
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return count
+
+
 def _print_texts(results: Sequence[Any]) -> None:
     """The texts of several sequences, each on a line of its own after its index: '[j] text'."""
     for j, result in enumerate(results):
@@ -391,13 +403,7 @@ def _generate(args: argparse.Namespace, notice: _CompileNotice) -> int:
             head["images"] = list(args.image)
         _print_json(results, n, pipe.tokenizer, **head)
         return 0
-    count = 0
-    for piece in pipe.stream(source, seed=args.seed, **extra, **options):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-        count += 1
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    count = _write_line(pipe.stream(source, seed=args.seed, **extra, **options))
     notice.report()
     _say(args, f"{count} pieces in {time.perf_counter() - start:.1f} s "
          f"(compiled shapes: {getattr(pipe, 'compiled_shapes', '-')})")  # fmt: skip
@@ -479,11 +485,7 @@ def _translate(args: argparse.Namespace, notice: _CompileNotice) -> int:
             return 0
         _print_json(results, n)
         return 0
-    for piece in pipe.stream(source, seed=args.seed, **options):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    _write_line(pipe.stream(source, seed=args.seed, **options))
     notice.report()
     return 0
 
@@ -569,11 +571,7 @@ def _transcribe(args: argparse.Namespace, notice: _CompileNotice) -> int:
         options["return_timestamps"] = True
     if not (args.json or timestamps):
         for path in files:
-            for piece in pipe.stream(path, seed=args.seed, **options):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-        sys.stdout.flush()
+            _write_line(pipe.stream(path, seed=args.seed, **options))
         notice.report()
         return 0
     results = pipe.generate(files, seed=args.seed, token_logprobs=args.json, **options)
@@ -713,11 +711,7 @@ def _caption(args: argparse.Namespace, notice: _CompileNotice) -> int:
     n = _returns(options, pipe.defaults)
     if not (args.json or n > 1):
         for image in images:
-            for piece in pipe.stream(image, seed=args.seed, **options):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-        sys.stdout.flush()
+            _write_line(pipe.stream(image, seed=args.seed, **options))
         notice.report()
         return 0
     out = pipe.generate(images, seed=args.seed, token_logprobs=args.json, **options)

@@ -29,6 +29,24 @@ def _vision_encoder(decoder: str) -> str:
     return os.path.join(folder, "vision_encoder.onnx")
 
 
+def community_vision_encoder(repo: Any, files: Any) -> str:
+    """The vision encoder of an onnx-community folder (beside its decoder), refused with the
+    reason when it or embed_tokens.onnx is missing."""
+    path = _vision_encoder(files.decoder)
+    if not os.path.exists(path):
+        hint = "" if files.encoder is None else (
+            f" (its encoder {os.path.basename(files.encoder)}: use "
+            "vision.image_to_text for an encoder-decoder model)"
+        )  # fmt: skip
+        raise ValueError(
+            f"{os.fspath(repo)!r} has no vision encoder ({path}): it is not an "
+            f"image-text-to-text model{hint}"
+        )
+    if files.embed is None:
+        raise ValueError(f"{os.fspath(repo)!r} has no embed_tokens.onnx beside the decoder")
+    return path
+
+
 class ImageTextToText:
     """A vision encoder, the token embeddings and a decoder of inputs_embeds, with the processor,
     from :func:`image_text_to_text`.
@@ -48,18 +66,7 @@ class ImageTextToText:
     def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         self.files = resolve(repo, dtype, file)
         mesh = mesh_of(mesh, devices)
-        self.vision_encoder = _vision_encoder(self.files.decoder)
-        if not os.path.exists(self.vision_encoder):
-            hint = "" if self.files.encoder is None else (
-                f" (its encoder {os.path.basename(self.files.encoder)}: use "
-                "vision.image_to_text for an encoder-decoder model)"
-            )  # fmt: skip
-            raise ValueError(
-                f"{os.fspath(repo)!r} has no vision encoder ({self.vision_encoder}): it is not an "
-                f"image-text-to-text model{hint}"
-            )
-        if self.files.embed is None:
-            raise ValueError(f"{os.fspath(repo)!r} has no embed_tokens.onnx beside the decoder")
+        self.vision_encoder = community_vision_encoder(repo, self.files)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         self.processor = Idefics3Processor(self.files.folder, self.tokenizer)
         config = hub.read_json(self.files.folder, "config.json")

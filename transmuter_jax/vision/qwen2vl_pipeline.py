@@ -15,7 +15,7 @@ from ..onnx.errors import DynamicShapeError, GraphError, ModelFileError, Unsuppo
 from ..onnx.model import load
 from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve
 from ..text.tokenizer import Tokenizer
-from .image_text_to_text import ImageTextToText, Messages, _vision_encoder
+from .image_text_to_text import ImageTextToText, Messages, community_vision_encoder
 from .images import ImageInput
 from .qwen2vl import Qwen2VLProcessor
 
@@ -58,14 +58,8 @@ class Qwen2VLImageTextToText(ImageTextToText):
         if self.genai:
             self.vision_encoder, self.grid_input = genai_vision(self.files)
         else:
-            self.vision_encoder, self.grid_input = _vision_encoder(self.files.decoder), None
-            if not os.path.exists(self.vision_encoder):
-                raise ValueError(
-                    f"{os.fspath(repo)!r} has no vision encoder ({self.vision_encoder}): it is "
-                    "not an image-text-to-text model"
-                )
-            if self.files.embed is None:
-                raise ValueError(f"{os.fspath(repo)!r} has no embed_tokens.onnx beside the decoder")
+            self.vision_encoder = community_vision_encoder(repo, self.files)
+            self.grid_input = None
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         self.processor = Qwen2VLProcessor(self.files.folder, self.tokenizer)
         self.image_token_id = self.processor.rope.image_token_id
