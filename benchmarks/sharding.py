@@ -32,7 +32,7 @@ def child(args) -> dict:
 
     import transmuter_jax as tj
     from transmuter_jax import generation
-    from transmuter_jax.generation import sharding
+    from transmuter_jax.parallel import sharding
 
     n = args.child
     devices = jax.devices()[:n]

@@ -24,7 +24,7 @@ jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(
 from generation_cases import case, context  # noqa: E402
 
 from transmuter_jax import generation  # noqa: E402
-from transmuter_jax.generation import sharding  # noqa: E402
+from transmuter_jax.parallel import sharding  # noqa: E402
 
 
 def main() -> None:

@@ -33,9 +33,9 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import transmuter_jax as tj  # noqa: E402
 from transmuter_jax import generation, kernels, text  # noqa: E402
-from transmuter_jax.generation import sharding  # noqa: E402
 from transmuter_jax.onnx.dtypes import to_device_dtype  # noqa: E402
 from transmuter_jax.onnx.trace import subgraphs  # noqa: E402
+from transmuter_jax.parallel import sharding  # noqa: E402
 
 BATCH = 8
 TEXTS = (["The quiet river", "A small cat sat"],)  # 2 rows: the data axis of 4 rounds them up

@@ -17,7 +17,8 @@ counts = {}
 monitoring.register_event_listener(
     lambda name, **kw: counts.__setitem__(name, counts.get(name, 0) + 1))
 import transmuter_jax as tj
-from transmuter_jax import generation, stored
+from transmuter_jax import generation
+from transmuter_jax.runtime import stored
 folder = sys.argv[1]
 model = tj.load(folder + "/model.onnx")
 ctx = generation.compile(generation.context(folder, model, max_new_tokens=6), 2)
@@ -101,7 +102,7 @@ def test_a_graph_fingerprint_names_the_graph_not_the_load():
 def test_a_stored_program_key_changes_with_what_shapes_the_program(monkeypatch):
     import numpy as np
 
-    from transmuter_jax import stored
+    from transmuter_jax.runtime import stored
 
     def key(what, args):
         return stored._key(what, *stored._abstract(args))
@@ -120,7 +121,7 @@ def test_what_jax_export_cannot_store_runs_as_plain_jit(tmp_path, monkeypatch):
     import jax
     import numpy as np
 
-    from transmuter_jax import compile_cache, stored
+    from transmuter_jax.runtime import compile_cache, stored
 
     monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))
 

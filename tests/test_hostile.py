@@ -185,7 +185,7 @@ STORE = """
 import json, sys, warnings
 import numpy as np
 import transmuter_jax as tj
-from transmuter_jax import compile_cache, stored
+from transmuter_jax.runtime import compile_cache, stored
 compile_cache.enable(sys.argv[1])
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

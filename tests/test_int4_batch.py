@@ -93,7 +93,7 @@ def test_xla_computes_each_row_alike_at_any_batch():
     import jax
     import jax.numpy as jnp
 
-    from transmuter_jax.onnx.compiler import YNN_OPTION, cpu_options, jit_options
+    from transmuter_jax.runtime.jit import YNN_OPTION, cpu_options, jit_options
 
     if jax.default_backend() != "cpu" or YNN_OPTION not in cpu_options():
         pytest.skip("XLA CPU with YNNPACK fusions only")

@@ -22,7 +22,9 @@ from generation_cases import context
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from transmuter_jax import generation
-from transmuter_jax.generation import GenerationError, qkv, sharding
+from transmuter_jax.generation import GenerationError
+from transmuter_jax.onnx import qkv
+from transmuter_jax.parallel import sharding
 
 ROOT = pathlib.Path(__file__).parent.parent
 MESHES = [[8, 1], [2, 4], [1, 8]]  # [model, data]

@@ -1,6 +1,5 @@
 """transmuter_jax: run Hugging Face ONNX models as compiled JAX programs."""
 
-from . import compile_cache
 from .onnx import (
     DynamicShapeError,
     GraphError,
@@ -10,8 +9,9 @@ from .onnx import (
     TransmuterError,
     UnsupportedOpError,
     ValueInfo,
-    load,
 )
+from .parallel import load
+from .runtime import compile_cache
 
 __all__ = [
     "compile_cache",

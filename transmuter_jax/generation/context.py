@@ -38,7 +38,7 @@ class Context:
         jit_options: options of jax.jit, set by compile().
         stops: the stop strings with the text of each token (None without stop_strings).
         placement: with a mesh, where the weights and cache live
-            (:class:`~transmuter_jax.generation.sharding.Placement`), set by compile().
+            (:class:`~transmuter_jax.parallel.sharding.Placement`), set by compile().
     """
 
     model: Model

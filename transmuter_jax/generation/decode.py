@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..onnx.compiler import jit_options
-from ..stored import StoredJit, storable
+from ..runtime.jit import jit_options
+from ..runtime.stored import StoredJit, storable
 from .processors import Rows
 from .steps import Steps
 

@@ -1,10 +1,7 @@
-"""The error of generation's refusals."""
+"""The error of generation's refusals (defined in the runtime floor, which sharding shares)."""
 
 from __future__ import annotations
 
-from ..onnx.errors import TransmuterError
+from ..runtime.errors import GenerationError
 
-
-class GenerationError(TransmuterError, ValueError):
-    """A generation option, prompt or input that generation refuses, named with what is wrong
-    (raised before any cache is allocated or program compiled)."""
+__all__ = ["GenerationError"]

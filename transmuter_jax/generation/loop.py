@@ -20,14 +20,14 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ..onnx.dtypes import device_dtype
+from ..onnx.qkv import split_qkv
+from ..parallel import sharding
 from . import cache as cache_modes
-from . import sharding
 from .beam import BeamPrompt
 from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
 from .errors import GenerationError
 from .processors import Rows, static_masks
-from .qkv import split_qkv
 from .select import beam_selection, selection
 from .steps import Steps, chunk, pad_grow
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..stored import storable
+from ..runtime.stored import storable
 from .options import Options
 
 LOWEST = float(np.finfo(np.float32).min)

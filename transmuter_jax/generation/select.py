@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..stored import AutoStoredJit
+from ..runtime.stored import AutoStoredJit
 from .options import Options
 from .processors import LOWEST, Rows, process
 

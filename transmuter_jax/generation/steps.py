@@ -7,7 +7,6 @@ XLA program. The cache buffers are donated, so XLA updates them in place.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
@@ -17,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import kernels
-from ..onnx.compiler import jit_options
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.rewrite import NotPaddable, PaddedPast, pad_past
-from ..stored import StoredJit
+from ..runtime import switch
+from ..runtime.jit import jit_options
+from ..runtime.stored import StoredJit
 from . import cache as cache_modes
 from .context import Context
 
@@ -191,6 +190,7 @@ def _step_function(
         model = padding.model
     static = {name: np.array([branch], dtype=bool) for name in model.static_inputs}
     names = {i.name for i in model.inputs}
+    placed = ctx.model.params  # concrete arrays: whether they span a mesh
 
     def step(params, embed_params, cache, feed, lengths, last):
         inputs = {k: v for k, v in feed.items() if k in names}
@@ -212,8 +212,7 @@ def _step_function(
         if padding is not None:  # the rows before each row's valid ones (all rows alike)
             have = cache_modes.cache_length(cache, layout)
             inputs[padding.input] = jnp.int32(have) - lengths[0]
-        sharded = ctx.placement is not None and ctx.placement.mesh.devices.size > 1
-        with kernels.off() if sharded else contextlib.nullcontext():
+        with switch.off_over_mesh(placed):
             outputs = model.trace(static, params, inputs)  # a mesh: no custom calls
         logits = outputs["logits"]  # [B, S, V]
         index = jnp.arange(logits.shape[0])

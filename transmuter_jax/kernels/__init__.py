@@ -14,8 +14,6 @@ sets the threads of their pool (default: the CPUs this process may use) and
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import ctypes
 import functools
 import math
@@ -26,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..runtime import switch
+from ..runtime.switch import enabled, off  # noqa: F401  (the one switch)
 from . import build
 from .build import library
 
@@ -36,8 +36,7 @@ NBITS_MAX_ROWS = 96
 # More rows than this: float32 matmul leaves the product to XLA's dot on the unpacked weight,
 # which is faster for the large products of prefills and vision encoders.
 MATMUL_MAX_ROWS = 512
-# "1": MatMulNBits runs its portable code even where the CPU has AVX512-VNNI (for testing).
-PORTABLE_ENV = "TRANSMUTER_JAX_KERNEL_PORTABLE"
+PORTABLE_ENV = switch.PORTABLE_ENV
 
 
 def available() -> bool:
@@ -45,24 +44,7 @@ def available() -> bool:
     return library() is not None
 
 
-_OFF = contextvars.ContextVar("transmuter_jax_kernels_off", default=False)
-
-
-def enabled() -> bool:
-    """Whether the kernels run here: the library is available, the backend is the CPU, and no
-    :func:`off` block is tracing."""
-    return not _OFF.get() and jax.default_backend() == "cpu" and available()
-
-
-@contextlib.contextmanager
-def off():
-    """Traces without the kernels inside the block: programs over a mesh, whose custom calls
-    XLA's partitioner cannot split (it would gather their operands on each device)."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
+switch.provide(available)  # enabled() and off() are the runtime's one switch
 
 
 # ---------------------------------------------------------------- packed float32 weights

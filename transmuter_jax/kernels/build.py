@@ -1,7 +1,7 @@
 """Builds the C++ kernels with the system compiler, once per source, flags, jaxlib and CPU.
 
 The shared library goes to ``<cache folder>/kernels/<key>/`` (see
-:func:`transmuter_jax.paths.cache_dir`). The key covers the sources, the flags, the compiler,
+``transmuter_jax.runtime.paths.cache_dir``). The key covers the sources, the flags, the compiler,
 jaxlib and the CPU's identity (``-march=native`` code runs only on the CPU it was built for), so
 a cache folder shared between machines holds one library per CPU. The library is written to a
 temporary file and renamed into place, with its sha256 beside it (``libtj_kernels.so.sha256``);
@@ -32,8 +32,10 @@ from pathlib import Path
 import jax
 import jaxlib
 
-ENV = "TRANSMUTER_JAX_KERNELS"
-OFF = ("0", "off", "false", "no")
+from ..runtime import switch
+
+ENV = switch.KERNELS_ENV
+OFF = switch.OFF_VALUES
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("pool.cc", "gemm.cc", "nbits.cc")  # and the headers beside them
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
@@ -53,7 +55,7 @@ _tried = False
 
 def disabled_by_env() -> bool:
     """Whether ``TRANSMUTER_JAX_KERNELS`` turns the kernels off."""
-    return os.environ.get(ENV, "").strip().lower() in OFF
+    return not switch.wanted()
 
 
 def compiler() -> str | None:
@@ -137,7 +139,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def build(cxx: str) -> Path:
     """The path of the built library, verified; compiled first if the cache lacks it or holds a
     library that does not match its checksum."""
-    from ..paths import cache_dir
+    from ..runtime.paths import cache_dir
 
     folder = cache_dir() / "kernels" / _key(cxx)
     target = folder / LIBRARY

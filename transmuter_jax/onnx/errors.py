@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from ..runtime.errors import ModelFileError, TransmuterError
 
-class TransmuterError(Exception):
-    """Base class of the errors of transmuter_jax."""
-
-
-class ModelFileError(TransmuterError, ValueError):
-    """The ONNX file or its external data cannot be read or is not allowed."""
+__all__ = [
+    "DynamicShapeError",
+    "GraphError",
+    "InputError",
+    "ModelFileError",
+    "TransmuterError",
+    "UnsupportedOpError",
+]
 
 
 class UnsupportedOpError(TransmuterError, NotImplementedError):

@@ -23,17 +23,17 @@ import onnx.inliner
 from google.protobuf.message import DecodeError
 from onnx import GraphProto, TensorProto, numpy_helper
 
-from .. import compile_cache, kernels
-from ..kernels.build import ENV as KERNELS_ENV
+from .. import kernels
+from ..runtime import compile_cache, switch
+from ..runtime.jit import jit_options
+from ..runtime.switch import TRACE_ENVIRONMENT, trace_environment  # noqa: F401
 from . import (
     inline,
     ops,  # noqa: F401  (registers the op implementations)
     prepack,
 )
-from .compiler import jit_options
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
 from .errors import GraphError, InputError, ModelFileError, TransmuterError, UnsupportedOpError
-from .ops.quant import INT8_ENV
 from .registry import registered
 from .trace import (
     Graph,
@@ -57,15 +57,6 @@ INLINE_FILE_BYTES = 16 << 20
 MAX_ELEMENTS = 1 << 48
 # Ops whose output holds the values of their first input, as an index flows through them.
 _SAME_VALUES = {"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten"}
-# Environment switches read while tracing (they change the traced program): their values are
-# part of the in-memory compile key, so a program traced under one setting is never reused
-# under another.
-TRACE_ENVIRONMENT = (KERNELS_ENV, kernels.PORTABLE_ENV, INT8_ENV)
-
-
-def trace_environment() -> tuple[tuple[str, str | None], ...]:
-    """The values of the :data:`TRACE_ENVIRONMENT` switches now."""
-    return tuple((name, os.environ.get(name)) for name in TRACE_ENVIRONMENT)
 
 
 class ValueInfo(NamedTuple):
@@ -191,41 +182,20 @@ def _is_weight(array: np.ndarray) -> bool:
     return array.size > limit and fits_device(array)
 
 
-def load(
-    onnx_file: str | os.PathLike,
-    *,
-    outputs: Sequence[str] | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    shard_overrides: Mapping[str, Any] | None = None,
-    shard_small: int | None = None,
-) -> Model:
-    """Loads an ONNX model as a :class:`Model`.
+def load(onnx_file: str | os.PathLike, *, outputs: Sequence[str] | None = None) -> Model:
+    """Loads an ONNX model as a :class:`Model` (``transmuter_jax.load`` also takes a mesh).
 
     Args:
         onnx_file: path of the ``.onnx`` file; external data must lie in its folder.
         outputs: names of the graph outputs to compute; the graph is pruned to what they need.
-        mesh: a mesh with axes "model" and/or "data": the weights go from the file straight to
-            their shards by the sharding rules (:mod:`transmuter_jax.generation.sharding`), so
-            that no device ever holds a whole split weight; the CPU kernels' packing is skipped.
-            ``generation.compile(..., mesh=)`` keeps this placement.
-        shard_overrides: with ``mesh``, partition specs by initializer name that win over the
-            rules (None: replicated), as ``generation.compile`` takes them.
-        shard_small: with ``mesh``, embeddings and LM heads of fewer elements stay replicated
-            (default 65536).
 
     Returns:
-        The model, whose weights are on the default JAX device, or on ``mesh``.
+        The model, whose weights are on the default JAX device.
     """
     compile_cache.configure()
     path = os.fspath(onnx_file)
-    with _graph_errors(path, "load"):
-        if mesh is None:
-            return Model(path, outputs=outputs)
-        from ..generation import sharding  # the rules read the graph's structure
-
-        small = sharding.SMALL if shard_small is None else shard_small
-        host = Model(path, outputs=outputs, host=True)
-        return sharding.place_model(host, mesh, small=small, overrides=shard_overrides)
+    with graph_errors(path, "load"):
+        return Model(path, outputs=outputs)
 
 
 class Model:
@@ -388,13 +358,8 @@ class Model:
         if fn is None:
             start = time.perf_counter()
             function = partial(self.trace, dict(static))
-            # Weights over a mesh: no kernels, whose custom calls XLA does not partition.
-            sharded = any(
-                isinstance(v, jax.Array) and len(v.sharding.device_set) > 1
-                for v in self.params.values()
-            )
-            off = kernels.off() if sharded else contextlib.nullcontext()
-            with compile_cache.scope(), _graph_errors(self.path, "trace"), off:
+            off = switch.off_over_mesh(self.params)  # no kernels over a mesh
+            with compile_cache.scope(), graph_errors(self.path, "trace"), off:
                 lowered = jax.jit(function, **jit_options()).lower(self.params, dynamic)
                 traced = time.perf_counter()
                 fn = lowered.compile()
@@ -624,7 +589,7 @@ def _check_together(model: Model, values: Mapping[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def _graph_errors(path: str, doing: str):
+def graph_errors(path: str, doing: str):
     """Raises what goes wrong inside as this package's errors (GraphError, UnsupportedOpError)."""
     try:
         yield

@@ -15,8 +15,8 @@ import numpy as np
 
 from .. import default, hub
 from .. import generation as gen
-from ..generation import sharding
-from ..onnx.model import Model, load
+from ..onnx.model import Model
+from ..parallel import load, sharding
 from .tokenizer import Tokenizer
 
 KEEP_CONTEXTS = 8  # compiled contexts kept per pipeline (one per batch size and options)

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import kernels
+from ...runtime import switch
 from ..registry import op
 from ._util import onnx_dtype, precision, xp
 
 MS = "com.microsoft"
 # MatMulNBits nodes with accuracy_level 4 quantize their input to int8 per row and block, as
 # onnxruntime's CPU kernels do; "0" dequantizes the weights exactly at every level instead.
-INT8_ENV = "TRANSMUTER_JAX_NBITS_INT8"
+INT8_ENV = switch.INT8_ENV
 
 
 def int8_activations(accuracy_level: int) -> bool:

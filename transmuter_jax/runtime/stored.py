@@ -31,15 +31,14 @@ import jax
 import numpy as np
 import onnx
 
-from . import compile_cache
-from .onnx.model import TRACE_ENVIRONMENT
+from . import compile_cache, switch
 
 MAX_BYTES = 256 << 20  # oldest programs go beyond this
 # The files hold their key (see compile_cache.seal); older versions' files end in .jaxexport
 # alone, so the two never read each other's, and the old ones go first when the folder is full.
 SUFFIX = ".tj1.jaxexport"
 # Environment variables that change what a traced program computes.
-ENVIRONMENT = TRACE_ENVIRONMENT
+ENVIRONMENT = switch.TRACE_ENVIRONMENT
 # The custom calls of the CPU kernels (jax.export refuses unknown ones unless told).
 CUSTOM_CALLS = ("tj_gemm_f32", "tj_matmul_nbits")
 # Programs this process traced and stored ("exported"), and read back instead ("read").
@@ -64,10 +63,8 @@ def folder() -> Path | None:
 @functools.cache
 def _library() -> str:
     """The fingerprint of this library's code and of the packages that shape its programs."""
-    from . import kernels
-
     digest = hashlib.sha256()
-    root = Path(__file__).parent
+    root = Path(__file__).parent.parent  # the package's sources, all floors
     for path in sorted(root.rglob("*")):
         if path.suffix in (".py", ".cc", ".h") and path.is_file():
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
@@ -80,7 +77,7 @@ def _library() -> str:
         ("onnx", onnx.__version__),
     ):
         digest.update(f"{name}={version}\0".encode())
-    on = kernels.available() and jax.default_backend() == "cpu"  # not an off() block's view
+    on = switch.here()  # not an off() block's view
     digest.update(f"kernels={on}\0".encode())
     return digest.hexdigest()
 
@@ -164,7 +161,8 @@ class StoredJit:
 
     def _program(self, args: tuple):
         where = folder()
-        if self._key is None or where is None or _spans_devices(args):
+        # Arguments over a mesh: stored programs keep no shardings, so these run as plain jit.
+        if self._key is None or where is None or switch.spans_devices(args):
             _tell("start")
             return self._jit()
         if not _store_works():
@@ -195,14 +193,6 @@ class StoredJit:
         if self._plain is None:
             self._plain = jax.jit(self._fn, donate_argnums=self._donate, **self._options)
         return self._plain
-
-
-def _spans_devices(args: tuple) -> bool:
-    """Whether an argument lies on more than one device (a mesh): stored programs keep no
-    shardings, so such programs run as plain jit."""
-    return any(
-        isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in jax.tree.leaves(args)
-    )
 
 
 def storable(cls: type) -> type:

@@ -1,5 +1,5 @@
 """Fused q/k/v projections rewritten as one product each, so that the sharding rules split them
-by heads (:mod:`.sharding`).
+by heads (:mod:`transmuter_jax.parallel.sharding`).
 
 Two layouts of the main graph are rewritten:
 
@@ -21,9 +21,9 @@ from collections.abc import Mapping
 import numpy as np
 from onnx import GraphProto, NodeProto, helper, numpy_helper
 
-from ..onnx.model import Model
-from ..onnx.trace import subgraphs
-from .sharding import _attr, _linear
+from .model import Model
+from .products import attr, linear
+from .trace import subgraphs
 
 _LINEAR = ("MatMul", "Gemm", "MatMulNBits")
 
@@ -101,12 +101,9 @@ class _Rewriter:
                 node = self.producer.get(value)
         if node is None or node.op_type not in _LINEAR or not self._only(value):
             return None, None, None
-        if (
-            node.domain not in ("", "ai.onnx", "com.microsoft")
-            or _linear(node, self.shapes) is None
-        ):
+        if node.domain not in ("", "ai.onnx", "com.microsoft") or linear(node, self.shapes) is None:
             return None, None, None
-        if _linear(node, self.shapes).weight not in self.params:
+        if linear(node, self.shapes).weight not in self.params:
             return None, None, None
         return node, add, reshape
 
@@ -115,15 +112,15 @@ class _Rewriter:
         lin, add, reshape = self._chain(split.input[0])
         if lin is None:
             return None
-        n = _linear(lin, self.shapes).n
+        n = linear(lin, self.shapes).n
         outputs = list(split.output)
         sizes = self._value(split.input[1]) if len(split.input) > 1 and split.input[1] else None
-        sizes = sizes if sizes is not None else _attr(split, "split", None)
+        sizes = sizes if sizes is not None else attr(split, "split", None)
         if sizes is None:
             sizes = [n // len(outputs)] * len(outputs) if n % len(outputs) == 0 else None
         if sizes is None or len(sizes) != len(outputs) or sum(int(s) for s in sizes) != n:
             return None
-        axis = int(_attr(split, "axis", 0))
+        axis = int(attr(split, "axis", 0))
         if axis != -1:
             rank = self._length(reshape.input[1]) if reshape is not None else None
             if rank is None or axis != rank - 1:
@@ -147,8 +144,8 @@ class _Rewriter:
         lin, add, reshape = self._chain(ins[0])
         if lin is None or reshape is not None:
             return None
-        heads, kv = int(_attr(gqa, "num_heads", 0)), int(_attr(gqa, "kv_num_heads", 0))
-        n = _linear(lin, self.shapes).n
+        heads, kv = int(attr(gqa, "num_heads", 0)), int(attr(gqa, "kv_num_heads", 0))
+        n = linear(lin, self.shapes).n
         if not heads or not kv or n % (heads + 2 * kv):
             return None
         size = n // (heads + 2 * kv)
@@ -166,7 +163,7 @@ class _Rewriter:
 
     def _part(self, lin, add, reshape, shape, start: int, width: int, out: str) -> list:
         """The nodes that compute columns [start, start + width) of the chain, into ``out``."""
-        info = _linear(lin, self.shapes)
+        info = linear(lin, self.shapes)
         node = NodeProto()
         node.CopyFrom(lin)
         node.name = f"{lin.name}.cols{start}"
@@ -189,7 +186,7 @@ class _Rewriter:
             nodes.append(helper.make_node("Add", other, [self._name(value)], name=name))
             value = nodes[-1].output[0]
         if reshape is not None:
-            allow = int(_attr(reshape, "allowzero", 0))
+            allow = int(attr(reshape, "allowzero", 0))
             name = f"{reshape.name}.cols{start}"
             nodes.append(
                 helper.make_node(
@@ -280,9 +277,7 @@ class _Rewriter:
             if const is not None:
                 total += len(const)
             elif node is not None and node.op_type == "Unsqueeze" and self._scalar(node.input[0]):
-                axes = (
-                    self._value(node.input[1]) if len(node.input) > 1 else _attr(node, "axes", [])
-                )
+                axes = self._value(node.input[1]) if len(node.input) > 1 else attr(node, "axes", [])
                 total += len(axes) if axes is not None else 0
             else:
                 return None

@@ -40,13 +40,13 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from onnx import helper
 
 from .. import kernels
 from ..onnx import prepack
 from ..onnx.model import Model
+from ..onnx.products import attr, linear
 from ..onnx.trace import subgraphs
-from .errors import GenerationError
+from ..runtime.errors import GenerationError
 
 MODEL, DATA = "model", "data"
 AXES = (DATA, MODEL)
@@ -92,19 +92,6 @@ def axis_size(mesh: Mesh, name: str) -> int:
 
 
 @dataclasses.dataclass
-class Linear:
-    """A matrix product by an initializer: which inputs hold it and along which axes."""
-
-    op: str
-    weight: str
-    n: int  # output features
-    k: int  # input features
-    column: dict[str, int]  # initializer -> its axis of the output features
-    row: dict[str, int]  # initializer -> its axis of whole input-feature blocks
-    blocks: int = 0  # MatMulNBits: blocks of K (row-parallel splits whole blocks)
-
-
-@dataclasses.dataclass
 class _Scope:
     """One graph (the main graph or an If / Loop body) of the flattened nodes."""
 
@@ -127,42 +114,6 @@ def _flatten(graph, nodes: list, scopes: list, parent=None, owner=None) -> int:
         for sub in subgraphs(node):
             nodes[index][2].append(_flatten(sub, nodes, scopes, at, index))
     return at
-
-
-def _attr(node, name: str, default: Any) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _linear(node, shapes: Mapping[str, tuple]) -> Linear | None:
-    ins = list(node.input) + [""] * 4
-    op, w = node.op_type, ins[1]
-    if w not in shapes:
-        return None
-    shape = shapes[w]
-    if op == "MatMul" and len(shape) == 2:
-        return Linear(op, w, shape[1], shape[0], {w: 1}, {w: 0})
-    if op == "Gemm" and len(shape) == 2:
-        trans = bool(_attr(node, "transB", 0))
-        n_axis = 0 if trans else 1
-        column = {w: n_axis}
-        if len(shapes.get(ins[2], ())) == 1:  # the bias [N]
-            column[ins[2]] = 0
-        return Linear(op, w, shape[n_axis], shape[1 - n_axis], column, {w: 1 - n_axis})
-    if op == "MatMulNBits" and len(shape) == 3:
-        n, blocks = shape[0], shape[1]
-        column = {w: 0}
-        row = {w: 1}
-        for extra in (ins[2], ins[3], ins[5]):  # scales, zero points, bias
-            if extra in shapes:
-                column[extra] = 0
-                if len(shapes[extra]) == 2 and shapes[extra][1] == blocks and extra == ins[2]:
-                    row[extra] = 1
-        k = int(_attr(node, "K", 0))
-        return Linear(op, w, n, k, column, row, blocks)
-    return None
 
 
 @dataclasses.dataclass
@@ -217,7 +168,7 @@ def find_rules(
         for name in dict.fromkeys(node.input):
             if name:
                 consumers[(resolve(scope, name)[1], name)].append(index)
-    linears = {i: lin for i, (nd, _, _) in enumerate(nodes) if (lin := _linear(nd, shapes))}
+    linears = {i: lin for i, (nd, _, _) in enumerate(nodes) if (lin := linear(nd, shapes))}
     outputs = {o.name for o in model.outputs}
     logits = {"logits"} & outputs or outputs
 
@@ -360,7 +311,7 @@ def find_rules(
         gather = node.op_type in ("Gather", "GatherBlockQuantized")
         if not gather or table not in shapes or table in specs:
             continue
-        axis = _attr(node, "gather_axis" if node.op_type != "Gather" else "axis", 0)
+        axis = attr(node, "gather_axis" if node.op_type != "Gather" else "axis", 0)
         big = int(np.prod(shapes[table])) >= small
         if n > 1 and axis == 0 and shapes[table][0] % n == 0 and big:
             put(table, 0)
@@ -485,14 +436,14 @@ def head_size(model: Model) -> int | None:
     for node in model.graph.proto.node:
         if node.op_type != "GroupQueryAttention":
             continue
-        heads, kv = int(_attr(node, "num_heads", 0)), int(_attr(node, "kv_num_heads", 0))
+        heads, kv = int(attr(node, "num_heads", 0)), int(attr(node, "kv_num_heads", 0))
         packed = len(node.input) < 2 or not node.input[1]
         source = producer.get(node.input[0])
         for _ in range(4):  # through a bias Add or a Reshape
             if source is None or source.op_type not in _PASS:
                 break
             source = producer.get(source.input[0])
-        lin = _linear(source, shapes) if source is not None else None
+        lin = linear(source, shapes) if source is not None else None
         parts = heads + 2 * kv if packed else heads
         if lin is not None and parts and lin.n % parts == 0:
             return lin.n // parts
@@ -514,7 +465,7 @@ def place_model(
     if unknown:
         raise GenerationError(f"mesh axes {unknown} are not 'model' or 'data'")
     if axis_size(mesh, MODEL) > 1:  # fused q/k/v products as one each (see .qkv)
-        from .qkv import split_qkv  # it reads this module's view of the products
+        from ..onnx.qkv import split_qkv  # it reads this module's view of the products
 
         model = split_qkv(model)
     rules = find_rules(model, mesh, head_size=head_size(model), small=small, overrides=overrides)

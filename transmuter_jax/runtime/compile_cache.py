@@ -1,7 +1,7 @@
 """The persistent compilation cache: this package's compiled programs kept on disk.
 
 Nothing is set when transmuter_jax is imported. The first model load (or :func:`enable`) picks
-the folder: ``<cache folder>/jax`` (see :func:`transmuter_jax.paths.cache_dir`), moved by the
+the folder: ``<cache folder>/jax`` (see :func:`.paths.cache_dir`), moved by the
 environment variable ``TRANSMUTER_JAX_COMPILE_CACHE`` (a folder) or turned off by it (``0``,
 ``off``, ``false`` or ``no``). JAX's global configuration is never changed: the programs this
 package compiles are compiled inside :func:`scope`, which lends JAX's cache machinery a cache of
@@ -145,7 +145,7 @@ def scope() -> Iterator[None]:
     configure()
     depth = getattr(_local, "depth", 0)
     if depth == 0:  # the compiler options' probe compiles outside any cache, before the lend
-        from .onnx.compiler import jit_options
+        from .jit import jit_options
 
         jit_options()
     folder = _state["folder"]
