@@ -231,7 +231,7 @@ def test_quantized_tokens_differ_from_fp32():
 def test_community_graphs_are_pruned_to_what_is_read(pipes):
     """The transformers.js export returns attention weights (encoder_attentions.N,
     decoder_attentions.N, cross_attentions.N): the pipeline does not compute them."""
-    from transmuter_jax.text._runner import output_names
+    from transmuter_jax.tasks.runner import output_names
 
     community = pipes("community")
     files = community.files

@@ -638,11 +638,11 @@ def _no_image_options(args: argparse.Namespace) -> None:
 
 def _vision_files(model: str | None, args: argparse.Namespace) -> tuple[Any, str]:
     """The files of ``model`` and the path of the vision encoder beside its decoder."""
-    from .text._runner import resolve
-    from .vision.image_text_to_text import _vision_encoder
+    from .tasks.runner import resolve
+    from .vision.image_text_to_text import vision_encoder_path
 
     files = resolve(model, args.dtype, args.file)
-    return files, _vision_encoder(files.decoder)
+    return files, vision_encoder_path(files.decoder)
 
 
 def _vision_pipeline(model: str | None, args: argparse.Namespace):

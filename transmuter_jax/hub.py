@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .onnx.errors import ModelFileError
+from .runtime.errors import ModelFileError
 
 SMALL_FILES = ("*.json", "*.jinja", "*.txt", "*.model")
 """The files fetched first from the hub: configs, tokenizer and chat templates."""

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .generation.cache import _config_dims
+from .generation.cache import config_dims
 from .onnx.model import Model, ValueInfo
 
 
@@ -43,7 +43,7 @@ def _head_size(model: Model) -> int | None:
         config = os.path.join(folder, "config.json")
         if os.path.exists(config):
             with open(config) as file:
-                size = _config_dims(json.load(file))[1]
+                size = config_dims(json.load(file))[1]
             if size:
                 return int(size)
         folder = os.path.dirname(folder)

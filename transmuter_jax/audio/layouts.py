@@ -23,7 +23,7 @@ import numpy as np
 
 from ..generation.cache import layout, present_name
 from ..onnx.model import Model, load
-from ..text._runner import output_names
+from ..tasks.runner import output_names
 
 HIDDEN = ("last_hidden_state", "hidden_states")  # the encoder's hidden states (optimum, genai)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import generation as gen
 from .. import hub
-from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
+from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from . import chunks as chunking
 from . import layouts

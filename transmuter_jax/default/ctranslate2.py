@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from ..onnx.errors import ModelFileError as _Error
+    from ..runtime.errors import ModelFileError as _Error
 except ImportError:  # loaded by its path in the preparation environment, outside the package
     _Error = ValueError  # type: ignore[assignment,misc]
 

@@ -15,7 +15,7 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ..onnx.errors import TransmuterError
+from ..runtime.errors import TransmuterError
 from ..runtime.paths import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: part of this API)
 
 NAME = "SmolLM2-135M-Instruct"

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..onnx.errors import TransmuterError
+from ..runtime.errors import TransmuterError
 from ..runtime.paths import cache_dir
 from .prepare import HERE, _locked, _Progress, _python, _run
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
-from ..onnx.ops._util import write_rows
+from ..onnx.ops import write_rows
 from ..runtime import jit as compiler
 from ..runtime.stored import AutoStoredJit
 from .errors import GenerationError
@@ -91,7 +91,7 @@ def is_cross(name: str) -> bool:
     return ".encoder." in name or "_cross_" in name
 
 
-def _config_dims(config: dict) -> tuple[int | None, int | None]:
+def config_dims(config: dict) -> tuple[int | None, int | None]:
     text = config.get("text_config", config)
     heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
     heads = heads or text.get("decoder_attention_heads") or text.get("n_head")
@@ -107,7 +107,7 @@ def layout(model: Model, config: dict) -> CacheLayout:
     """The cache layout of ``model``: its cache inputs (:data:`CACHE_PREFIXES`) and their
     present outputs; cross-attention inputs without a present output are given by the caller."""
     outputs = {o.name for o in model.outputs}
-    heads_default, size_default = _config_dims(config)
+    heads_default, size_default = config_dims(config)
     entries, given = [], []
     for info in model.inputs:
         if not info.name.startswith(CACHE_PREFIXES):

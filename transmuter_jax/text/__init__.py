@@ -3,7 +3,7 @@
 See docs/text.md.
 """
 
-from ._runner import Result, WrongTask
+from ..tasks.runner import Result, WrongTask
 from .generation import TextGeneration, generation
 from .text_to_text import TextToText, text_to_text
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ._runner import (
+from ..tasks.runner import (
     Result,
     Runner,
     WrongTask,

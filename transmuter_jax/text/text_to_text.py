@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
-from ._runner import (
+from ..tasks.runner import (
     Result,
     Runner,
     WrongTask,

@@ -29,7 +29,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, pre_tokenizers, processors
 
-from ..onnx.errors import ModelFileError
+from ..runtime.errors import ModelFileError
 from . import chat
 from .stream import TextStream
 

@@ -1,7 +1,7 @@
 """Vision tasks: image to text (VisionEncoderDecoder models) and image and text to text
 (SmolVLM / Idefics3). See docs/vision.md."""
 
-from .image_text_to_text import ImageTextToText, image_text_to_text
+from .image_text_to_text import ImageTextToText
 from .image_to_text import ImageToText, image_to_text
 from .images import ImageError, load_image
 from .processing import (
@@ -10,6 +10,7 @@ from .processing import (
     ViTImageProcessor,
     image_processor,
 )
+from .vlm import image_text_to_text
 
 __all__ = [
     "ImageError",

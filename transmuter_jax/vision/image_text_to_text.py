@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import hub
 from ..onnx.model import load
-from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
+from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from .idefics3 import Idefics3Processor
 from .images import ImageInput
@@ -19,7 +19,7 @@ Messages = Sequence[Mapping[str, Any]]
 QWEN2VL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # model types of vision/qwen2vl_pipeline.py
 
 
-def _vision_encoder(decoder: str) -> str:
+def vision_encoder_path(decoder: str) -> str:
     """The vision encoder beside ``decoder``: ``vision_encoder{_dtype}.onnx`` for
     ``decoder_model_merged{_dtype}.onnx`` (or ``model{_dtype}.onnx``)."""
     folder, base = os.path.split(decoder)
@@ -32,7 +32,7 @@ def _vision_encoder(decoder: str) -> str:
 def community_vision_encoder(repo: Any, files: Any) -> str:
     """The vision encoder of an onnx-community folder (beside its decoder), refused with the
     reason when it or embed_tokens.onnx is missing."""
-    path = _vision_encoder(files.decoder)
+    path = vision_encoder_path(files.decoder)
     if not os.path.exists(path):
         hint = "" if files.encoder is None else (
             f" (its encoder {os.path.basename(files.encoder)}: use "
@@ -211,39 +211,3 @@ class ImageTextToText:
         known = self.processor.images.DEFAULTS
         processing = {k: v for k, v in options.items() if k in known}
         return {k: v for k, v in options.items() if k not in known}, processing
-
-
-def image_text_to_text(
-    repo: str | os.PathLike,
-    *,
-    dtype: str | None = None,
-    file: str | None = None,
-    mesh: Any = None,
-    devices: Sequence[Any] | None = None,
-    **options: Any,
-) -> ImageTextToText:
-    """An image-and-text-to-text pipeline over a SmolVLM / Idefics3 or Qwen2-VL / Qwen2.5-VL model
-    (onnx-community layout: ``onnx/vision_encoder.onnx``, ``onnx/embed_tokens.onnx``,
-    ``onnx/decoder_model_merged.onnx``; for Qwen2.5-VL also the onnxruntime-genai layout, whose
-    genai_config.json names the vision, embedding and decoder graphs).
-
-    Args:
-        repo: a local folder or a hub id.
-        dtype: which variant of the ONNX files (such as "fp32", "q4"); None: fp32.
-        file: the decoder file to use, relative to the repo; overrides ``dtype``.
-        mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
-            are split over it at load and its steps run over it (docs/distributed.md); the
-            encoder stays on the default device.
-        devices: without ``mesh``, the devices of a mesh that puts them all on "model".
-        **options: default generation options, transformers' names.
-
-    Returns:
-        An :class:`ImageTextToText`: call it with messages or ``(image, question)``, or use
-        ``generate``/``stream``.
-    """
-    files = resolve(repo, dtype, file)
-    if hub.read_json(files.folder, "config.json").get("model_type") in QWEN2VL_TYPES:
-        from .qwen2vl_pipeline import Qwen2VLImageTextToText as pipeline
-    else:
-        pipeline = ImageTextToText
-    return pipeline(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
-from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
+from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from .images import ImageInput
 from .processing import image_processor

@@ -13,7 +13,7 @@ import numpy as np
 from ..generation.steps import embed_inputs
 from ..onnx.errors import DynamicShapeError, GraphError, ModelFileError, UnsupportedOpError
 from ..onnx.model import load
-from ..text._runner import Result, Runner, load_decoder, mesh_of, resolve
+from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve
 from ..text.tokenizer import Tokenizer
 from .image_text_to_text import ImageTextToText, Messages, community_vision_encoder
 from .images import ImageInput

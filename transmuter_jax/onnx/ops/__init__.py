@@ -17,3 +17,6 @@ from . import (  # noqa: F401
     signal,
     training,
 )
+from ._util import write_rows  # the ops' row writer, which the KV cache modes share
+
+__all__ = ["write_rows"]

@@ -1,4 +1,4 @@
-"""What the text tasks share: resolving a repo, compiled contexts per options, runs, streaming."""
+"""What the task pipelines share: resolving a repo, compiled contexts per options, runs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .. import default, hub
 from .. import generation as gen
 from ..onnx.model import Model
 from ..parallel import load, sharding
-from .tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 KEEP_CONTEXTS = 8  # compiled contexts kept per pipeline (one per batch size and options)
 
