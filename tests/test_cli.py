@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from transmuter_jax import cli
+from transmuter_jax.cli.options import generation_options
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 MODEL = str(FIXTURES / "llama-genai-fp32")
@@ -80,14 +81,14 @@ def test_options_map_to_transformers_names():
     args = cli.parser().parse_args(
         ["generate", "p", "--temperature", "0.7", "--top-k", "5", "--num-beams", "2"]
     )
-    assert cli._options(args) == {
+    assert generation_options(args) == {
         "do_sample": True,
         "temperature": 0.7,
         "top_k": 5,
         "num_beams": 2,
     }
     greedy = cli.parser().parse_args(["generate", "p", "--max-new-tokens", "3"])
-    assert cli._options(greedy) == {"max_new_tokens": 3}
+    assert generation_options(greedy) == {"max_new_tokens": 3}
 
 
 def test_usage_errors_exit_2():
@@ -117,11 +118,11 @@ def test_a_prompt_after_dashes_may_start_with_a_dash():
 def test_temperature_0_is_greedy_and_warns_about_what_it_ignores():
     warnings = []
     args = cli.parse(["generate", "p", "--temperature", "0", "--top-k", "5"])
-    assert cli._options(args, warnings.append) == {"do_sample": False}
+    assert generation_options(args, warnings.append) == {"do_sample": False}
     assert warnings == ["--temperature 0 is greedy decoding: --top-k ignored"]
-    assert cli._options(cli.parse(["generate", "p", "--temperature", "0"]), warnings.append) == {
-        "do_sample": False
-    }
+    assert generation_options(
+        cli.parse(["generate", "p", "--temperature", "0"]), warnings.append
+    ) == {"do_sample": False}
     assert len(warnings) == 1
 
 

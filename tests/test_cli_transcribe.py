@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 from transmuter_jax import audio, cli
+from transmuter_jax.audio.timestamps import clock
+from transmuter_jax.audio.timestamps import spans as spans_of
+from transmuter_jax.cli import inputs
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "whisper-speech-optimum"
 MODEL = str(FIXTURE)
@@ -52,7 +55,7 @@ def test_srt_and_timestamps_follow_the_chunks(pipe, capsys):
     cues = re.findall(r"^(\d+)\n(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})$", srt, re.M)
     assert [int(c[0]) for c in cues] == list(range(1, len(result.chunks) + 1))
     for (_, begin, _end), chunk in zip(cues, result.chunks, strict=True):
-        assert begin == cli._clock(chunk["timestamp"][0], True)
+        assert begin == clock(chunk["timestamp"][0], True)
     plain = _run(capsys, MODEL, CLIP, "--timestamps", "--max-new-tokens", "12")
     assert len(plain.splitlines()) == len(result.chunks)
 
@@ -75,10 +78,10 @@ def test_an_unfinished_last_chunk_ends_with_the_audio(tmp_path, capsys):
     cues = re.findall(r"^\d+\n(\S+) --> (\S+)\n(.*)$", srt, re.M)
     assert [c[2] for c in cues] == [c["text"].strip() for c in chunks]
     start = chunks[-1]["timestamp"][0]
-    assert cues[-1][:2] == (cli._clock(start, True), cli._clock(max(start, duration), True))
-    assert cues[0][1] == cli._clock(chunks[0]["timestamp"][1], True)
+    assert cues[-1][:2] == (clock(start, True), clock(max(start, duration), True))
+    assert cues[0][1] == clock(chunks[0]["timestamp"][1], True)
     plain = _run(capsys, *args, "--timestamps").splitlines()
-    assert plain[-1].startswith(f"[{cli._clock(start)} - {cli._clock(max(start, duration))}]")
+    assert plain[-1].startswith(f"[{clock(start)} - {clock(max(start, duration))}]")
     record = json.loads(_run(capsys, *args, "--json", "--timestamps"))
     assert record["chunks"] == chunks
 
@@ -91,21 +94,21 @@ def test_spans_fill_missing_times():
         {"timestamp": (3.0, 3.5), "text": "d"},
         {"timestamp": (5.0, None), "text": "e"},
     ]
-    spans = cli._spans(chunks, duration=9.0)
+    spans = spans_of(chunks, duration=9.0)
     assert spans == [(0.0, 1.0), (1.0, 3.0), (3.0, 4.0), (3.0, 3.5), (5.0, 9.0)]
-    assert cli._spans([{"timestamp": (12.0, None), "text": "x"}], duration=2.0) == [(12.0, 12.0)]
+    assert spans_of([{"timestamp": (12.0, None), "text": "x"}], duration=2.0) == [(12.0, 12.0)]
 
 
 def test_model_and_audio_are_told_apart(tmp_path):
-    assert cli._model_and_audio([MODEL, CLIP]) == (MODEL, [CLIP])
-    assert cli._model_and_audio([CLIP]) == (None, [CLIP])
-    assert cli._model_and_audio(["speech-base", CLIP]) == ("speech-base", [CLIP])
-    assert cli._model_and_audio(["openai/whisper-tiny", "a.wav"]) == (
+    assert inputs.model_and_audio([MODEL, CLIP]) == (MODEL, [CLIP])
+    assert inputs.model_and_audio([CLIP]) == (None, [CLIP])
+    assert inputs.model_and_audio(["speech-base", CLIP]) == ("speech-base", [CLIP])
+    assert inputs.model_and_audio(["openai/whisper-tiny", "a.wav"]) == (
         "openai/whisper-tiny",
         ["a.wav"],
     )
     with pytest.raises(ValueError, match="no AUDIO file after MODEL"):
-        cli._model_and_audio([MODEL])
+        inputs.model_and_audio([MODEL])
 
 
 @pytest.mark.parametrize(
@@ -123,5 +126,5 @@ def test_errors_are_one_clear_line(args, message, capsys):
 
 
 def test_clock():
-    assert cli._clock(3725.5) == "01:02:05.500"
-    assert cli._clock(0.04, comma=True) == "00:00:00,040"
+    assert clock(3725.5) == "01:02:05.500"
+    assert clock(0.04, comma=True) == "00:00:00,040"

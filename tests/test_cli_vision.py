@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("PIL")
 
 from transmuter_jax import cli, vision  # noqa: E402
+from transmuter_jax.cli import inputs  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 CAPTION = FIXTURES / "vitgpt2-optimum"
@@ -130,13 +131,13 @@ def test_chat_with_an_image_keeps_it_in_the_first_user_message(capsys, monkeypat
 
 def test_model_and_images_are_told_apart():
     photo = str(CAPTION / "grace_hopper.jpg")
-    assert cli._model_and_inputs([str(CAPTION), photo], cli.IMAGE_SUFFIXES, (), "IMAGE") == (
+    assert inputs.model_and_inputs([str(CAPTION), photo], inputs.IMAGE_SUFFIXES, (), "IMAGE") == (
         str(CAPTION),
         [photo],
     )
-    assert cli._model_and_inputs([photo], cli.IMAGE_SUFFIXES, (), "IMAGE") == (None, [photo])
+    assert inputs.model_and_inputs([photo], inputs.IMAGE_SUFFIXES, (), "IMAGE") == (None, [photo])
     hub_id = ["Xenova/vit-gpt2-image-captioning", "cat.jpg"]
-    assert cli._model_and_inputs(hub_id, cli.IMAGE_SUFFIXES, (), "IMAGE") == (
+    assert inputs.model_and_inputs(hub_id, inputs.IMAGE_SUFFIXES, (), "IMAGE") == (
         hub_id[0],
         ["cat.jpg"],
     )

@@ -149,12 +149,22 @@ def private_violations(known, found) -> list[str]:
     return out
 
 
+def implied(imp: Import) -> list[str]:
+    """The modules an import runs: its target, and the packages above it (their ``__init__``)
+    that are not above the importing module (those are running already)."""
+    parts = imp.target.split(".")
+    mine = imp.module.split(".")
+    above = [".".join(parts[:i]) for i in range(1, len(parts)) if parts[:i] != mine[:i]]
+    return [*above, imp.target]
+
+
 def cycles(known, found) -> list[list[str]]:
     """The import cycles: each strongly connected component of more than one module."""
     graph: dict[str, set[str]] = {m: set() for m in known}
     for imp in found:
-        if imp.target in graph and imp.target != imp.module:
-            graph[imp.module].add(imp.target)
+        for target in implied(imp):
+            if target in graph and target != imp.module:
+                graph[imp.module].add(target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -193,9 +203,11 @@ def cycle_violations(known, found) -> list[str]:
     for component in cycles(known, found):
         members = set(component)
         edges = [
-            f"{imp.file}:{imp.line}: {imp.module} -> {imp.target}"
+            f"{imp.file}:{imp.line}: {imp.module} -> {target}"
             for imp in found
-            if imp.module in members and imp.target in members and imp.module != imp.target
+            if imp.module in members
+            for target in implied(imp)
+            if target in members and target != imp.module
         ]
         out.append(f"import cycle among {', '.join(component)}:\n    " + "\n    ".join(edges))
     return out

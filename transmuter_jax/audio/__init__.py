@@ -4,7 +4,7 @@ See docs/speech.md.
 """
 
 from .features import FeatureExtractor, mel_filters
-from .load import Audio, AudioError, load
+from .load import Audio, AudioError, duration, load
 from .speech_to_text import SpeechResult, SpeechToText, speech_to_text
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "FeatureExtractor",
     "SpeechResult",
     "SpeechToText",
+    "duration",
     "load",
     "mel_filters",
     "speech_to_text",

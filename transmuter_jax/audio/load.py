@@ -98,3 +98,9 @@ def load(audio: Any, rate: int, sampling_rate: int | None = None) -> np.ndarray:
         soxr = _needs("soxr")
         samples = soxr.resample(samples, given, rate).astype(np.float32)
     return samples
+
+
+def duration(path: str | os.PathLike) -> float:
+    """The length of the audio file ``path`` in seconds (read from its header)."""
+    soundfile = _needs("soundfile")
+    return float(soundfile.info(os.fspath(path)).duration)

@@ -3,7 +3,7 @@ the task (the chunks of a transcript come from :func:`.chunks.merge`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -64,3 +64,49 @@ def processor(config: Mapping[str, Any]) -> tuple[Callable, Callable]:
         return jnp.where((stamps > text) & ~stamp, LOWEST, scores)
 
     return state, process
+
+
+# ------------------------------------------------------------------ showing a transcript's times
+
+
+def clock(seconds: float | None, comma: bool = False) -> str:
+    """Seconds as HH:MM:SS.mmm (SubRip: HH:MM:SS,mmm)."""
+    millis = round((seconds or 0.0) * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{',' if comma else '.'}{millis:03d}"
+
+
+def spans(chunks: Sequence[Mapping[str, Any]], duration: float) -> list[tuple[float, float]]:
+    """The (start, end) of each chunk to show: a start of None (the pipeline's for text without
+    an opening timestamp) is the end before it (0 for the first), an end of None (an unfinished
+    last chunk) the next start or the audio's ``duration``; an end is never before its start."""
+    out: list[tuple[float, float]] = []
+    for index, chunk in enumerate(chunks):
+        begin, end = chunk["timestamp"]
+        begin = (out[-1][1] if out else 0.0) if begin is None else begin
+        if end is None:
+            later = (c["timestamp"][0] for c in chunks[index + 1 :])
+            end = next((t for t in later if t is not None), duration)
+        out.append((begin, max(begin, end)))
+    return out
+
+
+def subrip(chunks: Sequence[Mapping[str, Any]], duration: float) -> list[str]:
+    """The SubRip cues of ``chunks`` (of audio ``duration`` seconds long), each ending with an
+    empty line."""
+    return [
+        f"{cue}\n{clock(begin, True)} --> {clock(end, True)}\n{chunk['text'].strip()}\n"
+        for cue, (chunk, (begin, end)) in enumerate(
+            zip(chunks, spans(chunks, duration), strict=True), 1
+        )
+    ]
+
+
+def timed_lines(chunks: Sequence[Mapping[str, Any]], duration: float) -> list[str]:
+    """``[start - end] text`` for each chunk."""
+    return [
+        f"[{clock(begin)} - {clock(end)}] {chunk['text'].strip()}"
+        for chunk, (begin, end) in zip(chunks, spans(chunks, duration), strict=True)
+    ]

@@ -9,7 +9,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,7 +17,9 @@ from .. import default, hub
 from .. import generation as gen
 from ..onnx.model import Model
 from ..parallel import load, sharding
-from ..text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the tasks build their tokenizers; text/ imports this module
+    from ..text.tokenizer import Tokenizer
 
 KEEP_CONTEXTS = 8  # compiled contexts kept per pipeline (one per batch size and options)
 
