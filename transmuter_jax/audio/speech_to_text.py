@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import generation as gen
 from .. import hub
+from ..tasks import detect
 from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from . import chunks as chunking
@@ -64,11 +65,7 @@ class SpeechToText:
             repo = default.speech_folder(repo)  # prepared offline on first use
         self.files = resolve(repo, dtype, file)
         mesh = mesh_of(mesh, devices)
-        if self.files.encoder is None:
-            raise ValueError(
-                f"{repo!r} has no encoder: a Whisper export has encoder_model.onnx (or the "
-                "encoder.onnx that genai_config.json names)"
-            )
+        detect.check(detect.SPEECH_TO_TEXT, repo, self.files)
         folder = self.files.folder
         self.tokenizer = Tokenizer.from_folder(folder)
         self.features = FeatureExtractor.from_folder(folder)

@@ -121,36 +121,6 @@ class _Hold:
         return text[start:cut]
 
 
-class WrongTask(ValueError):
-    """The model belongs to another task (a decoder-only model given to text_to_text, an
-    encoder-decoder given to generation, an image encoder given to either).
-
-    Attributes:
-        task: the task that runs it: "generation", "text_to_text" or "image_to_text".
-    """
-
-    def __init__(self, message: str, task: str):
-        super().__init__(message)
-        self.task = task
-
-
-def refuse_image_encoder(repo: str | os.PathLike, files: hub.Files) -> None:
-    """Raises :class:`WrongTask` when the encoder of ``files`` takes ``pixel_values`` (a
-    VisionEncoderDecoder model, which ``vision.image_to_text`` runs)."""
-    if files.encoder is None:
-        return
-    import onnx
-
-    graph = onnx.load(files.encoder, load_external_data=False).graph
-    if "pixel_values" in {i.name for i in graph.input}:
-        raise WrongTask(
-            f"{os.fspath(repo)!r} is an image-to-text model (its encoder "
-            f"{os.path.basename(files.encoder)} takes pixel_values): use "
-            "transmuter_jax.vision.image_to_text",
-            "image_to_text",
-        )
-
-
 class Runner:
     """A decoder with compiled contexts per (batch, options); all share one set of steps.
 

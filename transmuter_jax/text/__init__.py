@@ -3,7 +3,8 @@
 See docs/text.md.
 """
 
-from ..tasks.runner import Result, WrongTask
+from ..tasks.detect import WrongTask
+from ..tasks.runner import Result
 from .generation import TextGeneration, generation
 from .text_to_text import TextToText, text_to_text
 

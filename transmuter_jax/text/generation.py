@@ -6,14 +6,13 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..tasks import detect
 from ..tasks.runner import (
     Result,
     Runner,
-    WrongTask,
     load_decoder,
     mesh_of,
     prompt_kind,
-    refuse_image_encoder,
     resolve,
     texts_of,
 )
@@ -36,13 +35,9 @@ class TextGeneration:
         self, repo, *, dtype=None, file=None, chat_template=None, mesh=None, devices=None, **options
     ):
         self.files = resolve(repo, dtype, file)
-        refuse_image_encoder(repo, self.files)
+        # a vision-language model's text decoder runs text prompts alone
+        detect.check(detect.TEXT_GENERATION, repo, self.files, also=(detect.IMAGE_TEXT_TO_TEXT,))
         mesh = mesh_of(mesh, devices)
-        if self.files.encoder is not None:
-            raise WrongTask(
-                f"{repo!r} is an encoder-decoder model: use transmuter_jax.text.text_to_text",
-                "text_to_text",
-            )
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template

@@ -9,13 +9,12 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
+from ..tasks import detect
 from ..tasks.runner import (
     Result,
     Runner,
-    WrongTask,
     load_decoder,
     mesh_of,
-    refuse_image_encoder,
     resolve,
     texts_of,
 )
@@ -36,12 +35,8 @@ class TextToText:
 
     def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         self.files = resolve(repo, dtype, file)
-        refuse_image_encoder(repo, self.files)
+        detect.check(detect.TEXT_TO_TEXT, repo, self.files)
         mesh = mesh_of(mesh, devices)
-        if self.files.encoder is None:
-            raise WrongTask(
-                f"{repo!r} has no encoder: use transmuter_jax.text.generation", "generation"
-            )
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         self.encoder = load(self.files.encoder)
         decoder, embed = load_decoder(self.files, mesh)

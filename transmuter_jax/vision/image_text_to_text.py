@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import hub
 from ..onnx.model import load
+from ..tasks import detect
 from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from .idefics3 import Idefics3Processor
@@ -19,28 +20,16 @@ Messages = Sequence[Mapping[str, Any]]
 QWEN2VL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # model types of vision/qwen2vl_pipeline.py
 
 
-def vision_encoder_path(decoder: str) -> str:
-    """The vision encoder beside ``decoder``: ``vision_encoder{_dtype}.onnx`` for
-    ``decoder_model_merged{_dtype}.onnx`` (or ``model{_dtype}.onnx``)."""
-    folder, base = os.path.split(decoder)
-    for stem in ("decoder_model_merged", "model"):
-        if base.startswith(stem):
-            return os.path.join(folder, "vision_encoder" + base[len(stem) :])
-    return os.path.join(folder, "vision_encoder.onnx")
-
-
 def community_vision_encoder(repo: Any, files: Any) -> str:
     """The vision encoder of an onnx-community folder (beside its decoder), refused with the
     reason when it or embed_tokens.onnx is missing."""
-    path = vision_encoder_path(files.decoder)
-    if not os.path.exists(path):
-        hint = "" if files.encoder is None else (
-            f" (its encoder {os.path.basename(files.encoder)}: use "
-            "vision.image_to_text for an encoder-decoder model)"
-        )  # fmt: skip
-        raise ValueError(
-            f"{os.fspath(repo)!r} has no vision encoder ({path}): it is not an "
-            f"image-text-to-text model{hint}"
+    path = detect.vision_encoder_path(files.decoder)
+    if not os.path.exists(path):  # (a genai folder's vision graph is not beside its decoder)
+        detect.check(detect.IMAGE_TEXT_TO_TEXT, repo, files, also=())
+        raise detect.WrongTask(
+            f"{os.fspath(repo)!r} has no vision encoder ({path}): it is not an onnx-community "
+            "image-text-to-text folder",
+            detect.IMAGE_TEXT_TO_TEXT.key,
         )
     if files.embed is None:
         raise ValueError(f"{os.fspath(repo)!r} has no embed_tokens.onnx beside the decoder")

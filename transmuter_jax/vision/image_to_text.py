@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..onnx.model import load
+from ..tasks import detect
 from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
 from ..text.tokenizer import Tokenizer
 from .images import ImageInput
@@ -32,20 +33,8 @@ class ImageToText:
     def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         self.files = resolve(repo, dtype, file)
         mesh = mesh_of(mesh, devices)
-        if self.files.encoder is None:
-            folder = os.path.dirname(self.files.decoder)
-            vlm = os.path.exists(os.path.join(folder, "vision_encoder.onnx"))
-            hint = " (it has vision_encoder.onnx: use vision.image_text_to_text)" if vlm else ""
-            raise ValueError(
-                f"{os.fspath(repo)!r} has no image encoder (encoder_model.onnx): it is not an "
-                f"image-to-text model{hint}"
-            )
+        detect.check(detect.IMAGE_TO_TEXT, repo, self.files)
         self.encoder = load(self.files.encoder)
-        if "pixel_values" not in {i.name for i in self.encoder.inputs}:
-            raise ValueError(
-                f"the encoder {self.files.encoder!r} takes no pixel_values: it is not an image "
-                "encoder (use text.text_to_text for a text encoder-decoder model)"
-            )
         self.processor = image_processor(self.files.folder)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         decoder, embed = load_decoder(self.files, mesh)
