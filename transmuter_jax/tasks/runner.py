@@ -17,6 +17,7 @@ from .. import default, hub
 from .. import generation as gen
 from ..onnx.model import Model
 from ..parallel import load, sharding
+from . import decoding
 
 if TYPE_CHECKING:  # the tasks build their tokenizers; text/ imports this module
     from ..text.tokenizer import Tokenizer
@@ -143,18 +144,14 @@ class Runner:
         self.folder, self.model, self.embed, self.given = folder, model, embed, tuple(given)
         self.mesh = mesh  # a jax.sharding.Mesh the steps run over, or None
         self.options, self.tokenizer = dict(options), tokenizer
-        self._contexts: OrderedDict[tuple, gen.Context] = OrderedDict()
+        self._contexts: OrderedDict[tuple, Any] = OrderedDict()
         self._steps: Any = None
-        # the options are checked now, so a bad one fails at construction
-        base = gen.context(
+        self.defaults = decoding.defaults(
             folder, model, given=self.given, embed=embed, tokenizer=tokenizer,
-            **stop_option(self.options)[0],
+            options=stop_option(self.options)[0],
         )  # fmt: skip
-        self.defaults = base.options.as_dict()
 
-    def context(
-        self, batch: int, options: Mapping[str, Any], processors: Sequence[Any] = ()
-    ) -> gen.Context:
+    def context(self, batch: int, options: Mapping[str, Any], processors: Sequence[Any] = ()):
         """The compiled context for ``batch`` prompts and the defaults updated by ``options``;
         ``processors``: a task's own processors (see generation.processors), after the others."""
         merged = stop_option({**self.options, **options})[0]
@@ -166,16 +163,11 @@ class Runner:
         if ctx is not None:
             self._contexts.move_to_end(key)
             return ctx
-        ctx = gen.context(
+        ctx, self._steps = decoding.compiled(
             self.folder, self.model, given=self.given, embed=self.embed,
-            tokenizer=self.tokenizer, **merged,
+            tokenizer=self.tokenizer, options=merged, processors=processors, batch=batch,
+            mesh=self.mesh, steps=self._steps,
         )  # fmt: skip
-        ctx.processors = [*ctx.processors, *processors]
-        ctx = gen.compile(ctx, batch, mesh=self.mesh)
-        if self._steps is None:
-            self._steps = ctx.compiled.steps
-        else:  # the decoder's compiled shapes do not depend on the options
-            ctx.compiled = dataclasses.replace(ctx.compiled, steps=self._steps)
         self._contexts[key] = ctx
         while len(self._contexts) > KEEP_CONTEXTS:
             self._contexts.popitem(last=False)
@@ -184,7 +176,12 @@ class Runner:
     @property
     def compiled_shapes(self) -> int:
         """How many decoder step shapes have been compiled."""
-        return 0 if self._steps is None else len(self._steps.shapes)
+        return decoding.compiled_shapes(self._steps)
+
+    def chosen(self, batch: int, options: Mapping[str, Any]) -> Any:
+        """The generation options (``generation.Options``) a call of ``batch`` prompts with
+        ``options`` runs with."""
+        return decoding.chosen(self.context(batch, options))
 
     def run(
         self,
@@ -203,8 +200,8 @@ class Runner:
         stop = stop_option({**self.options, **options})[1]
         base = secrets.randbits(31) if seed is None else int(seed)
         seeds = [base + i for i in range(len(prompts))]
-        out = gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
-        if ctx.options.num_return_sequences == 1:
+        out = decoding.run(ctx, prompts, seeds, inputs, on_token)
+        if decoding.chosen(ctx).num_return_sequences == 1:
             return [_result(ctx, tokenizer, p, t, stop) for p, t in zip(prompts, out, strict=True)]
         return [
             [_result(ctx, tokenizer, p, t, stop) for t in sequences]
@@ -231,7 +228,7 @@ class Runner:
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
         text = tokenizer.streamer(skip_special_tokens=True)
-        chosen = self.context(1, options, processors).options
+        chosen = decoding.chosen(self.context(1, options, processors))
         if chosen.num_return_sequences > 1:
             n = chosen.num_return_sequences
             raise ValueError(
@@ -288,31 +285,16 @@ class Runner:
             worker.join()
 
 
-def _result(
-    ctx: gen.Context, tokenizer: Tokenizer, prompt: list[int], tokens: list, stop: Sequence[str]
-) -> Result:
+def _result(ctx: Any, tokenizer: Tokenizer, prompt: list[int], tokens: list, stop) -> Result:
     """The Result of one generated sequence after ``prompt`` (as generate returns it); ``stop``:
     the pipeline's stop strings, cut from the text."""
-    logprobs = top = None
-    if ctx.options.top_logprobs:
-        tokens, logprobs, top = (
-            [t for t, _, _ in tokens],
-            [p for _, p, _ in tokens],
-            [list(best) for _, _, best in tokens],
-        )
-    elif ctx.options.token_logprobs:
-        tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
-    limit = gen.new_tokens(ctx, len(prompt))
-    if ctx.position_limit is not None:  # generate gave it the tokens that fit
-        limit = min(limit, max(ctx.position_limit - len(prompt), 0))
-    reason = "length" if len(tokens) >= limit else "eos"
-    if tokens and ctx.stops is not None and ctx.stops.hit(list(prompt) + list(tokens)):
-        reason = "stop"
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    end = decoding.ended(ctx, prompt, tokens)
+    text = tokenizer.decode(end.tokens, skip_special_tokens=True)
+    reason = end.reason
     if stop:
-        cut = trim(tokenizer, list(prompt), list(tokens), text, stop)
+        cut = trim(tokenizer, list(prompt), end.tokens, text, stop)
         reason, text = "stop" if cut != text else reason, cut
-    return Result(text, list(tokens), logprobs, reason, top)
+    return Result(text, end.tokens, end.logprobs, reason, end.top_logprobs)
 
 
 class _Cancelled(Exception):

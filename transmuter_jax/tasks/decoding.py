@@ -1,0 +1,111 @@
+"""The one place the task pipelines call the generation engine (:mod:`transmuter_jax.generation`).
+
+Checking the options, building and compiling a context (sharing one set of compiled steps per
+decoder), generating, and reading how each sequence ended: the rest of the tasks' floor sees
+only what these functions return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import generation as gen
+from ..onnx.model import Model
+
+
+def defaults(
+    folder: str,
+    model: Model,
+    *,
+    given: Sequence[str],
+    embed: Model | None,
+    tokenizer: Any,
+    options: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The options a call starts from (transformers' defaults, generation_config.json, then
+    ``options``), checked now so that a bad one fails at construction."""
+    base = gen.context(folder, model, given=tuple(given), embed=embed, tokenizer=tokenizer,
+                       **options)  # fmt: skip
+    return base.options.as_dict()
+
+
+def compiled(
+    folder: str,
+    model: Model,
+    *,
+    given: Sequence[str],
+    embed: Model | None,
+    tokenizer: Any,
+    options: Mapping[str, Any],
+    processors: Sequence[Any],
+    batch: int,
+    mesh: Any,
+    steps: Any,
+) -> tuple[gen.Context, Any]:
+    """A context compiled for ``batch`` rows with ``options`` and a task's own ``processors``
+    (after the others), and the compiled steps it runs: ``steps`` when given (the decoder's
+    compiled shapes do not depend on the options), else its own."""
+    ctx = gen.context(folder, model, given=tuple(given), embed=embed, tokenizer=tokenizer,
+                      **options)  # fmt: skip
+    ctx.processors = [*ctx.processors, *processors]
+    ctx = gen.compile(ctx, batch, mesh=mesh)
+    if steps is None:
+        return ctx, ctx.compiled.steps
+    ctx.compiled = dataclasses.replace(ctx.compiled, steps=steps)
+    return ctx, steps
+
+
+def compiled_shapes(steps: Any) -> int:
+    """How many step shapes ``steps`` (from :func:`compiled`) has compiled."""
+    return 0 if steps is None else len(steps.shapes)
+
+
+def chosen(ctx: gen.Context) -> gen.Options:
+    """The options a compiled context runs with."""
+    return ctx.options
+
+
+def run(
+    ctx: gen.Context,
+    prompts: list[list[int]],
+    seeds: list[int],
+    inputs: Mapping[str, Any] | None,
+    on_token: Callable[[dict[str, np.ndarray]], None] | None,
+) -> list:
+    """The new tokens after each prompt, as :func:`transmuter_jax.generation.generate` gives
+    them (with log-probabilities when the options ask)."""
+    return gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """One generated sequence: its tokens, their log-probabilities, and why it ended."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    reason: str  # "eos", "length" or "stop" (a stop string of the engine's stop_strings)
+
+
+def ended(ctx: gen.Context, prompt: list[int], tokens: list) -> Ended:
+    """How the sequence ``tokens`` (from :func:`run`) after ``prompt`` ended."""
+    logprobs = top = None
+    if ctx.options.top_logprobs:
+        tokens, logprobs, top = (
+            [t for t, _, _ in tokens],
+            [p for _, p, _ in tokens],
+            [list(best) for _, _, best in tokens],
+        )
+    elif ctx.options.token_logprobs:
+        tokens, logprobs = [t for t, _ in tokens], [float(p) for _, p in tokens]
+    limit = gen.new_tokens(ctx, len(prompt))
+    if ctx.position_limit is not None:  # generate gave it the tokens that fit
+        limit = min(limit, max(ctx.position_limit - len(prompt), 0))
+    reason = "length" if len(tokens) >= limit else "eos"
+    if tokens and ctx.stops is not None and ctx.stops.hit(list(prompt) + list(tokens)):
+        reason = "stop"
+    return Ended(list(tokens), logprobs, top, reason)
