@@ -7,22 +7,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..tasks import detect
-from ..tasks.runner import (
-    Result,
-    Runner,
-    load_decoder,
-    mesh_of,
-    prompt_kind,
-    resolve,
-    texts_of,
-)
+from ..tasks.pipeline import OnToken, Pipeline, Request
+from ..tasks.runner import Result, prompt_kind
 from .tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
 Prompt = str | Sequence[Message]
 
 
-class TextGeneration:
+class TextGeneration(Pipeline):
     """A decoder-only language model with its tokenizer, from :func:`generation`.
 
     Attributes:
@@ -31,37 +24,17 @@ class TextGeneration:
         options: the default generation options (transformers' names).
     """
 
+    TASK = detect.TEXT_GENERATION
+    ALSO = (detect.IMAGE_TEXT_TO_TEXT,)  # a vision-language model's text decoder runs alone
+
     def __init__(
         self, repo, *, dtype=None, file=None, chat_template=None, mesh=None, devices=None, **options
     ):
-        self.files = resolve(repo, dtype, file)
-        # a vision-language model's text decoder runs text prompts alone
-        detect.check(detect.TEXT_GENERATION, repo, self.files, also=(detect.IMAGE_TEXT_TO_TEXT,))
-        mesh = mesh_of(mesh, devices)
+        super().__init__(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
-        model, embed = load_decoder(self.files, mesh)
-        self._runner = Runner(
-            self.files.folder,
-            model,
-            embed=embed,
-            options=options,
-            tokenizer=self.tokenizer,
-            mesh=mesh,
-        )
-        self.options = dict(options)
-
-    @property
-    def compiled_shapes(self) -> int:
-        """How many decoder step shapes have been compiled so far."""
-        return self._runner.compiled_shapes
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The options a call starts from: transformers' defaults, generation_config.json, then
-        the pipeline's options."""
-        return dict(self._runner.defaults)
+        self.start()
 
     @property
     def has_chat_template(self) -> bool:
@@ -109,12 +82,25 @@ class TextGeneration:
             )
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
+    def request(self, batch: Sequence[Prompt], options: dict[str, Any]) -> Request:
+        """The prompt ids of a batch of prompts; the option ``chat`` (see :meth:`generate`)."""
+        if isinstance(batch, str) or not isinstance(batch, Sequence) or not batch:
+            raise TypeError("prompts is a non-empty list of prompts")
+        chat = options.pop("chat", None)
+        return Request([self.prompt_ids(p, chat=chat) for p in batch], options)
+
+    def single(self, inputs: Any) -> bool:
+        return isinstance(inputs, str) or (
+            isinstance(inputs, Sequence) and bool(inputs) and isinstance(inputs[0], Mapping)
+        )
+
     def generate(
         self,
         prompts: Sequence[Prompt],
         *,
         chat: bool | None = None,
         seed: int | None = None,
+        on_token: OnToken | None = None,
         **options: Any,
     ) -> list[Result] | list[list[Result]]:
         """Generates an answer to each prompt, in one batch.
@@ -124,6 +110,8 @@ class TextGeneration:
             chat: whether string prompts go through the chat template as user messages; None
                 (the default): when the model has one.
             seed: the sampling seed of the first prompt (the next get seed + 1, ...); None: random.
+            on_token: called after each step with the new token of each row (int32 [rows], -1
+                where a row took none).
             **options: generation options for this call (max_new_tokens, do_sample, ...).
 
         Returns:
@@ -131,10 +119,7 @@ class TextGeneration:
             With num_return_sequences n > 1, a list of n Results per prompt (sampling: n
             independent sequences; beam search: the n best hypotheses, best first).
         """
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise TypeError("prompts is a non-empty list of prompts")
-        ids = [self.prompt_ids(p, chat=chat) for p in prompts]
-        return self._runner.run(self.tokenizer, ids, options, seed=seed)
+        return super().generate(prompts, seed=seed, on_token=on_token, chat=chat, **options)
 
     def __call__(
         self,
@@ -146,12 +131,7 @@ class TextGeneration:
     ) -> str | list[str] | list[list[str]]:
         """The answer to a prompt, or the answers to a list of prompts (see :meth:`generate`);
         with num_return_sequences n > 1, each answer is a list of n texts."""
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], Mapping)
-        )
-        batch = [prompts] if single else prompts
-        texts = texts_of(self.generate(batch, chat=chat, seed=seed, **options))
-        return texts[0] if single else texts
+        return super().__call__(prompts, seed=seed, chat=chat, **options)
 
     def stream(
         self,
@@ -167,8 +147,7 @@ class TextGeneration:
         without streaming gives. With beam search (``num_beams`` above 1) the text is final only
         when the search ends: it comes then, as one piece. Closing the iterator stops generation.
         """
-        ids = self.prompt_ids(prompt, chat=chat)
-        return self._runner.stream(self.tokenizer, ids, options, seed=seed)
+        return super().stream(prompt, seed=seed, chat=chat, **options)
 
 
 def generation(

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..onnx.model import load
 from ..tasks import detect
-from ..tasks.runner import (
-    Result,
-    Runner,
-    load_decoder,
-    mesh_of,
-    resolve,
-    texts_of,
-)
+from ..tasks.pipeline import OnToken, Pipeline, Request
+from ..tasks.runner import Result
 from .tokenizer import Tokenizer
 
 
-class TextToText:
+class TextToText(Pipeline):
     """An encoder-decoder model with its tokenizer, from :func:`text_to_text`.
 
     The encoder runs once per text; generation then starts from decoder_start_token_id with the
@@ -30,36 +24,22 @@ class TextToText:
     Attributes:
         files: the files it was loaded from (folder, exporter family, encoder, decoder).
         tokenizer: the tokenizer of ``tokenizer.json``.
+        encoder: the encoder model.
         options: the default generation options (transformers' names).
     """
 
+    TASK = detect.TEXT_TO_TEXT
+
     def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
-        self.files = resolve(repo, dtype, file)
-        detect.check(detect.TEXT_TO_TEXT, repo, self.files)
-        mesh = mesh_of(mesh, devices)
+        super().__init__(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         self.encoder = load(self.files.encoder)
-        decoder, embed = load_decoder(self.files, mesh)
+        decoder, embed = self.load_decoder()
         names = {i.name for i in decoder.inputs}
-        given = [n for n in ("encoder_hidden_states", "encoder_attention_mask") if n in names]
-        if "encoder_hidden_states" not in given:
+        self.given = [n for n in ("encoder_hidden_states", "encoder_attention_mask") if n in names]
+        if "encoder_hidden_states" not in self.given:
             raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
-        self._runner = Runner(
-            self.files.folder, decoder, embed=embed, given=given, options=options,
-            tokenizer=self.tokenizer, mesh=mesh,
-        )  # fmt: skip
-        self.options = dict(options)
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The options a call starts from: transformers' defaults, generation_config.json, then
-        the pipeline's options."""
-        return dict(self._runner.defaults)
-
-    @property
-    def compiled_shapes(self) -> int:
-        """How many decoder step shapes have been compiled so far."""
-        return self._runner.compiled_shapes
+        self.start(decoder, embed, given=self.given)
 
     def _encode(self, texts: Sequence[str]) -> tuple[dict[str, np.ndarray], int]:
         """The encoder outputs of each text (run alone, as a batch of one), padded to one length,
@@ -83,7 +63,7 @@ class TextToText:
         for row, state in enumerate(states):
             hidden[row, : len(state)], mask[row, : len(state)] = state, 1
         given = {"encoder_hidden_states": hidden}
-        if "encoder_attention_mask" in self._runner.given:
+        if "encoder_attention_mask" in self.given:
             given["encoder_attention_mask"] = mask
         elif longest != min(len(s) for s in states):
             raise ValueError(
@@ -94,47 +74,37 @@ class TextToText:
 
     def _start(self, batch: int, options: dict[str, Any]) -> list[int]:
         """[decoder_start_token_id], read from the context the run of ``batch`` texts uses."""
-        ctx = self._runner.context(batch, options)
-        start = ctx.options.decoder_start_token_id
+        start = self.chosen(batch, options).decoder_start_token_id
         if start is None:
             raise ValueError(f"{self.files.folder!r} has no decoder_start_token_id")
         return [int(start)]
 
+    def request(self, batch: Sequence[str], options: dict[str, Any]) -> Request:
+        """The encoder outputs of each text and the decoder's start token (see :meth:`generate`)."""
+        given, _ = self._encode(batch)
+        return Request([self._start(len(batch), options)] * len(batch), options, given)
+
     def generate(
-        self, texts: Sequence[str], *, seed: int | None = None, **options
+        self,
+        texts: Sequence[str],
+        *,
+        seed: int | None = None,
+        on_token: OnToken | None = None,
+        **options: Any,
     ) -> list[Result] | list[list[Result]]:
         """Generates the output text of each input text, in one batch.
 
         Args:
             texts: the input texts.
             seed: the sampling seed of the first text (the next get seed + 1, ...); None: random.
+            on_token: called after each step with the new token of each row (int32 [rows]).
             **options: generation options for this call (max_new_tokens, num_beams, ...).
 
         Returns:
             One :class:`Result` per text; with num_return_sequences n > 1, a list of n per text
             (beam search: the n best hypotheses, best first).
         """
-        given, _ = self._encode(texts)
-        prompt = self._start(len(texts), options)
-        return self._runner.run(
-            self.tokenizer, [prompt] * len(texts), options, seed=seed, inputs=given
-        )
-
-    def __call__(
-        self, texts: str | Sequence[str], *, seed: int | None = None, **options: Any
-    ) -> str | list[str] | list[list[str]]:
-        """The output for a text, or for each text of a list; with num_return_sequences n > 1,
-        each output is a list of n texts."""
-        single = isinstance(texts, str)
-        out = texts_of(self.generate([texts] if single else texts, seed=seed, **options))
-        return out[0] if single else out
-
-    def stream(self, text: str, *, seed: int | None = None, **options: Any) -> Iterator[str]:
-        """Yields the output for one text in pieces as it is generated; they join to the text
-        the same call without streaming gives (with beam search, as one piece at the end)."""
-        given, _ = self._encode([text])
-        prompt = self._start(1, options)
-        return self._runner.stream(self.tokenizer, prompt, options, seed=seed, inputs=given)
+        return super().generate(texts, seed=seed, on_token=on_token, **options)
 
 
 def text_to_text(
