@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import hub
-from ..runtime.errors import TransmuterError
+from ..runtime.errors import ModelFileError, TransmuterError
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,13 @@ def check(wanted: Task, repo: Any, files: hub.Files, also: tuple[Task, ...] = ()
                 f"the encoder {files.encoder!r} takes no pixel_values: it is not an image "
                 f"encoder (use {_short(found)} for a text encoder-decoder model)"
             )
+    elif files.family == "genai" and files.encoder is None:  # image and text to text
+        config = os.path.join(os.path.dirname(files.decoder), "genai_config.json")
+        raise ModelFileError(  # the layout's file lacks what the task needs
+            f"{config!r} has no model.vision.filename: an image-text-to-text folder in the "
+            "onnxruntime-genai layout names its vision graph there (see docs/vision.md); "
+            f"without one it is a decoder-only model: use {_short(found)}"
+        )
     else:  # image and text to text
         hint = (
             f" (a decoder-only model: use {_short(found)})"

@@ -11,7 +11,8 @@ import numpy as np
 from .. import hub
 from ..onnx.model import load
 from ..tasks import detect
-from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
+from ..tasks.pipeline import OnToken, Pipeline, Request
+from ..tasks.runner import Result, texts_of
 from ..text.tokenizer import Tokenizer
 from .idefics3 import Idefics3Processor
 from .images import ImageInput
@@ -36,7 +37,7 @@ def community_vision_encoder(repo: Any, files: Any) -> str:
     return path
 
 
-class ImageTextToText:
+class ImageTextToText(Pipeline):
     """A vision encoder, the token embeddings and a decoder of inputs_embeds, with the processor,
     from :func:`image_text_to_text`.
 
@@ -52,11 +53,18 @@ class ImageTextToText:
         options: the default generation options (transformers' names).
     """
 
+    TASK = detect.IMAGE_TEXT_TO_TEXT
+
     def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
-        self.files = resolve(repo, dtype, file)
-        mesh = mesh_of(mesh, devices)
-        self.vision_encoder = community_vision_encoder(repo, self.files)
+        super().__init__(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
+        decoder, embed = self.load_vision(repo)
+        self.start(decoder, embed, options={"image_token": self.image_token_id})
+
+    def load_vision(self, repo: Any) -> tuple[Any, Any]:
+        """Loads the processor and the vision encoder (setting :attr:`vision_encoder`,
+        :attr:`processor`, :attr:`image_token_id`); returns the decoder and its embeddings."""
+        self.vision_encoder = community_vision_encoder(repo, self.files)
         self.processor = Idefics3Processor(self.files.folder, self.tokenizer)
         config = hub.read_json(self.files.folder, "config.json")
         token = config.get("image_token_id", config.get("image_token_index"))
@@ -70,19 +78,7 @@ class ImageTextToText:
                 f"the vision encoder {self.vision_encoder!r} takes {sorted(names)}, not "
                 "pixel_values and pixel_attention_mask"
             )
-        decoder, embed = load_decoder(self.files, mesh)
-        self._runner = Runner(
-            self.files.folder, decoder, embed=embed,
-            options={**options, "image_token": self.image_token_id}, tokenizer=self.tokenizer,
-            mesh=mesh,
-        )  # fmt: skip
-        self.options = dict(options)
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The generation options a call starts from: transformers' defaults,
-        generation_config.json, then the pipeline's options."""
-        return dict(self._runner.defaults)
+        return self.load_decoder()
 
     def inputs(
         self, conversations: Sequence[Messages], **processor_options: Any
@@ -124,11 +120,26 @@ class ImageTextToText:
             )
         return ids, merged
 
+    def prepare(
+        self, conversations: Sequence[Messages], processing: Mapping[str, Any]
+    ) -> tuple[list[list[int]], dict[str, Any]]:
+        """The prompt ids and what generate takes beside them (the image features)."""
+        ids, features = self.inputs(conversations, **processing)
+        return ids, {} if features is None else {"image_features": features}
+
+    def request(self, batch: Sequence[Messages], options: dict[str, Any]) -> Request:
+        """The prompt ids and image features of a batch of conversations; the image processor
+        options of ``options`` go to the processor."""
+        generation, processing = self._split(options)
+        ids, given = self.prepare(batch, processing)
+        return Request(ids, generation, given)
+
     def generate(
         self,
         conversations: Sequence[Messages],
         *,
         seed: int | None = None,
+        on_token: OnToken | None = None,
         **options: Any,
     ) -> list[Result] | list[list[Result]]:
         """Generates the answer of each conversation, in one batch.
@@ -137,6 +148,7 @@ class ImageTextToText:
             conversations: chat message lists whose content parts carry the images
                 (``{"type": "image", "image": PATH_OR_PIL_OR_ARRAY}``).
             seed: the sampling seed of the first conversation (the next get seed + 1, ...).
+            on_token: called after each step with the new token of each row (int32 [rows]).
             **options: generation options (max_new_tokens, ...) and image processor options by
                 transformers' names (do_image_splitting, ...).
 
@@ -144,10 +156,7 @@ class ImageTextToText:
             One :class:`Result` per conversation (text, token_ids, logprobs, finish_reason);
             with num_return_sequences n > 1, a list of n per conversation.
         """
-        generation, processing = self._split(options)
-        ids, features = self.inputs(conversations, **processing)
-        given = {} if features is None else {"image_features": features}
-        return self._runner.run(self.tokenizer, ids, generation, seed=seed, inputs=given)
+        return super().generate(conversations, seed=seed, on_token=on_token, **options)
 
     def __call__(
         self,
@@ -172,10 +181,7 @@ class ImageTextToText:
     ) -> Iterator[str]:
         """Yields the answer in pieces as it is generated; they join to the text the same call
         without streaming gives."""
-        generation, processing = self._split(options)
-        ids, features = self.inputs([self._messages(messages, question)], **processing)
-        given = {} if features is None else {"image_features": features}
-        return self._runner.stream(self.tokenizer, ids[0], generation, seed=seed, inputs=given)
+        return super().stream(self._messages(messages, question), seed=seed, **options)
 
     @staticmethod
     def _messages(messages: Messages | ImageInput, question: str | None) -> Messages:

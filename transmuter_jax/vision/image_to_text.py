@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..onnx.model import load
 from ..tasks import detect
-from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
+from ..tasks.pipeline import OnToken, Pipeline, Request
+from ..tasks.runner import Result
 from ..text.tokenizer import Tokenizer
 from .images import ImageInput
 from .processing import image_processor
 
 
-class ImageToText:
+class ImageToText(Pipeline):
     """An image encoder and a text decoder with the image processor and tokenizer, from
     :func:`image_to_text`.
 
@@ -30,35 +31,20 @@ class ImageToText:
         options: the default generation options (transformers' names).
     """
 
+    TASK = detect.IMAGE_TO_TEXT
+
     def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
-        self.files = resolve(repo, dtype, file)
-        mesh = mesh_of(mesh, devices)
-        detect.check(detect.IMAGE_TO_TEXT, repo, self.files)
+        super().__init__(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
         self.encoder = load(self.files.encoder)
         self.processor = image_processor(self.files.folder)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
-        decoder, embed = load_decoder(self.files, mesh)
+        decoder, embed = self.load_decoder()
         names = {i.name for i in decoder.inputs}
         if "encoder_hidden_states" not in names:
             raise ValueError(f"the decoder {self.files.decoder!r} takes no encoder_hidden_states")
         self._mask = "encoder_attention_mask" in names
         given = ["encoder_hidden_states"] + (["encoder_attention_mask"] if self._mask else [])
-        self._runner = Runner(
-            self.files.folder, decoder, embed=embed, given=given, options=options,
-            tokenizer=self.tokenizer, mesh=mesh,
-        )  # fmt: skip
-        self.options = dict(options)
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The generation options a call starts from: transformers' defaults,
-        generation_config.json, then the pipeline's options."""
-        return dict(self._runner.defaults)
-
-    @property
-    def compiled_shapes(self) -> int:
-        """How many decoder step shapes have been compiled so far."""
-        return self._runner.compiled_shapes
+        self.start(decoder, embed, given=given)
 
     def pixel_values(self, images: Sequence[ImageInput], **processor_options: Any) -> np.ndarray:
         """The encoder's input for ``images``: float32 [batch, 3, height, width], as
@@ -82,51 +68,40 @@ class ImageToText:
 
     def _start(self, batch: int, options: dict[str, Any]) -> list[int]:
         """[decoder_start_token_id], read from the context the run of ``batch`` images uses."""
-        start = self._runner.context(batch, options).options.decoder_start_token_id
+        start = self.chosen(batch, options).decoder_start_token_id
         if start is None:
             raise ValueError(f"{self.files.folder!r} has no decoder_start_token_id")
         return [int(start)]
 
+    def request(self, batch: Sequence[ImageInput], options: dict[str, Any]) -> Request:
+        """The encoder outputs of each image and the decoder's start token."""
+        given = self._encode(batch)
+        return Request([self._start(len(batch), options)] * len(batch), options, given)
+
+    def single(self, inputs: Any) -> bool:
+        return not isinstance(inputs, list | tuple)
+
     def generate(
-        self, images: Sequence[ImageInput], *, seed: int | None = None, **options: Any
+        self,
+        images: Sequence[ImageInput],
+        *,
+        seed: int | None = None,
+        on_token: OnToken | None = None,
+        **options: Any,
     ) -> list[Result] | list[list[Result]]:
         """Generates the text of each image, in one batch.
 
         Args:
             images: the images (paths, bytes, PIL images, numpy uint8 HWC arrays).
             seed: the sampling seed of the first image (the next get seed + 1, ...); None: random.
+            on_token: called after each step with the new token of each row (int32 [rows]).
             **options: generation options for this call (max_new_tokens, num_beams, ...).
 
         Returns:
             One :class:`Result` per image (text, token_ids without the decoder start token,
             logprobs, finish_reason); with num_return_sequences n > 1, a list of n per image.
         """
-        given = self._encode(images)
-        prompt = self._start(len(images), options)
-        return self._runner.run(
-            self.tokenizer, [prompt] * len(images), options, seed=seed, inputs=given
-        )
-
-    def __call__(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        *,
-        seed: int | None = None,
-        **options: Any,
-    ) -> str | list[str] | list[list[str]]:
-        """The text of an image, or of each image of a list (a batch)."""
-        single = not isinstance(images, list | tuple)
-        out = texts_of(self.generate([images] if single else images, seed=seed, **options))
-        return out[0] if single else out
-
-    def stream(
-        self, image: ImageInput, *, seed: int | None = None, **options: Any
-    ) -> Iterator[str]:
-        """Yields the text of one image in pieces as it is generated; they join to the text the
-        same call without streaming gives (with beam search, as one piece at the end)."""
-        given = self._encode([image])
-        prompt = self._start(1, options)
-        return self._runner.stream(self.tokenizer, prompt, options, seed=seed, inputs=given)
+        return super().generate(images, seed=seed, on_token=on_token, **options)
 
 
 def image_to_text(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,10 +13,7 @@ import numpy as np
 from ..generation.steps import embed_inputs
 from ..onnx.errors import DynamicShapeError, GraphError, ModelFileError, UnsupportedOpError
 from ..onnx.model import load
-from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve
-from ..text.tokenizer import Tokenizer
 from .image_text_to_text import ImageTextToText, Messages, community_vision_encoder
-from .images import ImageInput
 from .qwen2vl import Qwen2VLProcessor
 
 GRID_INPUTS = ("grid_thw", "image_grid_thw")  # transformers.js's name, and transformers'
@@ -51,20 +48,19 @@ class Qwen2VLImageTextToText(ImageTextToText):
         options: the default generation options (transformers' names).
     """
 
-    def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
-        self.files = resolve(repo, dtype, file)
-        mesh = mesh_of(mesh, devices)
+    def load_vision(self, repo: Any) -> tuple[Any, Any]:
+        """Loads Qwen2-VL's processor and vision encoder (genai or onnx-community layout);
+        returns the decoder, of 3-axis positions, and its embeddings."""
         self.genai = self.files.family == "genai"
         if self.genai:
             self.vision_encoder, self.grid_input = genai_vision(self.files)
         else:
             self.vision_encoder = community_vision_encoder(repo, self.files)
             self.grid_input = None
-        self.tokenizer = Tokenizer.from_folder(self.files.folder)
         self.processor = Qwen2VLProcessor(self.files.folder, self.tokenizer)
         self.image_token_id = self.processor.rope.image_token_id
         self.encoder = load_vision_encoder(self.vision_encoder, self.grid_input)
-        decoder, embed = load_decoder(self.files, mesh)
+        decoder, embed = self.load_decoder()
         if self.genai:
             check_genai_embedding(self.files, embed)
         position = next((i for i in decoder.inputs if i.name == "position_ids"), None)
@@ -74,45 +70,17 @@ class Qwen2VLImageTextToText(ImageTextToText):
                 f"the decoder {self.files.decoder!r} takes position_ids of shape {shape}, not the "
                 "3-axis positions [3, batch, sequence] of Qwen2-VL"
             )
-        self._runner = Runner(
-            self.files.folder, decoder, embed=embed,
-            options={**options, "image_token": self.image_token_id}, tokenizer=self.tokenizer,
-            mesh=mesh,
-        )  # fmt: skip
-        self.options = dict(options)
+        return decoder, embed
 
     def inputs(
         self, conversations: Sequence[Messages], **processor_options: Any
     ) -> tuple[list[list[int]], np.ndarray | None]:
         """The prompt ids of each conversation and the image features of all their image
         tokens, in order ([tokens, hidden]; None without images)."""
-        ids, given = self._prepare(conversations, processor_options)
+        ids, given = self.prepare(conversations, processor_options)
         return ids, given.get("image_features")
 
-    def generate(
-        self, conversations: Sequence[Messages], *, seed: int | None = None, **options: Any
-    ) -> list[Result] | list[list[Result]]:
-        """Generates the answer of each conversation, in one batch (see
-        :meth:`ImageTextToText.generate`); image processor options (min_pixels, max_pixels,
-        ...) pass through by transformers' names."""
-        generation, processing = self._split(options)
-        ids, given = self._prepare(conversations, processing)
-        return self._runner.run(self.tokenizer, ids, generation, seed=seed, inputs=given)
-
-    def stream(
-        self,
-        messages: Messages | ImageInput,
-        question: str | None = None,
-        *,
-        seed: int | None = None,
-        **options: Any,
-    ) -> Iterator[str]:
-        """Yields the answer in pieces as it is generated."""
-        generation, processing = self._split(options)
-        ids, given = self._prepare([self._messages(messages, question)], processing)
-        return self._runner.stream(self.tokenizer, ids[0], generation, seed=seed, inputs=given)
-
-    def _prepare(
+    def prepare(
         self, conversations: Sequence[Messages], processing: Mapping[str, Any]
     ) -> tuple[list[list[int]], dict[str, Any]]:
         """The prompt ids and what generate takes beside them: the image features and the
