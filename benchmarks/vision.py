@@ -241,8 +241,8 @@ class Jax:
 
         marks, tokens = [], []
 
-        def on_token(event):
-            token = int(event["token"][0])
+        def on_token(new):
+            token = int(new[0])
             if token >= 0:  # negative: a step of the prompt
                 marks.append(time.perf_counter())
                 tokens.append(token)
@@ -253,10 +253,9 @@ class Jax:
         features = features.reshape(-1, features.shape[-1])
         encoded = time.perf_counter()
         options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        self.pipe._runner.run(
-            self.pipe.tokenizer, [ids], options, inputs={"image_features": features},
-            on_token=on_token,
-        )  # fmt: skip
+        self.pipe.generate_ids(
+            [ids], inputs={"image_features": features}, on_token=on_token, **options
+        )
         return _figures(start, encoded, marks, tokens)
 
 

@@ -235,7 +235,7 @@ def pipelines() -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the replicated weights, checked elsewhere
             together = make(FIXTURES / folder, max_new_tokens=6, **where)
-        params = together._runner.model.params
+        params = together.decoder.params
         out[kind] = {
             "alone": [[r.token_ids for r in alone.generate(t, seed=0)] for t in TEXTS],
             "together": [[r.token_ids for r in together.generate(t, seed=0)] for t in TEXTS],

@@ -449,5 +449,5 @@ def test_text_generation_from_a_cached_hub_id_offline(cache, fixture, layout):
         assert result.token_ids == the_case["tokens"][0]
     else:
         want = case(fixture, "greedy")
-        out = pipe._runner.run(pipe.tokenizer, want["prompts"][:1], want["options"])
+        out = pipe.generate_ids(want["prompts"][:1], **want["options"])
         assert out[0].token_ids == want["tokens"][0]

@@ -115,7 +115,7 @@ def test_forced_prompt_matches_transformers(pipes, clips, layout, name):
     features = pipe.input_features([clips[c] for c in case["clips"]], RATE)
     options = _options(case)
     prompts = pipe.prompts(
-        pipe._encode(features), options.get("language"), options.get("task"),
+        pipe.encode(features), options.get("language"), options.get("task"),
         bool(options.get("return_timestamps")),
     )  # fmt: skip
     assert prompts == [row["prompt"] for row in case["rows"]]
@@ -237,7 +237,7 @@ def test_community_graphs_are_pruned_to_what_is_read(pipes):
     files = community.files
     assert any(n.startswith("cross_attentions.") for n in output_names(files.decoder))
     assert any(n.startswith("encoder_attentions.") for n in output_names(files.encoder))
-    decoder = [o.name for o in community._runner.model.outputs]
+    decoder = [o.name for o in community.decoder.outputs]
     assert "logits" in decoder and not [n for n in decoder if "attentions" in n]
     assert [o.name for o in community.encoder.model.outputs] == ["last_hidden_state"]
 
@@ -249,4 +249,4 @@ def test_genai_encoder_gives_the_cross_cache(pipes):
     assert genai.encoder.features == "audio_features"
     assert given["past_key_cross_0"] == "present_key_cross_0"
     assert "encoder_hidden_states" not in given
-    assert {i.name: i.dtype for i in genai._runner.model.inputs}["input_ids"] == "int32"
+    assert {i.name: i.dtype for i in genai.decoder.inputs}["input_ids"] == "int32"

@@ -12,7 +12,8 @@ import numpy as np
 from .. import generation as gen
 from .. import hub
 from ..tasks import detect
-from ..tasks.runner import Result, Runner, load_decoder, mesh_of, resolve, texts_of
+from ..tasks.pipeline import OnToken, Pipeline, Request
+from ..tasks.runner import Result
 from ..text.tokenizer import Tokenizer
 from . import chunks as chunking
 from . import layouts
@@ -40,7 +41,7 @@ class SpeechResult(Result):
     chunks: list[dict[str, Any]] | None = None
 
 
-class SpeechToText:
+class SpeechToText(Pipeline):
     """A Whisper encoder-decoder with its tokenizer and feature extractor, from
     :func:`speech_to_text`.
 
@@ -58,36 +59,27 @@ class SpeechToText:
         options: the default options (language, task and generation options).
     """
 
+    TASK = detect.SPEECH_TO_TEXT
+
     def __init__(self, repo, *, dtype=None, file=None, mesh=None, devices=None, **options):
         if repo is None or repo in _default_aliases():
             from .. import default
 
             repo = default.speech_folder(repo)  # prepared offline on first use
-        self.files = resolve(repo, dtype, file)
-        mesh = mesh_of(mesh, devices)
-        detect.check(detect.SPEECH_TO_TEXT, repo, self.files)
+        super().__init__(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
         folder = self.files.folder
         self.tokenizer = Tokenizer.from_folder(folder)
         self.features = FeatureExtractor.from_folder(folder)
         self.generation_config = hub.read_json(folder, "generation_config.json")
-        decoder, embed = load_decoder(self.files, mesh)
+        decoder, embed = self.load_decoder()
         config = hub.read_json(folder, "config.json")
         self.encoder = layouts.encoder(self.files.encoder, decoder, config)
         speech, generation = _split(options)
         forced.check(self.generation_config, speech.get("language"), speech.get("task"))
-        self._runner = Runner(
-            folder, decoder, embed=embed, given=list(self.encoder.given), options=generation,
-            tokenizer=self.tokenizer, mesh=mesh,
-        )  # fmt: skip
-        self.options = dict(options)
+        self.start(decoder, embed, given=list(self.encoder.given), options=generation)
         self._stamps = None
         if self.timestamp_begin is not None:
             self._stamps = stamps.processor(self.generation_config)
-
-    @property
-    def compiled_shapes(self) -> int:
-        """How many decoder step shapes have been compiled so far."""
-        return self._runner.compiled_shapes
 
     @property
     def timestamp_begin(self) -> int | None:
@@ -103,7 +95,7 @@ class SpeechToText:
         samples = [load_audio(a, self.features.rate, sampling_rate) for a in audio]
         return self.features(samples)
 
-    def _encode(self, features: np.ndarray) -> dict[str, np.ndarray]:
+    def encode(self, features: np.ndarray) -> dict[str, np.ndarray]:
         """The decoder's inputs from the encoder (encoder_hidden_states [B, frames / 2, hidden],
         or a genai decoder's cross-attention cache), one row per input."""
         return self.encoder(features)
@@ -111,7 +103,7 @@ class SpeechToText:
     def _detect(self, encoded: dict[str, np.ndarray]) -> list[int]:
         """The language token of each row: the most likely of lang_to_id after the start token
         (transformers' ``detect_language``)."""
-        model = self._runner.model
+        model = self.decoder
         start = int(self.generation_config["decoder_start_token_id"])
         inputs, static = gen.prompt_inputs(
             model, 1, 1, hub.read_json(self.files.folder, "config.json")
@@ -149,9 +141,12 @@ class SpeechToText:
             for d in detected
         ]
 
-    def _prepare(self, audio, sampling_rate, options):
-        """(prompts, encoder inputs, generation options, the task's processors, the rows: whole
-        inputs and chunks of long ones, see :func:`chunks.rows`)."""
+    def request(self, audio: Sequence[Audio], options: dict[str, Any]) -> Request:
+        """The forced prompts, encoder inputs, generation options and the task's processors of
+        the rows: whole inputs and chunks of long ones (:func:`chunks.rows`, the request's
+        state with whether timestamps are on); the option ``sampling_rate`` (see
+        :meth:`generate`)."""
+        sampling_rate = options.pop("sampling_rate", None)
         if isinstance(audio, str | os.PathLike | bytes | np.ndarray) or not audio:
             raise TypeError("audio is a non-empty list of inputs (paths, bytes or arrays)")
         speech = _split({**self.options, **options})[0]
@@ -166,14 +161,19 @@ class SpeechToText:
         generation = _split(options)[1]
         if any(r.stride is not None for r in rows):
             self._check_chunked(generation)
-        encoded = self._encode(self.features([r.samples for r in rows]))
+        encoded = self.encode(self.features([r.samples for r in rows]))
         prompts = self.prompts(encoded, speech.get("language"), speech.get("task"), timestamps)
         processors = (self._stamps,) if timestamps else ()
-        return prompts, encoded, generation, processors, rows
+        return Request(prompts, generation, encoded, processors, (rows, timestamps))
+
+    def finish(self, results: list, request: Request) -> list:
+        """One :class:`SpeechResult` per input (the chunks of a long input merged)."""
+        rows, timestamps = request.state
+        return self._gather(rows, results, timestamps)
 
     def _check_chunked(self, generation: dict[str, Any]) -> None:
         """Refuses the options a merged transcript cannot give."""
-        n = {**self._runner.defaults, **self.options, **generation}.get("num_return_sequences")
+        n = {**self.defaults, **self.options, **generation}.get("num_return_sequences")
         if n not in (None, 1):
             raise ValueError(f"chunked audio gives one transcript, not num_return_sequences={n}")
         if {**self.options, **generation}.get("stop"):
@@ -244,6 +244,7 @@ class SpeechToText:
         *,
         sampling_rate: int | None = None,
         seed: int | None = None,
+        on_token: OnToken | None = None,
         **options: Any,
     ) -> list[SpeechResult] | list[list[SpeechResult]]:
         """Transcribes (or translates) each input, in one batch.
@@ -253,6 +254,7 @@ class SpeechToText:
             sampling_rate: the rate of the arrays in Hz (files tell their own).
             seed: the sampling seed of the first row (the next get seed + 1, ...; each chunk of a
                 long input is a row); None: random.
+            on_token: called after each step with the new token of each row (int32 [rows]).
             **options: ``language`` (a code, name or token; None: detected for a multilingual
                 model), ``task`` ("transcribe" or "translate"), ``return_timestamps`` (predict
                 timestamp tokens, with transformers' rules, and give ``chunks``),
@@ -266,11 +268,14 @@ class SpeechToText:
             finish_reason, chunks; with
             num_return_sequences n > 1, a list of n per input.
         """
-        prompts, given, generation, processors, rows = self._prepare(audio, sampling_rate, options)
-        out = self._runner.run(
-            self.tokenizer, prompts, generation, seed=seed, inputs=given, processors=processors
+        return super().generate(
+            audio, seed=seed, on_token=on_token, sampling_rate=sampling_rate, **options
         )
-        return self._gather(rows, out, bool(processors))
+
+    def single(self, inputs: Any) -> bool:
+        return isinstance(inputs, str | os.PathLike | bytes) or (
+            isinstance(inputs, np.ndarray) and inputs.dtype != object
+        )
 
     def __call__(
         self,
@@ -281,12 +286,8 @@ class SpeechToText:
         **options: Any,
     ) -> str | list[str] | list[list[str]]:
         """The text of one input, or the texts of a list of inputs (see :meth:`generate`)."""
-        single = isinstance(audio, str | os.PathLike | bytes) or (
-            isinstance(audio, np.ndarray) and audio.dtype != object
-        )
-        batch = [audio] if single else list(audio)
-        out = texts_of(self.generate(batch, sampling_rate=sampling_rate, seed=seed, **options))
-        return out[0] if single else out
+        batch = audio if self.single(audio) else list(audio)
+        return super().__call__(batch, sampling_rate=sampling_rate, seed=seed, **options)
 
     def stream(
         self,
@@ -298,18 +299,12 @@ class SpeechToText:
     ) -> Iterator[str]:
         """Yields the text of one input in pieces as it is decoded; they join to the text of
         :meth:`generate` (with beam search, or for a chunked input, as one piece at the end)."""
-        prompts, given, generation, processors, rows = self._prepare(
-            [audio], sampling_rate, options
-        )
+        request = self.request([audio], {**options, "sampling_rate": sampling_rate})
+        rows = request.state[0]
         if len(rows) > 1 or rows[0].stride is not None:  # chunks: their merge comes at the end
-            out = self._runner.run(
-                self.tokenizer, prompts, generation, seed=seed, inputs=given, processors=processors
-            )
-            text = self._gather(rows, out, bool(processors))[0].text
+            text = self.finish(self.run(request, seed=seed), request)[0].text
             return iter([text] if text else [])
-        return self._runner.stream(
-            self.tokenizer, prompts[0], generation, seed=seed, inputs=given, processors=processors
-        )
+        return self.stream_request(request, seed=seed)
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

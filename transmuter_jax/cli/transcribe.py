@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, notice: CompileNotice) -> int:
     pipe = audio.speech_to_text(model, dtype=args.dtype, file=args.file)
     say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
     options = generation_options(args)
-    check_seed(args, options, {})
+    check_seed(args, options, pipe.defaults)
     if args.language:
         options["language"] = args.language
     if args.task:

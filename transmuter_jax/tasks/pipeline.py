@@ -37,12 +37,15 @@ class Request:
         inputs: the decoder's given inputs beside the tokens (encoder states, image features,
             positions), one row per prompt; None: none.
         processors: the task's own logits processors, after the generation options' ones.
+        state: what the task's :meth:`Pipeline.finish` reads beside the results (such as the
+            chunks of long audio).
     """
 
     prompts: list[list[int]]
     options: dict[str, Any]
     inputs: Mapping[str, Any] | None = None
     processors: tuple[Any, ...] = ()
+    state: Any = None
 
 
 class Pipeline:
@@ -92,14 +95,14 @@ class Pipeline:
         options: Mapping[str, Any] | None = None,
     ) -> None:
         """Makes the decoder ready to generate (loaded here unless given): ``given``, the names
-        of the inputs it takes beside the tokens; ``options``, generation options of the task
-        that join the pipeline's (such as the image token)."""
+        of the inputs it takes beside the tokens; ``options``, the default generation options
+        of the decoder (None: the pipeline's :attr:`options`)."""
         if decoder is None:
             decoder, embed = self.load_decoder()
         self.decoder, self.embed = decoder, embed
         self._runner = Runner(
             self.files.folder, decoder, embed=embed, given=given,
-            options={**self.options, **(options or {})}, tokenizer=self.tokenizer,
+            options=self.options if options is None else options, tokenizer=self.tokenizer,
             mesh=self.mesh,
         )  # fmt: skip
 

@@ -59,7 +59,7 @@ class ImageTextToText(Pipeline):
         super().__init__(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         decoder, embed = self.load_vision(repo)
-        self.start(decoder, embed, options={"image_token": self.image_token_id})
+        self.start(decoder, embed, options={**self.options, "image_token": self.image_token_id})
 
     def load_vision(self, repo: Any) -> tuple[Any, Any]:
         """Loads the processor and the vision encoder (setting :attr:`vision_encoder`,
