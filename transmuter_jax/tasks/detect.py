@@ -140,7 +140,9 @@ def _encoder_name(files: hub.Files) -> str:
 
 def check(wanted: Task, repo: Any, files: hub.Files, also: tuple[Task, ...] = ()) -> Task:
     """The task of ``files``, when it is ``wanted`` (or one of ``also``); else raises
-    :class:`WrongTask` naming the task and the pipeline that run it."""
+    :class:`WrongTask` naming the task and the pipeline that run it (:class:`ModelFileError`
+    for an onnxruntime-genai folder whose genai_config.json names no vision graph, given to
+    image and text to text)."""
     found = detect_files(files)
     if found in (wanted, *also):
         return found
