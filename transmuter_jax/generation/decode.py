@@ -19,6 +19,7 @@ import numpy as np
 from ..onnx.compiler import jit_options
 from ..stored import StoredJit, storable
 from .processors import Rows
+from .programs import program
 from .steps import Steps
 
 NOT_RUN = -2  # the token of a step the loop did not run
@@ -57,7 +58,7 @@ class DecodeState:
     encoder: jax.Array | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Decoder:
     """The compiled decode chunks of a context, one per (cache branch, padded rows, mask)."""
 
@@ -68,7 +69,6 @@ class Decoder:
     size: int  # decode_steps: the most steps of one chunk
     width: int  # columns of the selection's output (1: the token only)
     axes: int  # position_ids axes: 0 (none), 1, or 3 (M-RoPE)
-    functions: dict[tuple, StoredJit] = dataclasses.field(default_factory=dict)
 
     def __call__(
         self, state: DecodeState, given: dict[str, Any], limit: int, rows: int | None
@@ -83,23 +83,23 @@ class Decoder:
         length = _self_rows(ctx, state.cache)
         branch = mode.branch(length)
         self.steps.shapes.add((1, length, branch) + ((rows,) if rows is not None else ()))
-        at = (branch, rows)
-        fn = self.functions.get(at)
-        if fn is None:
-            key = self.steps.key(
-                "decode",
-                branch,
-                rows,
-                ctx.options.program_key,
-                tuple(ctx.processors),
-                self.pad,
-                self.axes,
-                tuple(sorted(given)),
-            )
+        key = self.steps.key(
+            "decode",
+            branch,
+            rows,
+            ctx.options.program_key,
+            tuple(ctx.processors),
+            self.pad,
+            self.axes,
+            tuple(sorted(given)),
+        )
+
+        def make():
             run = self._chunk_function(branch, rows)
-            options = jit_options(ctx.jit_options)
-            fn = StoredJit(run, key, donate_argnums=(2,), **options)
-            self.functions[at] = fn
+            options = jit_options(dict(ctx.jit_options))
+            return StoredJit(run, key, donate_argnums=(2,), **options)
+
+        fn = program(("decode", key, self.size, self.steps.local()), make)
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         signature = (
             tuple((k, np.shape(v), np.dtype(v.dtype)) for k, v in given.items()),

@@ -171,8 +171,8 @@ class Runner:
         self.folder, self.model, self.embed, self.given = folder, model, embed, tuple(given)
         self.mesh = mesh  # a jax.sharding.Mesh the steps run over, or None
         self.options, self.tokenizer = dict(options), tokenizer
-        self._contexts: OrderedDict[tuple, gen.Context] = OrderedDict()
-        self._steps: Any = None
+        self._contexts: OrderedDict[tuple, gen.Engine] = OrderedDict()
+        self._shapes: set[tuple] = set()  # the step shapes of every engine this runner made
         # the options are checked now, so a bad one fails at construction
         base = gen.context(
             folder, model, given=self.given, embed=embed, tokenizer=tokenizer,
@@ -182,8 +182,8 @@ class Runner:
 
     def context(
         self, batch: int, options: Mapping[str, Any], processors: Sequence[Any] = ()
-    ) -> gen.Context:
-        """The compiled context for ``batch`` prompts and the defaults updated by ``options``;
+    ) -> gen.Engine:
+        """The compiled engine for ``batch`` prompts and the defaults updated by ``options``;
         ``processors``: a task's own processors (see generation.processors), after the others."""
         merged = stop_option({**self.options, **options})[0]
         if self.mesh is not None:  # the rows of a batch split over "data": a multiple of it
@@ -194,16 +194,11 @@ class Runner:
         if ctx is not None:
             self._contexts.move_to_end(key)
             return ctx
-        ctx = gen.context(
+        spec = gen.context(
             self.folder, self.model, given=self.given, embed=self.embed,
-            tokenizer=self.tokenizer, **merged,
+            tokenizer=self.tokenizer, processors=processors, **merged,
         )  # fmt: skip
-        ctx.processors = [*ctx.processors, *processors]
-        ctx = gen.compile(ctx, batch, mesh=self.mesh)
-        if self._steps is None:
-            self._steps = ctx.compiled.steps
-        else:  # the decoder's compiled shapes do not depend on the options
-            ctx.compiled = dataclasses.replace(ctx.compiled, steps=self._steps)
+        ctx = gen.compile(spec, batch, mesh=self.mesh)  # programs shared through their cache
         self._contexts[key] = ctx
         while len(self._contexts) > KEEP_CONTEXTS:
             self._contexts.popitem(last=False)
@@ -211,8 +206,11 @@ class Runner:
 
     @property
     def compiled_shapes(self) -> int:
-        """How many decoder step shapes have been compiled."""
-        return 0 if self._steps is None else len(self._steps.shapes)
+        """How many decoder step shapes have run (prompt steps and decode chunks), over every
+        engine of this runner."""
+        for ctx in self._contexts.values():
+            self._shapes |= ctx.compiled.steps.shapes
+        return len(self._shapes)
 
     def run(
         self,
@@ -232,6 +230,7 @@ class Runner:
         base = secrets.randbits(31) if seed is None else int(seed)
         seeds = [base + i for i in range(len(prompts))]
         out = gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
+        self._shapes |= ctx.compiled.steps.shapes
         if ctx.options.num_return_sequences == 1:
             return [_result(ctx, tokenizer, p, t, stop) for p, t in zip(prompts, out, strict=True)]
         return [
@@ -317,7 +316,7 @@ class Runner:
 
 
 def _result(
-    ctx: gen.Context, tokenizer: Tokenizer, prompt: list[int], tokens: list, stop: Sequence[str]
+    ctx: gen.Engine, tokenizer: Tokenizer, prompt: list[int], tokens: list, stop: Sequence[str]
 ) -> Result:
     """The Result of one generated sequence after ``prompt`` (as generate returns it); ``stop``:
     the pipeline's stop strings, cut from the text."""

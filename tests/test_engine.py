@@ -1,0 +1,80 @@
+"""The frozen specification and engine: no mutation, per-call options as new specifications,
+programs shared through one cache, and a pipeline's shape count with its decode programs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from generation_cases import FIXTURES, case, context
+
+from transmuter_jax import generation, text
+from transmuter_jax.generation import programs
+
+LLAMA = "llama-optimum"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine")
+
+
+def test_the_specification_and_the_engine_cannot_be_mutated(workdir):
+    spec = context(LLAMA, workdir, max_new_tokens=4)
+    engine = generation.compile(spec, 2)
+    for obj, name in [(spec, "options"), (spec, "processors"), (engine, "compiled"),
+                      (engine, "batch_size"), (engine.compiled, "decoder")]:  # fmt: skip
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, None)
+    assert isinstance(spec.processors, tuple) and engine.spec is spec
+    assert engine.options is spec.options and engine.batch_size == 2
+
+
+def test_per_call_options_make_a_new_specification(workdir):
+    spec = context(LLAMA, workdir, max_new_tokens=4)
+    other = spec.with_options(repetition_penalty=1.3, max_new_tokens=6)
+    assert other is not spec and spec.options.max_new_tokens == 4
+    assert other.options.max_new_tokens == 6 and "repetition_penalty" in other.processors
+    assert "repetition_penalty" not in spec.processors
+    with pytest.raises(ValueError, match="temprature"):
+        spec.with_options(temprature=2.0)
+
+
+def test_engines_that_agree_share_their_programs(workdir):
+    greedy = case(LLAMA, "greedy")
+    a = generation.compile(context(LLAMA, workdir, max_new_tokens=5), 1)
+    before = programs.count()
+    b = generation.compile(context(LLAMA, workdir, max_new_tokens=5), 1)
+    assert a is not b and a.compiled.select is b.compiled.select
+    assert programs.count() == before  # nothing new to compile
+    out_a = generation.generate(a, greedy["prompts"], [0])
+    count = programs.count()
+    assert generation.generate(b, greedy["prompts"], [0]) == out_a == [greedy["tokens"][0][:5]]
+    assert programs.count() == count  # b ran a's step and decode programs
+    c = generation.compile(context(LLAMA, workdir, max_new_tokens=5, top_logprobs=2), 1)
+    assert c.compiled.select is not a.compiled.select
+
+
+def test_stop_strings_take_token_texts_from_any_object(workdir):
+    class Texts:
+        token_texts = ("a", "b", None)
+
+    spec = context(LLAMA, workdir, stop_strings=["b"], tokenizer=Texts())
+    assert spec.token_texts == ("a", "b", None) and spec.stops.strings == ("b",)
+    assert spec.with_options(stop_strings=["a"]).stops.strings == ("a",)
+
+
+def test_a_pipelines_shape_count_includes_the_decode_programs_of_each_engine():
+    pipe = text.generation(FIXTURES / LLAMA)
+    prompt = case(LLAMA, "text")["texts"][0]
+    pipe([prompt], max_new_tokens=20, decode_steps=8)
+    first = pipe.compiled_shapes  # the prompt step and the decode chunk over one buffer
+    engines = list(pipe._runner._contexts.values())
+    assert first == len(engines[0].compiled.steps.shapes) == 2
+    # other options and a longer run: a new engine, a bigger buffer, its own two shapes
+    pipe([prompt], max_new_tokens=200, decode_steps=8, repetition_penalty=1.2)
+    engines = list(pipe._runner._contexts.values())
+    shapes = engines[0].compiled.steps.shapes | engines[1].compiled.steps.shapes
+    decode = {s for s in engines[1].compiled.steps.shapes if s[0] == 1}
+    assert decode and decode <= shapes
+    assert pipe.compiled_shapes == len(shapes) == 4
