@@ -78,3 +78,40 @@ def test_a_pipelines_shape_count_includes_the_decode_programs_of_each_engine():
     decode = {s for s in engines[1].compiled.steps.shapes if s[0] == 1}
     assert decode and decode <= shapes
     assert pipe.compiled_shapes == len(shapes) == 4
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["llama-optimum", "llama-genai-fp32", "qwen2-optimum", "gemma3-genai-fp32", "gpt2-optimum"],
+)
+def test_bucketed_prefill_equals_pow2_and_transformers(name, workdir):
+    """The batch case (prompts of several lengths in one batch): a prompt in one padded step and
+    in power-of-two parts give transformers' tokens; the bucket rule runs fewer prompt steps."""
+    the_case = case(name, "batch")
+    prompts = the_case["prompts"]
+    shapes = {}
+    for rule in generation.PREFILLS:
+        spec = context(name, workdir, prefill=rule, **the_case["options"])
+        engine = generation.compile(spec, len(prompts))
+        assert generation.generate(engine, prompts, [0] * len(prompts)) == the_case["tokens"]
+        shapes[rule] = {s for s in engine.compiled.steps.shapes if s[0] > 1}
+    assert len(shapes["buckets"]) <= len(shapes["pow2"])
+    assert all(s[0] % 64 == 0 for s in shapes["buckets"])
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        context(name, workdir, prefill="exact")
+
+
+def test_memory_stays_flat_over_many_requests(workdir):
+    import jax
+
+    engine = generation.compile(context(LLAMA, workdir, max_new_tokens=3), 2, capacity=64)
+    prompts = case(LLAMA, "batch")["prompts"]
+    state = engine.init_state()
+    counts = []
+    for i in range(300):
+        request = generation.Request(prompts[i % len(prompts)], seed=i, do_sample=i % 2 == 1)
+        state = engine.insert(engine.prefill(request), state, i % 2)
+        state, _ = engine.generate(state, 4)
+        if i % 50 == 49:
+            counts.append((len(jax.live_arrays()), programs.count()))
+    assert len(set(counts)) == 1, counts
