@@ -228,9 +228,9 @@ _SOLO: dict = {}
 
 @pytest.mark.parametrize("name", ["stop_split", "stop_overhang", "stop_several", "stop_prompt"])
 def test_per_request_stop_strings_equal_transformers(name, workdir):
-    from transmuter_jax.generation.context import folder_texts
-
     from generation_cases import FIXTURES
+
+    from transmuter_jax.generation.context import folder_texts
 
     texts = folder_texts(FIXTURES / "llama-optimum")
     spec = generation.context(FIXTURES / "llama-optimum", context("llama-optimum", workdir).model,
