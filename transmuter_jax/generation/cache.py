@@ -224,6 +224,21 @@ class Mode:
             return chunk(remaining)
         return min(bucket(max(remaining, 1)), PREFILL_CAP)
 
+    def groups(self, lengths: dict[int, int]) -> list[list[int]]:
+        """The rows that share a cache, from each live row's prompt length: all of them (in
+        grow, those of one length)."""
+        return [list(lengths)] if lengths else []
+
+    def room(self, size: int, capacity: int | None, longest: int) -> int:
+        """The decode steps a chunk of at most ``size`` can run (a padded grow bucket may hold
+        fewer more tokens)."""
+        return size
+
+    def grown(self, capacity: int | None, length: int, step: int) -> int | None:
+        """The capacity for a step of ``step`` tokens after ``length`` cached ones (None where
+        the cache has no padded capacity)."""
+        return capacity
+
     def slot_refusal(self) -> str:
         """Why slots (rows that join and leave a running batch) cannot run ("" when they can)."""
         return ""
@@ -314,6 +329,9 @@ class GrowExact(Mode):
     def prompt_step(self, remaining, rule):
         return chunk(remaining)  # padding tokens would be cached: no bucket past the prompt
 
+    def groups(self, lengths):
+        return [[i for i, n in lengths.items() if n == m] for m in sorted(set(lengths.values()))]
+
     def slot_refusal(self):
         return (
             "its grow cache has one length for all rows (the padded rewrite counts one number "
@@ -363,9 +381,8 @@ class GrowPadded(GrowExact):
     def donated(self, cache_length, rows_after):
         return cache_length == rows_after  # not on the first step, nor when a bucket grows
 
-    def grown(self, capacity: int, length: int, step: int) -> int:
-        """The capacity for a step of ``step`` tokens after ``length`` cached ones."""
-        return capacity
+    def room(self, size, capacity, longest):
+        return min(size, capacity - longest)  # a bucket holds this many more tokens
 
 
 class GrowBuckets(GrowPadded):

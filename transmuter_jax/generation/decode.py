@@ -58,6 +58,23 @@ class DecodeState:
     encoder: jax.Array | None = None
 
 
+def end_of_row(chosen, live, eos, count, max_new):
+    """The one rule that ends a row (traced; the host's steps follow it too): a live row that
+    takes an eos id ends without keeping it; one that keeps its ``max_new``-th token ends.
+
+    Args:
+        chosen: [B] the selected tokens. live: [B] rows that took a token. eos: [E] or [B, E]
+            eos ids (-1: none). count: [B] tokens kept before. max_new: [B] the most new tokens.
+
+    Returns:
+        (ends [B] an eos, kept [B] the token kept, count [B] after, done [B] no more tokens)
+    """
+    ends = jnp.any(chosen[:, None] == eos, axis=-1) & live
+    kept = live & ~ends
+    count = count + kept.astype(jnp.int32)
+    return ends, kept, count, ends | (kept & (count >= max_new))
+
+
 @dataclasses.dataclass(frozen=True)
 class Decoder:
     """The compiled decode chunks of a context, one per (cache branch, padded rows, mask)."""
@@ -149,14 +166,12 @@ class Decoder:
                 chosen = select(logits, s.seeds, s.count, views, ())  # [B] or [B, width]
                 more = chosen[:, 1:] if width > 1 else None
                 chosen = chosen[:, 0] if width > 1 else chosen
-                ends = jnp.isin(chosen, eos) & live
-                kept = live & ~ends
+                ends, kept, count, finished = end_of_row(chosen, live, eos, s.count, s.max_new)
                 at = s.prompt + s.count
                 # [B, H]: a kept token goes after the row's tokens; other rows write out of range
                 at = jnp.where(kept, at, s.history.shape[1])
                 history = s.history.at[index, at].set(chosen, mode="drop")
-                count = s.count + kept.astype(jnp.int32)
-                done = s.done | ends | (kept & (count >= s.max_new))
+                done = s.done | finished
                 row = jnp.stack([jnp.where(live, chosen, -1), done.astype(jnp.int32)], axis=-1)
                 if more is not None:
                     row = jnp.concatenate([row, more], axis=-1)

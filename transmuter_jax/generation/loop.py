@@ -374,11 +374,8 @@ class _Run:
         """The rows that share a cache: all of them, or in grow those with prompts of one
         length."""
         rows = self.rows
-        active = [i for i, row in enumerate(rows) if not row.done]
-        if self.ctx.compiled.cache.shared:
-            return [active] if active else []
-        lengths = sorted({len(rows[i].prompt) for i in active})
-        return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
+        active = {i: len(row.prompt) for i, row in enumerate(rows) if not row.done}
+        return self.ctx.compiled.cache.groups(active)
 
     def live(self) -> bool:
         """Whether a row of the group that runs now takes more tokens."""
@@ -420,9 +417,9 @@ class _Run:
         decoder = self.ctx.compiled.decoder if on_device(self.ctx) else None
         mode = self.ctx.compiled.cache
         while self.live():
-            room = decoder.size if decoder is not None else 0
-            if decoder is not None and mode.padded:  # a bucket holds this many more tokens
-                room = min(room, state.capacity - int(state.lengths.max()))
+            room = 0
+            if decoder is not None:  # a padded grow bucket may hold fewer more tokens
+                room = mode.room(decoder.size, state.capacity, int(state.lengths.max()))
             if room < 2:
                 self.step(state)
             else:
@@ -434,8 +431,8 @@ class _Run:
         mode = ctx.compiled.cache
         step = self.plan(state.lengths)
         size = step.tokens.shape[1]
-        if mode.padded:  # room for this step's tokens (buckets grow 64 rows at a time)
-            state.capacity = mode.grown(state.capacity, int(state.lengths.max()), size)
+        # room for this step's tokens (padded grow buckets grow 64 rows at a time)
+        state.capacity = mode.grown(state.capacity, int(state.lengths.max()), size)
         feed = _feed(ctx, step.tokens, step.positions, state, self.given, _position_axes(ctx))
         if step.image_mask.any() and self.features is not None:
             feed["image_mask"] = step.image_mask

@@ -24,6 +24,7 @@ import numpy as np
 from ..onnx.compiler import jit_options
 from ..stored import storable
 from .cache import PREFILL_CAP, bucket
+from .decode import end_of_row
 from .errors import GenerationError
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
@@ -321,15 +322,6 @@ def _warp(scores, rows: Rows_):
     drop = probs < rows.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     kth = jax.lax.top_k(scores, 1)[0][..., -1:]
     return jnp.where(drop & ~(scores >= kth), LOWEST, scores)
-
-
-def end_of_row(chosen, live, eos, count, max_new):
-    """The one rule that ends a row: (ends [B] an eos, kept [B] a token kept, count after,
-    done [B] the row takes no more)."""
-    ends = jnp.any(chosen[:, None] == eos, axis=-1) & live
-    kept = live & ~ends
-    count = count + kept.astype(jnp.int32)
-    return ends, kept, count, ends | (kept & (count >= max_new))
 
 
 # -- the step -----------------------------------------------------------------------------------
