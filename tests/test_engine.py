@@ -115,3 +115,18 @@ def test_memory_stays_flat_over_many_requests(workdir):
         if i % 50 == 49:
             counts.append((len(jax.live_arrays()), programs.count()))
     assert len(set(counts)) == 1, counts
+
+
+def test_programs_go_with_the_last_engine_that_keeps_them(workdir):
+    import gc
+
+    greedy = case(LLAMA, "greedy")
+    gc.collect()
+    before = programs.count()
+    options = dict(max_new_tokens=3, do_sample=True, temperature=0.61, decode_steps=4)
+    engine = generation.compile(context(LLAMA, workdir, **options), 1)
+    generation.generate(engine, greedy["prompts"], [0])
+    assert programs.count() > before
+    del engine
+    gc.collect()
+    assert programs.count() == before  # no weights kept alive by a cache of programs

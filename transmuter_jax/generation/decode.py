@@ -116,7 +116,7 @@ class Decoder:
             options = jit_options(dict(ctx.jit_options))
             return StoredJit(run, key, donate_argnums=(2,), **options)
 
-        fn = program(("decode", key, self.size, self.steps.local()), make)
+        fn = program(("decode", key, self.size, self.steps.local()), make, self.steps.held)
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         signature = (
             tuple((k, np.shape(v), np.dtype(v.dtype)) for k, v in given.items()),

@@ -9,34 +9,34 @@ on a key share its programs, whichever of them compiled it first.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-KEEP = 256  # entries kept; the least recently used go first
-
-_PROGRAMS: OrderedDict[Hashable, Any] = OrderedDict()
+_PROGRAMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 
 
-def program(key: Hashable, make: Callable[[], Any]) -> Any:
-    """The program of ``key``, made by ``make()`` the first time."""
+def program(key: Hashable, make: Callable[[], Any], holder: dict | None = None) -> Any:
+    """The program of ``key``, made by ``make()`` the first time.
+
+    The cache holds programs weakly: an engine keeps the programs it runs (in ``holder``, or as
+    its attributes), so a program lives while one of the engines that share it does, and the
+    weights its graph closes over go with the last of them.
+    """
     with _LOCK:
         found = _PROGRAMS.get(key)
-        if found is not None:
-            _PROGRAMS.move_to_end(key)
-            return found
-    made = make()
-    with _LOCK:
-        found = _PROGRAMS.setdefault(key, made)
-        _PROGRAMS.move_to_end(key)
-        while len(_PROGRAMS) > KEEP:
-            _PROGRAMS.popitem(last=False)
-        return found
+    if found is None:
+        made = make()
+        with _LOCK:
+            found = _PROGRAMS.setdefault(key, made)
+    if holder is not None:
+        holder[key] = found
+    return found
 
 
 def count() -> int:
-    """How many entries the cache holds."""
+    """How many programs the cache holds (those some engine keeps)."""
     return len(_PROGRAMS)
 
 

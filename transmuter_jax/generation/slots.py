@@ -416,7 +416,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
 
         return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
 
-    return program(key, make)
+    return program(key, make, engine.compiled.steps.held)
 
 
 def _first(engine: Engine, k: int):
@@ -454,7 +454,7 @@ def _first(engine: Engine, k: int):
 
         return jax.jit(first)
 
-    return program(key, make)
+    return program(key, make, engine.compiled.steps.held)
 
 
 # -- the verbs ----------------------------------------------------------------------------------

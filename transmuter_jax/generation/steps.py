@@ -99,6 +99,7 @@ class Steps:
     mode: cache_modes.Mode
     padding: PaddedPast | None = None
     shapes: set[tuple] = dataclasses.field(default_factory=set)  # the shapes this engine ran
+    held: dict = dataclasses.field(default_factory=dict)  # the programs this engine keeps
 
     def __call__(self, cache, feed, lengths, last, rows: int | None = None):
         """Runs one step.
@@ -129,7 +130,7 @@ class Steps:
             step = self.function(branch, rows)
             return StoredJit(step, key, donate_argnums=donated, **options)
 
-        fn = program(("step", key, donate, self.local()), make)
+        fn = program(("step", key, donate, self.local()), make, self.held)
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         # What varies between calls of one compiled function: the step's inputs, the cache's
         # rows (self and cross attention) and the batch.
