@@ -155,10 +155,12 @@ def test_bad_arguments_are_refused(bad, message):
         bad()
 
 
+@pytest.mark.parametrize("prefill", ["buckets", "pow2"])
 @pytest.mark.parametrize(("name", "padded"), [("llama-optimum", False), ("whisper-optimum", True)])
-def test_the_simulation_matches_the_generation_loop(name, padded, tmp_path):
+def test_the_simulation_matches_the_generation_loop(name, padded, prefill, tmp_path):
     """The batch case of a fixture (prompts of 5, 1, 40 and 9 tokens) in one batch: the shapes
-    the loop compiled are those the simulation predicts from the tokens each row got."""
+    the loop compiled are those the simulation predicts from the tokens each row got (a grow
+    cache runs its prompts in powers of two under both rules)."""
     from generation_cases import case, context, encoder_inputs
 
     from transmuter_jax import generation
@@ -167,7 +169,8 @@ def test_the_simulation_matches_the_generation_loop(name, padded, tmp_path):
     prompts, max_new = the_case["prompts"], the_case["options"]["max_new_tokens"]
     given, inputs = encoder_inputs(name, the_case, list(range(len(prompts))))
     ctx = generation.compile(
-        context(name, tmp_path, given=given, max_new_tokens=max_new), len(prompts)
+        context(name, tmp_path, given=given, max_new_tokens=max_new, prefill=prefill),
+        len(prompts),
     )
     generation.generate(ctx, prompts, list(range(len(prompts))), inputs)
     requests = [
@@ -175,6 +178,7 @@ def test_the_simulation_matches_the_generation_loop(name, padded, tmp_path):
         for p, t, eos in zip(prompts, the_case["tokens"], the_case["stopped_at_eos"], strict=True)
     ]
     cache = "padded64" if padded else "capacity64"
-    predicted = _shapes(ctx.mode, "pow2", cache, requests, batch=len(prompts))
+    rule = "pow2" if padded or prefill == "pow2" else "multiple:64"
+    predicted = _shapes(ctx.mode, rule, cache, requests, batch=len(prompts))
     assert {s[1:] for s in predicted} == ctx.compiled.steps.shapes
     assert ctx.compiled.padded == padded

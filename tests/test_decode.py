@@ -3,6 +3,7 @@ and of transformers, in every cache mode and fixture family."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import jax
@@ -145,7 +146,8 @@ def test_every_builtin_processor_runs_in_the_chunk(case_name, workdir):
 
 def test_a_custom_processor_falls_back_to_steps(workdir):
     ctx = context("llama-optimum", workdir, max_new_tokens=4, decode_steps=8)
-    ctx.processors.append((lambda row: np.zeros((), np.int32), lambda logits, state: logits))
+    custom = (lambda row: np.zeros((), np.int32), lambda logits, state: logits)
+    ctx = dataclasses.replace(ctx, processors=(*ctx.processors, custom))
     ctx = generation.compile(ctx, 1)
     assert not generation.on_device(ctx)
     prompt = case("llama-optimum", "greedy")["prompts"]

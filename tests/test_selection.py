@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -136,7 +137,7 @@ def test_a_custom_processor_bans_a_token_in_rows_of_different_lengths(workdir):
         return logits.at[banned].set(LOWEST)
 
     ctx = context(LLAMA, workdir, max_new_tokens=6)
-    ctx.processors.append((state, ban))
+    ctx = dataclasses.replace(ctx, processors=(*ctx.processors, (state, ban)))
     ctx = generation.compile(ctx, len(prompts))
     out = generation.generate(ctx, prompts, [0] * len(prompts))
     assert all(banned not in row for row in out)

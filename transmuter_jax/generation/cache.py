@@ -26,11 +26,14 @@ import numpy as np
 from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.ops import write_rows
+from ..onnx.trace import value_sources
 from ..runtime import jit as compiler
 from ..runtime.stored import AutoStoredJit
 from .errors import GenerationError
 
 SEQ = 2  # the sequence axis of a cache array
+PREFILL_CAP = 512  # the longest prompt step of the "buckets" rule: longer prompts run in chunks
+GROW_CACHES = ("padded", "buckets", "exact")  # how compile() runs a grow decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +181,11 @@ def write(
     return new
 
 
+def chunk(remaining: int) -> int:
+    """The largest power of two at most ``remaining`` (45 tokens run as 32, 8, 4, 1)."""
+    return 1 << (max(remaining, 1).bit_length() - 1)
+
+
 class Mode:
     """How one cache mode sizes, masks, writes and advances the cache. ``compile`` picks one.
 
@@ -192,6 +200,52 @@ class Mode:
     shared = True
     padded = False
     on_device = True
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self).__name__)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def compiled(self, grow_cache: str, pad: Any) -> tuple[Mode, Any, str, str]:
+        """The mode that runs, for ``compile``'s ``grow_cache``: (mode, the padded rewrite or
+        None, what runs in grow ("padded", "buckets", "exact"; "" elsewhere), why a grow cache
+        keeps exact lengths). ``pad()`` gives the rewrite and the reason it failed."""
+        return self, None, "", ""
+
+    def prompt_step(self, remaining: int, rule: str) -> int:
+        """Tokens of the next prompt step of rows with at most ``remaining`` prompt tokens left:
+        "buckets": all of them padded to a multiple of 64 (at most :data:`PREFILL_CAP`, longer
+        prompts in chunks of it); "pow2": the largest power of two at most ``remaining``."""
+        if rule == "pow2":
+            return chunk(remaining)
+        return min(bucket(max(remaining, 1)), PREFILL_CAP)
+
+    def groups(self, lengths: dict[int, int]) -> list[list[int]]:
+        """The rows that share a cache, from each live row's prompt length: all of them (in
+        grow, those of one length)."""
+        return [list(lengths)] if lengths else []
+
+    def room(self, size: int, capacity: int | None, longest: int) -> int:
+        """The decode steps a chunk of at most ``size`` can run (a padded grow bucket may hold
+        fewer more tokens)."""
+        return size
+
+    def grown(self, capacity: int | None, length: int, step: int) -> int | None:
+        """The capacity for a step of ``step`` tokens after ``length`` cached ones (None where
+        the cache has no padded capacity)."""
+        return capacity
+
+    def slot_refusal(self) -> str:
+        """Why slots (rows that join and leave a running batch) cannot run ("" when they can)."""
+        return ""
+
+    def prompt_rows(self, length: int) -> int:
+        """Rows of an empty cache for one step of ``length`` tokens (see prompt_inputs)."""
+        return 0
 
     def capacity(self, longest: int, chunk: int) -> int:
         """Rows of the buffer for rows of at most ``longest`` tokens fed in chunks of up to
@@ -231,6 +285,9 @@ class InPlace(Mode):
 
     name = "in_place"
 
+    def prompt_rows(self, length):
+        return length  # GroupQueryAttention writes the step's rows into the buffer
+
     def mask(self, lengths, step, rows, xp=np):
         columns = xp.arange(rows)[None, :]
         return (columns < (lengths + step)[:, None]).astype(xp.int32)  # [B, M]
@@ -258,6 +315,28 @@ class GrowExact(Mode):
     name = "grow"
     shared = False
     on_device = False
+
+    def compiled(self, grow_cache, pad):
+        if grow_cache not in GROW_CACHES:
+            raise GenerationError(f"grow_cache must be one of {GROW_CACHES}, got {grow_cache!r}")
+        if grow_cache == "exact":
+            return self, None, "exact", "grow_cache='exact'"
+        padding, reason = pad()
+        if padding is None:
+            return self, None, "exact", reason
+        return (GrowBuckets() if grow_cache == "buckets" else GrowPadded()), padding, grow_cache, ""
+
+    def prompt_step(self, remaining, rule):
+        return chunk(remaining)  # padding tokens would be cached: no bucket past the prompt
+
+    def groups(self, lengths):
+        return [[i for i, n in lengths.items() if n == m] for m in sorted(set(lengths.values()))]
+
+    def slot_refusal(self):
+        return (
+            "its grow cache has one length for all rows (the padded rewrite counts one number "
+            "of padding rows for the batch), so rows cannot join at other lengths"
+        )
 
     def capacity(self, longest, chunk):
         return 0
@@ -302,9 +381,8 @@ class GrowPadded(GrowExact):
     def donated(self, cache_length, rows_after):
         return cache_length == rows_after  # not on the first step, nor when a bucket grows
 
-    def grown(self, capacity: int, length: int, step: int) -> int:
-        """The capacity for a step of ``step`` tokens after ``length`` cached ones."""
-        return capacity
+    def room(self, size, capacity, longest):
+        return min(size, capacity - longest)  # a bucket holds this many more tokens
 
 
 class GrowBuckets(GrowPadded):
@@ -313,6 +391,25 @@ class GrowBuckets(GrowPadded):
 
     def grown(self, capacity, length, step):
         return bucket(length + step)
+
+
+def detect(model: Model) -> Mode:
+    """The cache mode of a decoder, from its graph (a grow one keeps exact lengths until
+    ``compile`` refines it).
+
+    in_place: a GroupQueryAttention counts the valid rows from the values of attention_mask.
+    append: the graph takes position_ids. grow: the positions come from the cache length.
+    """
+    nodes = [n for n in model.graph.proto.node if n.op_type == "GroupQueryAttention"]
+    if nodes:
+        sources = value_sources(model.graph)
+        seqlens = nodes[0].input[5] if len(nodes[0].input) > 5 else ""
+        if "attention_mask" in sources.get(seqlens, ()):
+            return InPlace()
+        return GrowExact()
+    if any(i.name == "position_ids" for i in model.inputs):
+        return Append()
+    return GrowExact()
 
 
 def mode(name: str, padded: bool = False, buckets: bool = False) -> Mode:

@@ -10,22 +10,29 @@ from typing import Any
 import numpy as np
 
 from .. import hub
+from ..onnx.errors import ModelFileError
 from ..onnx.model import Model
-from ..onnx.trace import value_sources
-from .cache import CacheLayout, layout, present_name
+from .cache import CacheLayout, Mode, detect, layout, present_name
 from .errors import GenerationError
 from .options import Options, merge
 from .processors import from_options
-from .stops import StopStrings
+from .stops import StopStrings, token_texts
+
+PREFILLS = ("buckets", "pow2")
+"""The prompt rules: "buckets" runs a prompt in one step padded to a multiple of 64 (chunks of
+:data:`~transmuter_jax.generation.cache.PREFILL_CAP` tokens past it); "pow2" in power-of-two
+parts (45 tokens as 32, 8, 4, 1)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Context:
-    """Everything generation needs to know about a decoder.
+    """The specification of generation with a decoder: frozen; per-call options make a new one
+    (:func:`dataclasses.replace`, :meth:`with_options`).
 
     Attributes:
         model: the decoder.
-        mode: the cache mode, "in_place", "append" or "grow".
+        cache_mode: the cache mode object of the graph (:class:`~.cache.Mode`); ``compile``
+            refines a grow mode (padded, buckets or exact).
         options: the generation options (transformers' names and defaults), file settings
             merged with the caller's.
         config: config.json of the repository.
@@ -33,28 +40,49 @@ class Context:
         embed: the model that turns token ids into embeddings, for a decoder of inputs_embeds.
         image_token: the id of the token whose embeddings image features replace.
         cache: the layout of the KV cache.
-        processors: the logits processors, in order.
-        batch_size: the number of prompts per batch, set by compile().
-        jit_options: options of jax.jit, set by compile().
+        processors: the logits processors, in order (built-in names, then a task's own pairs).
         stops: the stop strings with the text of each token (None without stop_strings).
-        placement: with a mesh, where the weights and cache live
-            (:class:`~transmuter_jax.parallel.sharding.Placement`), set by compile().
+        texts: the text of each token id (read where stop strings need them), or any object
+            whose ``token_texts`` gives them (a tokenizer), or None.
+        prefill: how prompts run, one of :data:`PREFILLS`.
     """
 
     model: Model
-    mode: str
+    cache_mode: Mode
     options: Options
-    config: dict[str, Any]
+    config: Any
     given: tuple[str, ...]
     embed: Model | None
     image_token: int | None
     cache: CacheLayout
-    processors: list[Any] = dataclasses.field(default_factory=list)
-    batch_size: int | None = None
-    jit_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    compiled: Any = None
+    processors: tuple[Any, ...] = ()
     stops: StopStrings | None = None
-    placement: Any = None
+    texts: Any = None
+    prefill: str = "buckets"
+
+    @property
+    def token_texts(self) -> tuple[str | None, ...] | None:
+        """The text of each token id (None: unknown)."""
+        texts = self.texts
+        return texts if texts is None or isinstance(texts, tuple) else tuple(texts.token_texts)
+
+    @property
+    def mode(self) -> str:
+        """The name of the cache mode: "in_place", "append" or "grow"."""
+        return self.cache_mode.name
+
+    def with_options(self, **options: Any) -> Context:
+        """A new specification: these options over this one's (its processors rebuilt from them,
+        a task's own processors kept after them)."""
+        merged = self.options.replace(**options)
+        merged.check_supported(self.vocab_size)
+        custom = tuple(p for p in self.processors if not isinstance(p, str))
+        stops = self.stops
+        if merged.stop_strings != self.options.stop_strings:
+            stops = _stops(merged, self.token_texts)
+        return dataclasses.replace(
+            self, options=merged, processors=(*from_options(merged), *custom), stops=stops
+        )
 
     @property
     def eos(self) -> tuple[int, ...]:
@@ -101,21 +129,8 @@ def _rotary_rows(model: Model) -> int | None:
 
 
 def cache_mode(model: Model) -> str:
-    """The cache mode of a decoder, from its graph.
-
-    in_place: a GroupQueryAttention counts the valid rows from the values of attention_mask.
-    append: the graph takes position_ids. grow: the positions come from the cache length.
-    """
-    nodes = [n for n in model.graph.proto.node if n.op_type == "GroupQueryAttention"]
-    if nodes:
-        sources = value_sources(model.graph)
-        seqlens = nodes[0].input[5] if len(nodes[0].input) > 5 else ""
-        if "attention_mask" in sources.get(seqlens, ()):
-            return "in_place"
-        return "grow"
-    if any(i.name == "position_ids" for i in model.inputs):
-        return "append"
-    return "grow"
+    """The name of the cache mode of a decoder, from its graph (see :func:`.cache.detect`)."""
+    return detect(model).name
 
 
 def context(
@@ -126,6 +141,8 @@ def context(
     embed: Model | None = None,
     image_token: int | None = None,
     tokenizer: Any = None,
+    processors: Sequence[Any] = (),
+    prefill: str = "buckets",
     **options: Any,
 ) -> Context:
     """The context of generation for ``model``.
@@ -138,8 +155,12 @@ def context(
             from the caller, such as past_key_cross_0 of an onnxruntime-genai Whisper).
         embed: for a decoder of inputs_embeds, the model of the token embeddings.
         image_token: the id of the image token whose embeddings image features replace.
-        tokenizer: with stop_strings, the :class:`~transmuter_jax.text.tokenizer.Tokenizer` that
-            tells each token's text; None: the one of ``repo`` (its tokenizer.json).
+        tokenizer: with stop_strings, any object whose ``token_texts`` gives the text of each
+            token id (a :class:`~transmuter_jax.text.tokenizer.Tokenizer`); None: the texts read
+            from ``repo``'s tokenizer.json.
+        processors: a task's own processors ``(state, process)`` (see :mod:`.processors`), after
+            the built-in ones.
+        prefill: how prompts run, one of :data:`PREFILLS` ("buckets": one padded step).
         **options: generation options with transformers' names (max_new_tokens, do_sample,
             eos_token_id, ...), they override generation_config.json; also token_logprobs and
             decode_steps (new tokens per dispatch on the device; 1: one step at a time).
@@ -167,25 +188,48 @@ def context(
             f"{', '.join(present_name(g) for g in missing[:2])}, ...); name them in given= and "
             "pass the encoder's arrays to generate in inputs"
         )
+    if prefill not in PREFILLS:
+        raise GenerationError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
+    texts = tokenizer
+    if merged.stop_strings:
+        texts = tuple(tokenizer.token_texts) if tokenizer is not None else folder_texts(repo)
     ctx = Context(
         model=model,
-        mode=cache_mode(model),
+        cache_mode=detect(model),
         options=merged,
         config=config,
         given=tuple(given),
         embed=embed,
         image_token=image_token,
         cache=cache,
-        processors=from_options(merged),
+        processors=(*from_options(merged), *processors),
+        stops=_stops(merged, texts),
+        texts=texts,
+        prefill=prefill,
     )
     merged.check_supported(ctx.vocab_size)
-    if merged.stop_strings:
-        if tokenizer is None:
-            from ..text.tokenizer import Tokenizer  # the text package sits above generation
-
-            tokenizer = Tokenizer.from_folder(hub.folder(repo, hub.SMALL_FILES))
-        ctx.stops = StopStrings(merged.stop_strings, tokenizer.token_texts)
     return ctx
+
+
+def _stops(options: Options, texts: Sequence[str | None] | None) -> StopStrings | None:
+    if not options.stop_strings:
+        return None
+    if texts is None:
+        raise GenerationError("stop_strings need the token texts: pass tokenizer= to context()")
+    return StopStrings(options.stop_strings, texts)
+
+
+def folder_texts(repo: str | os.PathLike) -> tuple[str | None, ...]:
+    """The text of each token id of ``repo``'s tokenizer.json, as stop strings read it."""
+    import tokenizers
+
+    folder = hub.folder(repo, hub.SMALL_FILES)
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ModelFileError(
+            f"{folder} has no tokenizer.json; only fast tokenizers (tokenizer.json) are supported"
+        )
+    return token_texts(tokenizers.Tokenizer.from_file(path))
 
 
 def max_new_tokens(repo: str | os.PathLike, prompt_length: int, **options: Any) -> int:

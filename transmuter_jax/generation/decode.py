@@ -19,6 +19,7 @@ import numpy as np
 from ..runtime.jit import jit_options
 from ..runtime.stored import StoredJit, storable
 from .processors import Rows
+from .programs import program
 from .steps import Steps
 
 NOT_RUN = -2  # the token of a step the loop did not run
@@ -57,7 +58,24 @@ class DecodeState:
     encoder: jax.Array | None = None
 
 
-@dataclasses.dataclass
+def end_of_row(chosen, live, eos, count, max_new):
+    """The one rule that ends a row (traced; the host's steps follow it too): a live row that
+    takes an eos id ends without keeping it; one that keeps its ``max_new``-th token ends.
+
+    Args:
+        chosen: [B] the selected tokens. live: [B] rows that took a token. eos: [E] or [B, E]
+            eos ids (-1: none). count: [B] tokens kept before. max_new: [B] the most new tokens.
+
+    Returns:
+        (ends [B] an eos, kept [B] the token kept, count [B] after, done [B] no more tokens)
+    """
+    ends = jnp.any(chosen[:, None] == eos, axis=-1) & live
+    kept = live & ~ends
+    count = count + kept.astype(jnp.int32)
+    return ends, kept, count, ends | (kept & (count >= max_new))
+
+
+@dataclasses.dataclass(frozen=True)
 class Decoder:
     """The compiled decode chunks of a context, one per (cache branch, padded rows, mask)."""
 
@@ -68,7 +86,6 @@ class Decoder:
     size: int  # decode_steps: the most steps of one chunk
     width: int  # columns of the selection's output (1: the token only)
     axes: int  # position_ids axes: 0 (none), 1, or 3 (M-RoPE)
-    functions: dict[tuple, StoredJit] = dataclasses.field(default_factory=dict)
 
     def __call__(
         self, state: DecodeState, given: dict[str, Any], limit: int, rows: int | None
@@ -83,23 +100,23 @@ class Decoder:
         length = _self_rows(ctx, state.cache)
         branch = mode.branch(length)
         self.steps.shapes.add((1, length, branch) + ((rows,) if rows is not None else ()))
-        at = (branch, rows)
-        fn = self.functions.get(at)
-        if fn is None:
-            key = self.steps.key(
-                "decode",
-                branch,
-                rows,
-                ctx.options.program_key,
-                tuple(ctx.processors),
-                self.pad,
-                self.axes,
-                tuple(sorted(given)),
-            )
+        key = self.steps.key(
+            "decode",
+            branch,
+            rows,
+            ctx.options.program_key,
+            tuple(ctx.processors),
+            self.pad,
+            self.axes,
+            tuple(sorted(given)),
+        )
+
+        def make():
             run = self._chunk_function(branch, rows)
-            options = jit_options(ctx.jit_options)
-            fn = StoredJit(run, key, donate_argnums=(2,), **options)
-            self.functions[at] = fn
+            options = jit_options(dict(ctx.jit_options))
+            return StoredJit(run, key, donate_argnums=(2,), **options)
+
+        fn = program(("decode", key, self.size, self.steps.local()), make, self.steps.held)
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         signature = (
             tuple((k, np.shape(v), np.dtype(v.dtype)) for k, v in given.items()),
@@ -149,14 +166,12 @@ class Decoder:
                 chosen = select(logits, s.seeds, s.count, views, ())  # [B] or [B, width]
                 more = chosen[:, 1:] if width > 1 else None
                 chosen = chosen[:, 0] if width > 1 else chosen
-                ends = jnp.isin(chosen, eos) & live
-                kept = live & ~ends
+                ends, kept, count, finished = end_of_row(chosen, live, eos, s.count, s.max_new)
                 at = s.prompt + s.count
                 # [B, H]: a kept token goes after the row's tokens; other rows write out of range
                 at = jnp.where(kept, at, s.history.shape[1])
                 history = s.history.at[index, at].set(chosen, mode="drop")
-                count = s.count + kept.astype(jnp.int32)
-                done = s.done | ends | (kept & (count >= s.max_new))
+                done = s.done | finished
                 row = jnp.stack([jnp.where(live, chosen, -1), done.astype(jnp.int32)], axis=-1)
                 if more is not None:
                     row = jnp.concatenate([row, more], axis=-1)

@@ -23,47 +23,22 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.qkv import split_qkv
 from ..parallel import sharding
 from . import cache as cache_modes
+from . import slots
 from .beam import BeamPrompt
 from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
+from .engine import Compiled, Engine
 from .errors import GenerationError
 from .processors import Rows, static_masks
+from .programs import jit_key, program
 from .select import beam_selection, selection
-from .steps import Steps, chunk, pad_grow
+from .steps import Steps, pad_grow
 
 OnToken = Callable[[dict[str, np.ndarray]], None]
 RETURN_STRIDE = 0x9E3779B9  # 2**32 / golden ratio: the seeds of a prompt's sequences step by it
 
 
-@dataclasses.dataclass
-class Compiled:
-    """What compile() prepares: the cache mode, the steps (owning the compiled shapes), the
-    selection and the decode chunks."""
-
-    steps: Steps
-    select: Any
-    reorder: Any
-    grow_cache: str = ""  # in grow, what runs: "padded", "buckets" or "exact"
-    unpadded: str = ""  # in grow, why the cache keeps exact lengths ("" when it is padded)
-    decoder: Decoder | None = None  # None: every step runs on the host
-
-    @property
-    def cache(self) -> cache_modes.Mode:
-        """The cache mode object."""
-        return self.steps.mode
-
-    @property
-    def shapes(self) -> int:
-        """How many step shapes have been compiled."""
-        return len(self.steps.shapes)
-
-    @property
-    def padded(self) -> bool:
-        """Whether grow steps run on a padded cache (a few shapes) rather than exact lengths."""
-        return self.steps.mode.padded
-
-
-GROW_CACHES = ("padded", "buckets", "exact")
+GROW_CACHES = cache_modes.GROW_CACHES
 
 
 def compile(  # noqa: A001
@@ -75,13 +50,15 @@ def compile(  # noqa: A001
     devices: Sequence[jax.Device] | None = None,
     shard_overrides: Mapping[str, PartitionSpec | None] | None = None,
     shard_small: int = sharding.SMALL,
+    capacity: int = slots.CAPACITY,
+    top_logprobs: int = 5,
     **jit_options: Any,
-) -> Context:
-    """Prepares ``ctx`` for batches of ``batch_size`` prompts.
+) -> Engine:
+    """The engine of ``ctx`` for batches of ``batch_size`` prompts (or slots).
 
     Args:
-        ctx: from :func:`context`.
-        batch_size: the most prompts a call of :func:`generate` takes.
+        ctx: the specification, from :func:`context`.
+        batch_size: the most prompts a call of :func:`generate` takes: the engine's slots.
         grow_cache: in grow mode, "padded" runs the decoder rewritten for a padded cache whose
             capacity is each group's prompt and new tokens rounded up to 64 (its prompt steps
             and one decode shape); "buckets" grows that cache 64 rows at a time as it fills (two
@@ -94,44 +71,66 @@ def compile(  # noqa: A001
         shard_overrides: partition specs by initializer name that win over the sharding
             rules (None: replicated).
         shard_small: embeddings and LM heads of fewer elements stay replicated.
+        capacity: the cache rows of each slot (prompt and new tokens; a multiple of 64, at most
+            the model's positions) for the slots API (docs/engine.md).
+        top_logprobs: the most top_logprobs a slot's request may ask for.
         **jit_options: options of ``jax.jit`` for the step and the selection.
 
     Returns:
-        A context that owns the cache of compiled shapes: call this in the serving process.
+        A frozen :class:`Engine`; its programs come from one cache shared by the engines that
+        agree on what determines them. Call this in the serving process.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise GenerationError(f"batch_size must be a positive integer, got {batch_size!r}")
     if grow_cache not in GROW_CACHES:
         raise GenerationError(f"grow_cache must be one of {GROW_CACHES}, got {grow_cache!r}")
-    ready = dataclasses.replace(ctx, batch_size=batch_size, jit_options=dict(jit_options))
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
+        raise GenerationError(f"top_logprobs must be a non-negative integer, got {top_logprobs!r}")
+    engine = Engine(ctx, batch_size, ctx.model, ctx.embed, tuple(sorted(jit_options.items())))
+    engine = dataclasses.replace(
+        engine, slot_capacity=slots.capacity_of(engine, capacity), slot_top_logprobs=top_logprobs
+    )
     options = ctx.options
-    masks = static_masks(options, ctx.vocab_size or 0)  # once, not every step
-    make = beam_selection if options.num_beams > 1 else selection
-    select = make(options, tuple(ready.processors), masks, **jit_options)
-    reorder = cache_modes.reorder_function(ctx.cache, **jit_options)
+    select = _selection(ctx, jit_options)
+    reorder = program(
+        ("reorder", ctx.cache, jit_key(jit_options)),
+        lambda: cache_modes.reorder_function(ctx.cache, **jit_options),
+    )
     if mesh is None and devices is not None:
         mesh = sharding.make_mesh(devices)
     if mesh is not None and sharding.axis_size(mesh, sharding.MODEL) > 1:
         # fused q/k/v products as one each, so that they split by heads (see .qkv)
-        ready = dataclasses.replace(ready, model=split_qkv(ready.model))
-    padding, reason, runs = None, "", ""
-    if ctx.mode == "grow":
-        padding, reason = pad_grow(ready) if grow_cache != "exact" else (None, "grow_cache='exact'")
-        runs = grow_cache if padding is not None else "exact"
-    mode = cache_modes.mode(ctx.mode, padding is not None, runs == "buckets")
+        engine = dataclasses.replace(engine, model=split_qkv(engine.model))
+    probe = engine
+    mode, padding, runs, reason = ctx.cache_mode.compiled(grow_cache, lambda: pad_grow(probe))
     if mesh is not None:  # the weights placed on the mesh (after the padded rewrite's probe)
-        ready = sharding.apply(
-            ready, mesh, batch_size, small=shard_small, overrides=shard_overrides
+        engine = sharding.apply(
+            engine, mesh, batch_size, small=shard_small, overrides=shard_overrides
         )
-    steps = Steps(ready, mode, padding)
-    ready.compiled = Compiled(steps, select, reorder, runs, reason)
-    ready.compiled.decoder = _decoder(ready, steps, select)
-    return ready
+    steps = Steps(engine, mode, padding)
+    decoder = _decoder(engine, steps, select, options)
+    compiled = Compiled(steps, select, reorder, runs, reason, decoder)
+    return dataclasses.replace(engine, compiled=compiled)
 
 
-def _decoder(ctx: Context, steps: Steps, select) -> Decoder | None:
-    """The decode chunks, or None where decode runs step by step on the host."""
+def _selection(ctx: Context, jit_options: Mapping[str, Any]):
+    """The compiled selection of ``ctx``'s options and processors, from the program cache
+    (a task's own processors have no stable name: theirs is made for this engine)."""
     options = ctx.options
+    make = beam_selection if options.num_beams > 1 else selection
+
+    def build():
+        masks = static_masks(options, ctx.vocab_size or 0)  # once, not every step
+        return make(options, tuple(ctx.processors), masks, **jit_options)
+
+    if any(not isinstance(p, str) for p in ctx.processors):
+        return build()
+    key = ("select", make.__name__, options.program_key, ctx.processors, ctx.vocab_size)
+    return program(key + (jit_key(jit_options),), build)
+
+
+def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
+    """The decode chunks, or None where decode runs step by step on the host."""
     custom = any(not isinstance(p, str) for p in ctx.processors)
     if options.decode_steps < 2 or options.num_beams > 1 or custom or not steps.mode.on_device:
         return None
@@ -141,13 +140,12 @@ def _decoder(ctx: Context, steps: Steps, select) -> Decoder | None:
                    width, axes)  # fmt: skip
 
 
-def on_device(ctx: Context) -> bool:
+def on_device(ctx: Engine) -> bool:
     """Whether ``ctx`` decodes in chunks on the device (else one step at a time on the host)."""
-    if ctx.compiled is None:
+    compiled = getattr(ctx, "compiled", None)
+    if compiled is None:
         raise GenerationError("call generation.compile(ctx, batch_size) first")
-    decoder = ctx.compiled.decoder
-    custom = any(not isinstance(p, str) for p in ctx.processors)  # added after compile
-    return decoder is not None and not custom
+    return compiled.decoder is not None
 
 
 @dataclasses.dataclass
@@ -178,7 +176,7 @@ def new_tokens(ctx: Context, prompt_length: int) -> int:
 
 
 def generate(
-    ctx: Context,
+    ctx: Engine,
     prompts: Sequence[Sequence[int]],
     seeds: Sequence[int],
     inputs: Mapping[str, Any] | None = None,
@@ -226,8 +224,8 @@ def generate(
     return run.strategy.results(run)
 
 
-def _validate(ctx: Context, prompts, seeds, inputs) -> None:
-    if ctx.batch_size is None or ctx.compiled is None:
+def _validate(ctx: Engine, prompts, seeds, inputs) -> None:
+    if getattr(ctx, "compiled", None) is None:
         raise GenerationError("call generation.compile(ctx, batch_size) before generate")
     if len(prompts) > ctx.batch_size:
         raise GenerationError(
@@ -278,7 +276,7 @@ def _validate(ctx: Context, prompts, seeds, inputs) -> None:
             )
 
 
-def _rows(ctx: Context, prompts, seeds, inputs, clamp: bool) -> list[_Row]:
+def _rows(ctx: Engine, prompts, seeds, inputs, clamp: bool) -> list[_Row]:
     """The rows of a call, padded to the batch; raises ValueError for a row that would run past
     the model's positions (unless ``clamp``: then it gets the tokens that fit)."""
     rows, features, limit = [], 0, ctx.position_limit
@@ -312,7 +310,7 @@ def _rows(ctx: Context, prompts, seeds, inputs, clamp: bool) -> list[_Row]:
     return rows
 
 
-def _given(ctx: Context, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+def _given(ctx: Engine, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
     """The given inputs padded to the batch with copies of their first row (ours, not theirs)."""
     padded = {}
     dtypes = {i.name: device_dtype(np.dtype(i.dtype)) for i in ctx.model.inputs}
@@ -346,7 +344,7 @@ class _Step:
 class _Run:
     """One call of generate: the rows, their given inputs, the selection strategy."""
 
-    ctx: Context
+    ctx: Engine
     rows: list[_Row]
     given: dict[str, jax.Array]
     features: np.ndarray | None
@@ -377,11 +375,8 @@ class _Run:
         """The rows that share a cache: all of them, or in grow those with prompts of one
         length."""
         rows = self.rows
-        active = [i for i, row in enumerate(rows) if not row.done]
-        if self.ctx.compiled.cache.shared:
-            return [active] if active else []
-        lengths = sorted({len(rows[i].prompt) for i in active})
-        return [[i for i in active if len(rows[i].prompt) == n] for n in lengths]
+        active = {i: len(row.prompt) for i, row in enumerate(rows) if not row.done}
+        return self.ctx.compiled.cache.groups(active)
 
     def live(self) -> bool:
         """Whether a row of the group that runs now takes more tokens."""
@@ -404,10 +399,10 @@ class _Run:
         self.members = np.zeros(len(rows), bool)
         self.members[group] = True
         longest = max(len(rows[i].prompt) + rows[i].max_new for i in group)
-        first = chunk(max(len(rows[i].prompt) for i in group))
+        mode = ctx.compiled.cache
+        first = mode.prompt_step(max(len(rows[i].prompt) for i in group), ctx.spec.prefill)
         states = self.given.get("encoder_hidden_states")
         encoder = 0 if states is None else int(states.shape[1])
-        mode = ctx.compiled.cache
         state = cache_modes.State(
             mode, ctx.cache, len(rows), mode.capacity(longest, first), encoder
         )
@@ -423,9 +418,9 @@ class _Run:
         decoder = self.ctx.compiled.decoder if on_device(self.ctx) else None
         mode = self.ctx.compiled.cache
         while self.live():
-            room = decoder.size if decoder is not None else 0
-            if decoder is not None and mode.padded:  # a bucket holds this many more tokens
-                room = min(room, state.capacity - int(state.lengths.max()))
+            room = 0
+            if decoder is not None:  # a padded grow bucket may hold fewer more tokens
+                room = mode.room(decoder.size, state.capacity, int(state.lengths.max()))
             if room < 2:
                 self.step(state)
             else:
@@ -437,8 +432,8 @@ class _Run:
         mode = ctx.compiled.cache
         step = self.plan(state.lengths)
         size = step.tokens.shape[1]
-        if mode.padded:  # room for this step's tokens (buckets grow 64 rows at a time)
-            state.capacity = mode.grown(state.capacity, int(state.lengths.max()), size)
+        # room for this step's tokens (padded grow buckets grow 64 rows at a time)
+        state.capacity = mode.grown(state.capacity, int(state.lengths.max()), size)
         feed = _feed(ctx, step.tokens, step.positions, state, self.given, _position_axes(ctx))
         if step.image_mask.any() and self.features is not None:
             feed["image_mask"] = step.image_mask
@@ -522,7 +517,10 @@ class _Run:
         ctx, rows, members = self.ctx, self.rows, self.members
         remaining = self.remaining()
         batch, axes = len(rows), _position_axes(ctx)
-        size = chunk(int(remaining.max())) if remaining.max() > 0 else 1
+        mode = ctx.compiled.cache
+        size = (
+            mode.prompt_step(int(remaining.max()), ctx.spec.prefill) if remaining.max() > 0 else 1
+        )
         step = _Step(
             tokens=np.full((batch, size), _pad(ctx), np.int32),
             real=np.zeros(batch, np.int32),
@@ -623,7 +621,7 @@ class BeamSearch:
     """Beam search: the beams of prompt p are rows p*k ... p*k + k - 1; host bookkeeping in
     :class:`BeamPrompt`, candidates from the compiled beam selection."""
 
-    def __init__(self, ctx: Context, base: list[_Row], n: int):
+    def __init__(self, ctx: Engine, base: list[_Row], n: int):
         options = ctx.options
         self.k = k = int(options.num_beams)
         self.rows = [
@@ -730,7 +728,7 @@ def _returns(rows: list[_Row], returns: int) -> list[_Row]:
     ]
 
 
-def _stopped(ctx: Context, row: _Row) -> bool:
+def _stopped(ctx: Engine, row: _Row) -> bool:
     """Whether the row's tokens now end in one of the stop strings."""
     stops = ctx.stops
     return stops is not None and stops.hit(
@@ -738,7 +736,7 @@ def _stopped(ctx: Context, row: _Row) -> bool:
     )
 
 
-def _stop_of(ctx: Context, prompt: list[int]) -> Callable[[list[int]], bool] | None:
+def _stop_of(ctx: Engine, prompt: list[int]) -> Callable[[list[int]], bool] | None:
     """Whether new tokens after ``prompt`` end in one of the stop strings (None: no strings)."""
     stops = ctx.stops
     if stops is None:
@@ -752,7 +750,7 @@ def _seeds(rows: list[_Row]) -> np.ndarray:
     return np.array([r.seed & 0xFFFFFFFF for r in rows], np.uint32).view(np.int32)
 
 
-def _pad(ctx: Context) -> int:
+def _pad(ctx: Engine) -> int:
     """The token of padding positions: pad_token_id when it is in the vocabulary, else the first
     eos token, else 0 (its value never reaches a real token's result)."""
     vocab = ctx.vocab_size or 2**31
@@ -771,7 +769,7 @@ def _history(rows: list[_Row], width: int) -> np.ndarray:
     return history
 
 
-def _encoder(rows: list[_Row], ctx: Context) -> np.ndarray | None:
+def _encoder(rows: list[_Row], ctx: Engine) -> np.ndarray | None:
     """[B, E] int32 each row's encoder ids, -1 after them (E a bucket of the longest); None
     where no processor reads them."""
     if not ctx.options.encoder_ids:
@@ -794,7 +792,7 @@ def _states(processor, rows, vocab) -> np.ndarray:
     )
 
 
-def _position_axes(ctx: Context) -> int:
+def _position_axes(ctx: Engine) -> int:
     info = next((i for i in ctx.model.inputs if i.name == "position_ids"), None)
     if info is None:
         return 0

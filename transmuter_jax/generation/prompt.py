@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..onnx.model import Model
-from .cache import layout
-from .context import cache_mode
+from .cache import detect, layout
 
 
 def prompt_inputs(
@@ -29,8 +28,7 @@ def prompt_inputs(
     if not entries:
         return {}, {}
     names = {i.name: i for i in model.inputs}
-    in_place = cache_mode(model) == "in_place"
-    rows = length if in_place else 0
+    rows = detect(model).prompt_rows(length)
     inputs: dict[str, np.ndarray] = {}
     for entry in entries:
         shape = (batch_size, entry.heads, 0 if entry.cross else rows, entry.head_size)

@@ -23,12 +23,8 @@ from ..runtime import switch
 from ..runtime.jit import jit_options
 from ..runtime.stored import StoredJit
 from . import cache as cache_modes
-from .context import Context
-
-
-def chunk(remaining: int) -> int:
-    """The largest power of two at most ``remaining`` (45 tokens run as 32, 8, 4, 1)."""
-    return 1 << (max(remaining, 1).bit_length() - 1)
+from .cache import chunk  # noqa: F401  (the power-of-two rule, named here before)
+from .programs import jit_key, placement_key, program
 
 
 def probe_inputs(
@@ -72,13 +68,11 @@ def probe_inputs(
 _PADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> layout -> result
 
 
-def pad_grow(ctx: Context) -> tuple[PaddedPast | None, str]:
+def pad_grow(ctx: Any) -> tuple[PaddedPast | None, str]:
     """The decoder of a grow context rewritten for a padded cache, else None and the reason.
 
     The result is kept per decoder and cache layout: contexts of one decoder share it.
     """
-    if ctx.mode != "grow":
-        return None, f"the cache mode is {ctx.mode!r}, not 'grow'"
     known = _PADDED.setdefault(ctx.model, {})
     if ctx.cache not in known:
         past = [e.input for e in ctx.cache.entries if not e.cross]
@@ -100,11 +94,11 @@ class Steps:
         padding: the decoder rewritten for a padded grow cache, or None.
     """
 
-    ctx: Context
+    ctx: Any  # the engine: model, embed, cache layout, placement, image_token, jit_options
     mode: cache_modes.Mode
     padding: PaddedPast | None = None
-    functions: dict[tuple, Any] = dataclasses.field(default_factory=dict)
-    shapes: set[tuple] = dataclasses.field(default_factory=set)
+    shapes: set[tuple] = dataclasses.field(default_factory=set)  # the shapes this engine ran
+    held: dict = dataclasses.field(default_factory=dict)  # the programs this engine keeps
 
     def __call__(self, cache, feed, lengths, last, rows: int | None = None):
         """Runs one step.
@@ -127,14 +121,15 @@ class Steps:
         rows = rows if padded else None
         self.shapes.add((feed["tokens"].shape[1], length, branch) + ((rows,) if padded else ()))
         donate = self.mode.donated(length, rows)
-        at = (branch, rows, donate)
-        fn = self.functions.get(at)
-        if fn is None:
-            step = self.function(branch, rows)
-            options = jit_options(ctx.jit_options)
+        key = self.key("step", branch, rows)
+
+        def make():
+            options = jit_options(dict(ctx.jit_options))
             donated = (2,) if donate else ()
-            fn = StoredJit(step, self.key("step", branch, rows), donate_argnums=donated, **options)
-            self.functions[at] = fn
+            step = self.function(branch, rows)
+            return StoredJit(step, key, donate_argnums=donated, **options)
+
+        fn = program(("step", key, donate, self.local()), make, self.held)
         embed_params = ctx.embed.params if ctx.embed is not None else {}
         # What varies between calls of one compiled function: the step's inputs, the cache's
         # rows (self and cross attention) and the batch.
@@ -161,6 +156,12 @@ class Steps:
             *more,
         )
 
+    def local(self) -> tuple:
+        """What a program of this engine closes over beyond :meth:`key` (kept in memory only):
+        the placement, the image token and the jit options."""
+        ctx = self.ctx
+        return (placement_key(ctx.placement), ctx.image_token, jit_key(ctx.jit_options))
+
     def function(self, branch: bool, rows: int | None):
         """The pure step ``(params, embed_params, cache, feed, lengths, last) -> (logits, cache)``
         for the cache branch ``branch`` (and a padded grow cache of ``rows`` rows)."""
@@ -177,7 +178,7 @@ def _firsts(layout: cache_modes.CacheLayout) -> tuple[cache_modes.CacheEntry, ..
 
 
 def _step_function(
-    ctx: Context,
+    ctx: Any,
     mode: cache_modes.Mode,
     branch: bool,
     padding: PaddedPast | None,

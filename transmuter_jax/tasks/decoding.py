@@ -8,7 +8,7 @@ only what these functions return.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,33 +44,28 @@ def compiled(
     processors: Sequence[Any],
     batch: int,
     mesh: Any,
-    steps: Any,
-) -> tuple[gen.Context, Any]:
-    """A context compiled for ``batch`` rows with ``options`` and a task's own ``processors``
-    (after the others), and the compiled steps it runs: ``steps`` when given (the decoder's
-    compiled shapes do not depend on the options), else its own."""
-    ctx = gen.context(folder, model, given=tuple(given), embed=embed, tokenizer=tokenizer,
-                      **options)  # fmt: skip
-    ctx.processors = [*ctx.processors, *processors]
-    ctx = gen.compile(ctx, batch, mesh=mesh)
-    if steps is None:
-        return ctx, ctx.compiled.steps
-    ctx.compiled = dataclasses.replace(ctx.compiled, steps=steps)
-    return ctx, steps
+) -> gen.Engine:
+    """An engine compiled for ``batch`` rows with ``options`` and a task's own ``processors``
+    (after the others); engines of one decoder share their programs through the program cache."""
+    spec = gen.context(folder, model, given=tuple(given), embed=embed, tokenizer=tokenizer,
+                       processors=processors, **options)  # fmt: skip
+    return gen.compile(spec, batch, mesh=mesh)
 
 
-def compiled_shapes(steps: Any) -> int:
-    """How many step shapes ``steps`` (from :func:`compiled`) has compiled."""
-    return 0 if steps is None else len(steps.shapes)
+def compiled_shapes(shapes: set[tuple], engines: Iterable[gen.Engine]) -> int:
+    """How many step shapes have run: ``shapes`` (updated in place) with those of ``engines``."""
+    for engine in engines:
+        shapes |= engine.compiled.steps.shapes
+    return len(shapes)
 
 
-def chosen(ctx: gen.Context) -> gen.Options:
+def chosen(ctx: gen.Engine) -> gen.Options:
     """The options a compiled context runs with."""
     return ctx.options
 
 
 def run(
-    ctx: gen.Context,
+    ctx: gen.Engine,
     prompts: list[list[int]],
     seeds: list[int],
     inputs: Mapping[str, Any] | None,
@@ -91,7 +86,7 @@ class Ended:
     reason: str  # "eos", "length" or "stop" (a stop string of the engine's stop_strings)
 
 
-def ended(ctx: gen.Context, prompt: list[int], tokens: list) -> Ended:
+def ended(ctx: gen.Engine, prompt: list[int], tokens: list) -> Ended:
     """How the sequence ``tokens`` (from :func:`run`) after ``prompt`` ended."""
     logprobs = top = None
     if ctx.options.top_logprobs:

@@ -122,6 +122,12 @@ class Pipeline:
         """How many decoder step shapes have been compiled so far."""
         return self._started().compiled_shapes
 
+    @property
+    def engines(self) -> tuple[Any, ...]:
+        """The compiled generation engines kept now (``generation.Engine``), least recently
+        used first."""
+        return self._started().engines
+
     def chosen(self, batch: int, options: Mapping[str, Any]) -> Any:
         """The generation options (``generation.Options``) a call of ``batch`` prompts with
         ``options`` runs with (``decoder_start_token_id``, ``num_beams``, ...)."""

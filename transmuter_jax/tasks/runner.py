@@ -145,7 +145,7 @@ class Runner:
         self.mesh = mesh  # a jax.sharding.Mesh the steps run over, or None
         self.options, self.tokenizer = dict(options), tokenizer
         self._contexts: OrderedDict[tuple, Any] = OrderedDict()
-        self._steps: Any = None
+        self._shapes: set[tuple] = set()  # the step shapes of every engine this runner made
         self.defaults = decoding.defaults(
             folder, model, given=self.given, embed=embed, tokenizer=tokenizer,
             options=stop_option(self.options)[0],
@@ -163,10 +163,10 @@ class Runner:
         if ctx is not None:
             self._contexts.move_to_end(key)
             return ctx
-        ctx, self._steps = decoding.compiled(
+        ctx = decoding.compiled(
             self.folder, self.model, given=self.given, embed=self.embed,
             tokenizer=self.tokenizer, options=merged, processors=processors, batch=batch,
-            mesh=self.mesh, steps=self._steps,
+            mesh=self.mesh,
         )  # fmt: skip
         self._contexts[key] = ctx
         while len(self._contexts) > KEEP_CONTEXTS:
@@ -175,8 +175,14 @@ class Runner:
 
     @property
     def compiled_shapes(self) -> int:
-        """How many decoder step shapes have been compiled."""
-        return decoding.compiled_shapes(self._steps)
+        """How many decoder step shapes have run (prompt steps and decode chunks), over every
+        engine of this runner."""
+        return decoding.compiled_shapes(self._shapes, self._contexts.values())
+
+    @property
+    def engines(self) -> tuple[Any, ...]:
+        """The compiled engines kept now, least recently used first."""
+        return tuple(self._contexts.values())
 
     def chosen(self, batch: int, options: Mapping[str, Any]) -> Any:
         """The generation options (``generation.Options``) a call of ``batch`` prompts with
@@ -201,6 +207,7 @@ class Runner:
         base = secrets.randbits(31) if seed is None else int(seed)
         seeds = [base + i for i in range(len(prompts))]
         out = decoding.run(ctx, prompts, seeds, inputs, on_token)
+        decoding.compiled_shapes(self._shapes, [ctx])
         if decoding.chosen(ctx).num_return_sequences == 1:
             return [_result(ctx, tokenizer, p, t, stop) for p, t in zip(prompts, out, strict=True)]
         return [

@@ -1,0 +1,249 @@
+"""Slots: a request that joins a running batch at any step, next to any others, gets exactly the
+tokens and log-probabilities it gets alone; its tokens are generate()'s and transformers'."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from generation_cases import case, context
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transmuter_jax import generation
+from transmuter_jax.generation import Request
+
+IN_PLACE = ["llama-genai-fp32", "qwen2-genai-fp32", "gemma3-genai-fp32"]
+APPEND = ["llama-optimum", "qwen2-optimum", "gpt2-optimum"]  # gpt2: position_ids, so append
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("slots")
+
+
+_ENGINES: dict = {}
+
+
+def engine(name, workdir, **options):
+    key = (name, tuple(sorted(options.items())))
+    if key not in _ENGINES:
+        spec = context(name, workdir, max_new_tokens=NEW, **options)
+        _ENGINES[key] = generation.compile(spec, 4, capacity=128, top_logprobs=3)
+    return _ENGINES[key]
+
+
+def requests(name):
+    prompts = case(name, "batch")["prompts"]
+    return {
+        "greedy": Request(prompts[0], max_new_tokens=NEW, logprobs=True, top_logprobs=2),
+        "sampled": Request(
+            prompts[1],
+            do_sample=True,
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            seed=7,
+            max_new_tokens=NEW,
+            logprobs=True,
+        ),  # fmt: skip
+        "penalized": Request(
+            prompts[2 % len(prompts)],
+            repetition_penalty=1.4,
+            presence_penalty=0.5,
+            min_p=0.05,
+            do_sample=True,
+            seed=3,
+            max_new_tokens=NEW - 2,
+            logprobs=True,
+            top_logprobs=3,
+        ),  # fmt: skip
+    }
+
+
+def _record(tokens, into):
+    for t in tokens:
+        into.setdefault(t.slot, []).append(t)
+
+
+def _drain(eng, state, into, steps=4):
+    while state.live_slots:
+        state, tokens = eng.generate(state, steps)
+        _record(tokens, into)
+    return state
+
+
+def _summary(prefix, tokens):
+    out = [prefix.first] if prefix.first is not None else []
+    out += tokens
+    return [(t.token, t.eos, t.done, t.finish_reason, _bits(t.logprob),
+             tuple((i, _bits(v)) for i, v in t.top)) for t in out]  # fmt: skip
+
+
+def _bits(value):
+    return None if math.isnan(value) else np.float32(value).tobytes()
+
+
+def solo(eng, request, slot=0):
+    state = eng.init_state()
+    prefix = eng.prefill(request)
+    state = eng.insert(prefix, state, slot)
+    got = {}
+    _drain(eng, state, got)
+    return _summary(prefix, [t for t in got.get(slot, [])])
+
+
+@pytest.mark.parametrize("name", IN_PLACE + APPEND)
+def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workdir):
+    eng = engine(name, workdir)
+    reqs = requests(name)
+    alone = {k: solo(eng, r) for k, r in reqs.items()}
+    for target in ("greedy", "sampled", "penalized"):
+        others = [k for k in reqs if k != target]
+        for offset in range(0, 6):
+            state = eng.init_state()
+            got: dict = {}
+            state = eng.insert(eng.prefill(reqs[others[0]]), state, 0)
+            state = eng.insert(eng.prefill(reqs[others[1]]), state, 3)
+            if offset:
+                state, tokens = eng.generate(state, offset)
+                _record(tokens, got)
+            prefix = eng.prefill(reqs[target])
+            state = eng.insert(prefix, state, 1)
+            got.pop(1, None)
+            _drain(eng, state, got, steps=3)
+            assert _summary(prefix, got.get(1, [])) == alone[target], (target, offset)
+
+
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
+def test_solo_runs_are_generates_and_transformers_tokens(name, workdir):
+    eng = engine(name, workdir)
+    greedy = case(name, "greedy")
+    tokens = [
+        t[0] for t in solo(eng, Request(greedy["prompts"][0], max_new_tokens=NEW)) if not t[1]
+    ]
+    assert tokens == greedy["tokens"][0][:NEW]
+    options = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW,
+                   repetition_penalty=1.4, token_logprobs=True)  # fmt: skip
+    batch = generation.compile(context(name, workdir, **options), 1)
+    prompt = case(name, "batch")["prompts"][1]
+    expected = generation.generate(batch, [prompt], [7])[0]
+    request = Request(prompt, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=7,
+                      repetition_penalty=1.4, max_new_tokens=NEW, logprobs=True)  # fmt: skip
+    got = [t for t in solo(eng, request) if not t[1]]
+    assert [t[0] for t in got] == [t for t, _ in expected]
+    logprobs = [np.frombuffer(t[4], np.float32)[0] for t in got]
+    np.testing.assert_allclose(logprobs, [p for _, p in expected], rtol=1e-5, atol=1e-5)
+
+
+def test_a_slot_freed_mid_chunk_is_reused(workdir):
+    name = "llama-optimum"
+    eng = engine(name, workdir)
+    reqs = requests(name)
+    state = eng.init_state()
+    state = eng.insert(eng.prefill(reqs["greedy"]), state, 2)
+    state, _ = eng.generate(state, 3)
+    state = eng.free(state, 2)
+    assert state.live_slots == [] and 2 in state.free_slots
+    prefix = eng.prefill(reqs["sampled"])
+    state = eng.insert(prefix, state, 2)
+    got: dict = {}
+    _drain(eng, state, got)
+    assert _summary(prefix, got[2]) == solo(eng, reqs["sampled"])
+    with pytest.raises(ValueError, match="holds a running request"):
+        state = eng.insert(prefix, eng.insert(prefix, eng.init_state(), 0), 0)
+
+
+def test_finish_reasons_and_bad_requests(workdir):
+    name = "llama-optimum"
+    eng = engine(name, workdir)
+    greedy = case(name, "greedy")
+    out = solo(eng, Request(greedy["prompts"][0], max_new_tokens=3))
+    assert len(out) == 3 and out[-1][2:4] == (True, "length")
+    first = greedy["tokens"][0][0]
+    out = solo(eng, Request(greedy["prompts"][0], max_new_tokens=5, eos_token_id=(first,)))
+    assert out == [(first, True, True, "stop", None, ())]
+    with pytest.raises(ValueError, match="capacity of 128"):
+        eng.prefill(Request(greedy["prompts"][0], max_new_tokens=500))
+    with pytest.raises(ValueError, match="top_logprobs 9"):
+        eng.prefill(Request(greedy["prompts"][0], top_logprobs=9))
+    with pytest.raises(ValueError, match="at least one token"):
+        Request(())
+
+
+def test_a_grow_decoder_refuses_slots_with_a_clear_error(workdir):
+    eng = generation.compile(context("gemma3-optimum", workdir), 2)
+    with pytest.raises(ValueError, match="cannot run slots: its grow cache has one length"):
+        eng.init_state()
+    beams = generation.compile(context("llama-optimum", workdir, num_beams=2), 2)
+    with pytest.raises(ValueError, match="beam search needs a program of its own"):
+        beams.init_state()
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(0, 2), st.integers(0, 3)),
+        st.tuples(st.just("free"), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("generate"), st.integers(1, 5), st.just(0)),
+    ),
+    max_size=10,
+)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=_OPS)
+def test_random_insert_free_generate_sequences_equal_solo_runs(ops, workdir):
+    name = "llama-optimum"
+    eng = engine(name, workdir)
+    reqs = list(requests(name).values())
+    alone = _SOLO.setdefault(name, [solo(eng, r) for r in reqs])
+    state = eng.init_state()
+    running: dict = {}  # slot -> (request index, prefix, tokens)
+    for op, a, b in ops:
+        if op == "insert" and (state.hosts[b] is None or state.hosts[b].done):
+            prefix = eng.prefill(reqs[a])
+            state = eng.insert(prefix, state, b)
+            running[b] = (a, prefix, [])
+        elif op == "free":
+            state = eng.free(state, a)
+            running.pop(a, None)
+        elif op == "generate":
+            state, tokens = eng.generate(state, a)
+            for t in tokens:
+                running[t.slot][2].append(t)
+    while state.live_slots:
+        state, tokens = eng.generate(state, 4)
+        for t in tokens:
+            running[t.slot][2].append(t)
+    for index, prefix, tokens in running.values():
+        assert _summary(prefix, tokens) == alone[index]
+
+
+_SOLO: dict = {}
+
+
+@pytest.mark.parametrize("name", ["stop_split", "stop_overhang", "stop_several", "stop_prompt"])
+def test_per_request_stop_strings_equal_transformers(name, workdir):
+    from generation_cases import FIXTURES
+
+    from transmuter_jax.generation.context import folder_texts
+
+    texts = folder_texts(FIXTURES / "llama-optimum")
+    spec = generation.context(FIXTURES / "llama-optimum", context("llama-optimum", workdir).model,
+                              max_new_tokens=16, tokenizer=_Texts(texts))  # fmt: skip
+    eng = generation.compile(spec, 2, capacity=128)
+    the_case = case("llama-optimum", name)
+    rows = zip(the_case["input_ids"], the_case["stop_strings"], the_case["tokens"], strict=True)
+    for prompt, stops, want in rows:
+        out = solo(eng, Request(prompt, max_new_tokens=16, stop_strings=tuple(stops)), slot=1)
+        assert [t[0] for t in out if not t[1]] == want
+        assert out[-1][2] and out[-1][3] in ("stop", "length")
+
+
+class _Texts:
+    def __init__(self, texts):
+        self.token_texts = texts

@@ -1,0 +1,771 @@
+"""Slots: requests join and leave a running batch (JetStream's prefill / insert / generate).
+
+An engine of batch B has B slots. :func:`prefill` runs one request's prompt alone (one step
+padded to a bucket of 64 tokens, chunks of the largest bucket past it) and selects its first
+token; :func:`insert` puts that prefix into a slot of a :class:`SlotState`; :func:`generate` runs
+up to ``steps`` decode steps of every live slot in one compiled ``lax.while_loop``;
+:func:`free` empties a slot. Each request carries its own options, run in ONE program as
+per-slot arrays: rows never read each other, so a request gets the same tokens and
+log-probabilities whichever slots run beside it (the sampling key is made from the request's
+seed and its own step count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..runtime.jit import jit_options
+from ..runtime.stored import storable
+from .cache import PREFILL_CAP, bucket
+from .decode import end_of_row
+from .errors import GenerationError
+from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
+from .programs import jit_key, program
+from .stops import StopStrings
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+EOS_WIDTH = 4  # the most eos ids of a request (more: a clear error)
+CAPACITY = 1024  # default cache rows of a slot (prompt and new tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request: its prompt and its own options (None: the specification's value).
+
+    Attributes:
+        prompt: token ids.
+        max_new_tokens: the most new tokens.
+        eos_token_id: the ids that end it (a tuple; empty: none).
+        do_sample: sample (else greedy).
+        temperature, top_k, top_p, min_p: the sampling warpers (transformers' meaning; top_k
+            0 and top_p 1.0 switch them off).
+        repetition_penalty: transformers' (over the prompt and the new tokens).
+        presence_penalty: subtracted once from the score of every token already generated.
+        seed: the sampling seed (its low 32 bits).
+        stop_strings: strings that end it (as transformers' StopStringCriteria).
+        logprobs: give each token's log-probability.
+        top_logprobs: give the k most probable tokens of each step (k at most the state's).
+    """
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int | None = None
+    eos_token_id: tuple[int, ...] | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    seed: int = 0
+    stop_strings: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self):
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        fix("prompt", tuple(int(t) for t in self.prompt))
+        if self.eos_token_id is not None:
+            eos = self.eos_token_id
+            fix("eos_token_id", (int(eos),) if isinstance(eos, int) else tuple(map(int, eos)))
+        if isinstance(self.stop_strings, str):
+            fix("stop_strings", (self.stop_strings,))
+        fix("stop_strings", tuple(self.stop_strings))
+        if not self.prompt:
+            raise GenerationError("a request needs a prompt of at least one token")
+        if self.top_logprobs < 0 or (self.max_new_tokens is not None and self.max_new_tokens < 0):
+            raise GenerationError("max_new_tokens and top_logprobs must not be negative")
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """One new token of a slot.
+
+    Attributes:
+        slot: the slot.
+        token: the token id (an eos id when ``eos``).
+        logprob: its log-probability (NaN unless the request asked for logprobs).
+        top: the request's top_logprobs (id, log-probability) pairs, best first.
+        eos: the token is an eos id (not part of the text).
+        done: the slot takes no more tokens.
+        finish_reason: when done, "stop" (eos or stop string) or "length"; else None.
+    """
+
+    slot: int
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    eos: bool
+    done: bool
+    finish_reason: str | None
+
+
+@storable
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
+    """The per-slot arrays on the device ([B] unless said).
+
+    token: the last token (the next input). lengths: valid cached tokens. history [B, H]: the
+    prompt then the new tokens, -1 after. prompt: prompt length. count: new tokens so far (the
+    sampling key's step). max_new: the most new tokens. seeds: sampling seeds. done: slots that
+    take no more tokens (empty ones too). eos [B, E]: eos ids, -1 padding. sample: sampling
+    rows. temperature, top_k (the vocabulary when off), top_p_drop (1 - top_p, computed in
+    float64), top_p_on, min_p, repetition, presence: the warpers' and penalties' values.
+    cache: the cache arrays by input name [B, heads, rows, head_size].
+    """
+
+    token: jax.Array
+    lengths: jax.Array
+    history: jax.Array
+    prompt: jax.Array
+    count: jax.Array
+    max_new: jax.Array
+    seeds: jax.Array
+    done: jax.Array
+    eos: jax.Array
+    sample: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p_drop: jax.Array
+    top_p_on: jax.Array
+    min_p: jax.Array
+    repetition: jax.Array
+    presence: jax.Array
+    cache: dict[str, jax.Array]
+
+
+DecodeRows = Rows_
+
+
+@storable
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOut:
+    """What one step gives each slot (the named fields of JetStream's ResultTokens).
+
+    token [B] int32 (-1: the slot took none), logprob [B] float32, top_ids [B, K] int32,
+    top_logprobs [B, K] float32, done [B] bool (after the step), ends [B] bool (an eos).
+    """
+
+    token: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    done: jax.Array
+    ends: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Host:
+    """What the host keeps of a slot: its request, the stop strings' window of its tokens."""
+
+    request: Request
+    tail: tuple[int, ...]
+    stops: StopStrings | None
+    done: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prefix:
+    """A request after its prompt: its cache (one row), its first token, ready to insert.
+
+    Attributes:
+        request: the request.
+        rows: the slot's device arrays, batch 1.
+        first: the first new token (None when the request asks for none).
+    """
+
+    request: Request
+    rows: Rows_
+    first: Token | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SlotState:
+    """The slots of an engine: the device arrays and what the host keeps of each slot.
+
+    Attributes:
+        rows: the device arrays (:class:`DecodeRows`).
+        hosts: per slot, None when empty.
+        capacity: cache rows of each slot.
+        top_logprobs: the most top_logprobs a request may ask for.
+    """
+
+    rows: Rows_
+    hosts: tuple[_Host | None, ...]
+    capacity: int
+    top_logprobs: int
+
+    @property
+    def free_slots(self) -> list[int]:
+        """The slots that hold no request, or one that is done."""
+        return [i for i, h in enumerate(self.hosts) if h is None or h.done]
+
+    @property
+    def live_slots(self) -> list[int]:
+        """The slots whose request takes more tokens."""
+        return [i for i, h in enumerate(self.hosts) if h is not None and not h.done]
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def check(engine: Engine) -> None:
+    """Raises GenerationError when ``engine`` cannot run slots, saying why."""
+    spec, mode = engine.spec, engine.cache_mode
+    refusal = mode.slot_refusal()
+    if refusal:
+        raise GenerationError(f"{spec.model.path!r} cannot run slots: {refusal}; use generate()")
+    options = spec.options
+    if options.num_beams > 1:
+        raise GenerationError("beam search needs a program of its own: use generate()")
+    if any(not isinstance(p, str) for p in spec.processors):
+        raise GenerationError("a task's own processors need a program of their own: generate()")
+    if spec.given or spec.embed is not None or spec.image_token is not None:
+        raise GenerationError("slots run decoder-only text prompts (no given inputs, no images)")
+    if options.num_return_sequences > 1:
+        raise GenerationError("num_return_sequences > 1 needs generate()")
+    off = {"typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0)}
+    for name, values in off.items():
+        if getattr(options, name) not in values:
+            raise GenerationError(f"{name} is not a per-slot option: use generate()")
+    if engine.placement is not None:
+        raise GenerationError("slots run without a mesh for now: use generate()")
+
+
+# -- the per-slot selection --------------------------------------------------------------------
+
+
+def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
+    """Each slot's token, log-probability and top k, from logits [B, V] (the processors, then
+    the per-slot penalties and warpers, as transformers orders them)."""
+    options = spec.options
+    scores = jnp.asarray(logits, jnp.float32)
+    vocab = scores.shape[-1]
+    names = [p for p in spec.processors if p != "repetition_penalty"]
+    names = sorted([*names, "repetition_penalty"], key=ORDER.index)
+    for name in names:
+        if name == "repetition_penalty":  # per slot (1.0 changes nothing)
+            penalty = rows.repetition[:, None]
+            seen = _seen(views.history, vocab)
+            changed = jnp.where(scores < 0, scores * penalty, scores / penalty)
+            scores = jnp.where(seen, changed, scores)
+        else:
+            scores = apply_builtin(name, scores, views, options, masks)
+        scores = jnp.maximum(scores, LOWEST)
+    generated = jnp.where(
+        jnp.arange(views.history.shape[1])[None, :] >= rows.prompt[:, None], views.history, -1
+    )
+    scores = scores - rows.presence[:, None] * _seen(generated, vocab)
+    scores = jnp.maximum(scores, LOWEST)
+    warped = _warp(scores, rows)
+    scores = jnp.where(rows.sample[:, None], warped, scores)
+    if options.renormalize_logits:
+        scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
+
+    def draw(row_scores, seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.categorical(key, row_scores)
+
+    drawn = jax.vmap(draw)(scores, rows.seeds, rows.count).astype(jnp.int32)
+    tokens = jnp.where(rows.sample, drawn, jnp.argmax(scores, axis=-1).astype(jnp.int32))
+    total = jax.nn.logsumexp(scores, axis=-1)
+    chosen = jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - total
+    if k:
+        values, ids = jax.lax.top_k(scores, k)
+        top_ids, top_values = ids.astype(jnp.int32), values - total[:, None]
+    else:
+        top_ids = jnp.zeros((scores.shape[0], 0), jnp.int32)
+        top_values = jnp.zeros((scores.shape[0], 0), jnp.float32)
+    return tokens, chosen, top_ids, top_values
+
+
+def _seen(history, vocab):
+    rows = jnp.arange(history.shape[0])[:, None]
+    ids = jnp.where(history < 0, vocab, history)
+    return jnp.zeros((history.shape[0], vocab), bool).at[rows, ids].set(True, mode="drop")
+
+
+def _warp(scores, rows: Rows_):
+    """temperature, top-k, top-p, min-p per slot, as :func:`.select.warp` (keep = 1)."""
+    scores = jnp.maximum(scores / rows.temperature[:, None], LOWEST)
+    vocab = scores.shape[-1]
+
+    def top_k(scores):
+        ascending = jnp.sort(scores, axis=-1)
+        k = jnp.clip(rows.top_k, 1, vocab)
+        threshold = jnp.take_along_axis(ascending, (vocab - k)[:, None], axis=-1)
+        return jnp.where(scores < threshold, LOWEST, scores)
+
+    scores = jax.lax.cond(jnp.any(rows.sample & (rows.top_k < vocab)), top_k, lambda s: s, scores)
+
+    def top_p(scores):
+        order = jnp.argsort(scores, axis=-1)
+        ascending = jnp.take_along_axis(scores, order, axis=-1)
+        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+        drop = (cumulative <= rows.top_p_drop[:, None]).at[..., -1:].set(False)
+        removed = jnp.zeros_like(drop).at[jnp.arange(scores.shape[0])[:, None], order].set(drop)
+        return jnp.where(removed & rows.top_p_on[:, None], LOWEST, scores)
+
+    scores = jax.lax.cond(jnp.any(rows.sample & rows.top_p_on), top_p, lambda s: s, scores)
+    probs = jax.nn.softmax(scores, axis=-1)
+    drop = probs < rows.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    kth = jax.lax.top_k(scores, 1)[0][..., -1:]
+    return jnp.where(drop & ~(scores >= kth), LOWEST, scores)
+
+
+# -- the step -----------------------------------------------------------------------------------
+
+
+def _step_function(engine: Engine, capacity: int, k: int):
+    """The pure ``step(params, rows) -> (rows, StepOut)``: one new token of every live slot."""
+    spec, mode = engine.spec, engine.cache_mode
+    step = engine.compiled.steps.function(True, None)
+    masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+    names = {i.name for i in engine.model.inputs}
+    axes = _axes(engine)
+    pad = _pad_token(engine)
+
+    def one(params, rows: Rows_):
+        batch = rows.token.shape[0]
+        live = ~rows.done
+        feed = {"tokens": jnp.where(live, rows.token, pad)[:, None].astype(jnp.int32)}
+        if "attention_mask" in names:
+            feed["attention_mask"] = mode.mask(rows.lengths, 1, capacity, xp=jnp)
+        if axes:
+            positions = rows.lengths[:, None].astype(jnp.int32)
+            feed["position_ids"] = (
+                jnp.broadcast_to(positions, (3, batch, 1)) if axes == 3 else positions
+            )
+        logits, cache = step(
+            params, {}, rows.cache, feed, rows.lengths, jnp.zeros(batch, jnp.int32)
+        )
+        views = Rows(
+            rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
+        )
+        chosen, logprob, top_ids, top_values = _choose(spec, masks, k, logits, rows, views)
+        ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
+        at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
+        history = rows.history.at[jnp.arange(batch), at].set(chosen, mode="drop")
+        lengths = mode.advance(rows.lengths, live.astype(jnp.int32), 1).astype(jnp.int32)
+        out = StepOut(jnp.where(live, chosen, -1), logprob, top_ids, top_values, done | ~live, ends)
+        rows = dataclasses.replace(
+            rows,
+            token=jnp.where(kept, chosen, rows.token),
+            lengths=lengths,
+            history=history,
+            count=count,
+            done=rows.done | done,
+            cache=cache,
+        )
+        return rows, out
+
+    return one
+
+
+def _chunk(engine: Engine, capacity: int, k: int, size: int):
+    """The jitted ``(params, rows, limit) -> (rows, StepOut [size, B])``: up to ``limit`` steps
+    in a ``lax.while_loop`` that stops when every slot is done; the cache donated."""
+    key = (
+        "slots",
+        engine.compiled.steps.key("slots", True, None),
+        engine.spec.options.program_key,
+        engine.spec.processors,
+        capacity,
+        k,
+        size,
+        engine.compiled.steps.local(),
+    )
+
+    def make():
+        one = _step_function(engine, capacity, k)
+
+        def run(params, rows: Rows_, limit):
+            batch = rows.token.shape[0]
+            out = StepOut(
+                jnp.full((size, batch), -1, jnp.int32),
+                jnp.zeros((size, batch)),
+                jnp.zeros((size, batch, k), jnp.int32),
+                jnp.zeros((size, batch, k)),
+                jnp.ones((size, batch), bool),
+                jnp.zeros((size, batch), bool),
+            )
+
+            def more(carry):
+                i, r, _ = carry
+                return (i < limit) & ~jnp.all(r.done)
+
+            def body(carry):
+                i, r, out = carry
+                r, o = one(params, r)
+                out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
+                return i + 1, r, out
+
+            _, rows, out = jax.lax.while_loop(more, body, (jnp.int32(0), rows, out))
+            return rows, out
+
+        return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
+
+    return program(key, make, engine.compiled.steps.held)
+
+
+def _first(engine: Engine, k: int):
+    """The jitted selection of a prefix's first token (batch 1)."""
+    spec = engine.spec
+    key = (
+        "slots-first",
+        spec.options.program_key,
+        spec.processors,
+        spec.vocab_size,
+        k,
+        jit_key(engine.jit_options),
+    )
+
+    def make():
+        masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+
+        def first(logits, rows: Rows_):
+            views = Rows(
+                rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
+            )
+            chosen, logprob, ids, values = _choose(spec, masks, k, logits, rows, views)
+            live = ~rows.done
+            ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
+            at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
+            history = rows.history.at[jnp.arange(1), at].set(chosen, mode="drop")
+            rows = dataclasses.replace(
+                rows,
+                token=jnp.where(kept, chosen, rows.token),
+                history=history,
+                count=count,
+                done=rows.done | done,
+            )
+            return rows, StepOut(chosen, logprob, ids, values, rows.done, ends)
+
+        return jax.jit(first)
+
+    return program(key, make, engine.compiled.steps.held)
+
+
+# -- the verbs ----------------------------------------------------------------------------------
+
+
+def capacity_of(engine: Engine, capacity: int) -> int:
+    """The cache rows of a slot: ``capacity`` (a positive multiple of 64), at most the model's
+    positions rounded up to 64."""
+    if (
+        isinstance(capacity, bool)
+        or not isinstance(capacity, int)
+        or capacity < 64
+        or capacity % 64
+    ):
+        raise GenerationError(f"capacity must be a positive multiple of 64, got {capacity!r}")
+    limit = engine.position_limit
+    return min(capacity, bucket(limit)) if limit is not None else capacity
+
+
+def init(engine: Engine) -> SlotState:
+    """Empty slots: ``engine.batch_size`` of them, each with a cache of the engine's
+    ``slot_capacity`` rows."""
+    check(engine)
+    capacity = engine.slot_capacity
+    rows = _empty(engine, engine.batch_size, capacity)
+    return SlotState(rows, (None,) * engine.batch_size, capacity, engine.slot_top_logprobs)
+
+
+def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
+    vocab = engine.vocab_size
+    i = lambda v: jnp.full((batch,), v, jnp.int32)  # noqa: E731
+    f = lambda v: jnp.full((batch,), v, jnp.float32)  # noqa: E731
+    return Rows_(
+        token=i(0),
+        lengths=i(0),
+        history=jnp.full((batch, capacity), -1, jnp.int32),
+        prompt=i(0),
+        count=i(0),
+        max_new=i(0),
+        seeds=i(0),
+        done=jnp.ones(batch, bool),
+        eos=jnp.full((batch, EOS_WIDTH), -1, jnp.int32),
+        sample=jnp.zeros(batch, bool),
+        temperature=f(1.0),
+        top_k=i(vocab),
+        top_p_drop=f(0.0),
+        top_p_on=jnp.zeros(batch, bool),
+        min_p=f(0.0),
+        repetition=f(1.0),
+        presence=f(0.0),
+        cache=engine.cache.empty(batch, capacity),
+    )
+
+
+def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
+    """The request's options, the specification's where it gives None."""
+    o = engine.spec.options
+    pick = lambda v, d: d if v is None else v  # noqa: E731
+    max_new = request.max_new_tokens
+    if max_new is None:
+        max_new = o.max_new_tokens if o.max_new_tokens is not None else 256
+    eos = pick(request.eos_token_id, o.eos_token_id)
+    if len(eos) > EOS_WIDTH:
+        raise GenerationError(f"a request takes at most {EOS_WIDTH} eos ids, got {len(eos)}")
+    sample = bool(pick(request.do_sample, o.do_sample))
+    temperature = pick(request.temperature, o.temperature)
+    temperature = 1.0 if temperature is None or not sample else float(temperature)
+    top_k = pick(request.top_k, o.top_k) or 0
+    top_p = pick(request.top_p, o.top_p)
+    top_p = 1.0 if top_p is None else float(top_p)
+    min_p = pick(request.min_p, o.min_p) or 0.0
+    repetition = pick(request.repetition_penalty, o.repetition_penalty) or 1.0
+    if sample and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0 and 0 <= min_p <= 1):
+        raise GenerationError(
+            f"bad sampling options: temperature {temperature}, top_k {top_k}, top_p {top_p}, "
+            f"min_p {min_p}"
+        )
+    if repetition <= 0:
+        raise GenerationError(f"repetition_penalty must be positive, got {repetition}")
+    return dict(
+        max_new=int(max_new),
+        eos=tuple(eos),
+        sample=sample,
+        temperature=temperature,
+        top_k=int(top_k),
+        top_p=top_p,
+        min_p=float(min_p),
+        repetition=float(repetition),
+    )
+
+
+def prefill(engine: Engine, request: Request) -> Prefix:
+    """Runs ``request``'s prompt alone and selects its first token.
+
+    The prompt runs as one step padded to a multiple of 64 tokens (chunks of
+    :data:`~.cache.PREFILL_CAP` past it), into a cache of the state's capacity.
+    """
+    check(engine)
+    if not isinstance(request, Request):
+        raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
+    spec, mode, capacity = engine.spec, engine.cache_mode, engine.slot_capacity
+    r = _resolved(engine, request)
+    prompt = list(request.prompt)
+    vocab = engine.vocab_size or 2**31
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"the prompt has token ids outside the vocabulary of {vocab}: {bad}")
+    padded = bucket(len(prompt)) if len(prompt) <= PREFILL_CAP else None
+    need = max(len(prompt) + r["max_new"], padded or _chunks_end(len(prompt)))
+    if need > capacity:
+        raise GenerationError(
+            f"the request needs {need} cache rows (a prompt of {len(prompt)} tokens, padded, and "
+            f"{r['max_new']} new ones): more than the slots' capacity of {capacity}"
+        )
+    if request.top_logprobs > engine.slot_top_logprobs:
+        raise GenerationError(
+            f"top_logprobs {request.top_logprobs} is more than the engine's "
+            f"{engine.slot_top_logprobs} (compile(..., top_logprobs=))"
+        )
+    stops = None
+    if request.stop_strings:
+        if spec.token_texts is None:
+            raise GenerationError("stop strings need token texts: context(tokenizer=...)")
+        stops = StopStrings(request.stop_strings, spec.token_texts)
+    rows = _empty(engine, 1, capacity)
+    cache, lengths, fed = rows.cache, np.zeros(1, np.int32), 0
+    axes = _axes(engine)
+    names = {i.name for i in engine.model.inputs}
+    logits = None
+    while fed < len(prompt):
+        size = mode.prompt_step(len(prompt) - fed, spec.prefill)
+        part = prompt[fed : fed + size]
+        tokens = np.full((1, size), _pad_token(engine), np.int32)
+        tokens[0, : len(part)] = part
+        feed: dict[str, Any] = {"tokens": tokens}
+        if "attention_mask" in names:
+            feed["attention_mask"] = mode.mask(lengths, size, capacity)
+        if axes:
+            positions = (np.arange(size) + fed)[None, :].astype(np.int32)
+            feed["position_ids"] = (
+                np.broadcast_to(positions, (3, 1, size)) if axes == 3 else positions
+            )
+        last = np.array([len(part) - 1], np.int32)
+        if logits is not None:
+            logits.delete()
+        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
+        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
+        fed += len(part)
+    history = np.full((1, capacity), -1, np.int32)
+    history[0, : len(prompt)] = prompt
+    eos = np.full((1, EOS_WIDTH), -1, np.int32)
+    eos[0, : len(r["eos"])] = r["eos"]
+    one = lambda v, t: jnp.asarray(np.array([v], t))  # noqa: E731
+    seed = np.array([request.seed & 0xFFFFFFFF], np.uint32).view(np.int32)
+    rows = Rows_(
+        token=one(0, np.int32),
+        lengths=jnp.asarray(lengths),
+        history=jnp.asarray(history),
+        prompt=one(len(prompt), np.int32),
+        count=one(0, np.int32),
+        max_new=one(r["max_new"], np.int32),
+        seeds=jnp.asarray(seed),
+        done=one(r["max_new"] == 0, bool),
+        eos=jnp.asarray(eos),
+        sample=one(r["sample"], bool),
+        temperature=one(r["temperature"], np.float32),
+        top_k=one(r["top_k"] if r["top_k"] > 0 else vocab, np.int32),
+        top_p_drop=one(np.float32(1 - r["top_p"]), np.float32),
+        top_p_on=one(r["top_p"] < 1.0, bool),
+        min_p=one(r["min_p"], np.float32),
+        repetition=one(r["repetition"], np.float32),
+        presence=one(float(request.presence_penalty), np.float32),
+        cache=cache,
+    )
+    if r["max_new"] == 0:
+        logits.delete()
+        return Prefix(request, rows, None)
+    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows)
+    logits.delete()
+    out = jax.device_get(out)
+    token = _tokens(out, request, [0], 0, None)[0]
+    if stops is not None and not token.done and not token.eos:
+        if stops.hit([*prompt, token.token]):
+            token = dataclasses.replace(token, done=True, finish_reason="stop")
+            rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
+    return Prefix(request, rows, token)
+
+
+def _chunks_end(length: int) -> int:
+    """Cache rows a prompt longer than the largest bucket writes (its last chunk padded)."""
+    whole = (length // PREFILL_CAP) * PREFILL_CAP
+    rest = length - whole
+    return whole + (bucket(rest) if rest else 0)
+
+
+def _tokens(out, request: Request, slots: Sequence[int], i: int, ran: Any) -> list[Token]:
+    """The Tokens of step ``i`` of ``out`` (host arrays [B] or [steps, B]) for ``slots``."""
+    at = (lambda a, s: a[s]) if ran is None else (lambda a, s: a[i, s])
+    result = []
+    for s in slots:
+        token = int(at(out.token, s))
+        done, ends = bool(at(out.done, s)), bool(at(out.ends, s))
+        k = request.top_logprobs
+        ids, values = at(out.top_ids, s)[:k], at(out.top_logprobs, s)[:k]
+        logprob = float(at(out.logprob, s)) if request.logprobs or k else float("nan")
+        reason = ("stop" if ends else "length") if done else None
+        top = tuple((int(a), float(b)) for a, b in zip(ids, values, strict=True))
+        result.append(Token(s, token, logprob, top, ends, done, reason))
+    return result
+
+
+@functools.cache
+def _insert_function(jit: str):
+    def insert(rows: Rows_, one: Rows_, slot):
+        return jax.tree.map(
+            lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, axis=0),
+            rows,
+            one,
+        )
+
+    return jax.jit(insert, donate_argnums=(0,))
+
+
+def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotState:
+    """``state`` with ``prefix`` in slot ``slot`` (a free one); the state's arrays are donated."""
+    _slot(state, slot)
+    if state.hosts[slot] is not None and not state.hosts[slot].done:
+        raise GenerationError(f"slot {slot} holds a running request: free it first")
+    if prefix.rows.history.shape[1] != state.capacity:
+        raise GenerationError("the prefix was made for slots of another capacity")
+    request = prefix.request
+    stops = (
+        StopStrings(request.stop_strings, engine.spec.token_texts) if request.stop_strings else None
+    )
+    window = stops.window if stops is not None else 0
+    tokens = list(request.prompt)
+    done = prefix.first is None or prefix.first.done
+    if prefix.first is not None and not prefix.first.eos:
+        tokens.append(prefix.first.token)
+    rows = _insert_function(jit_key(engine.jit_options))(state.rows, prefix.rows, jnp.int32(slot))
+    if done:
+        rows = dataclasses.replace(rows, done=rows.done.at[slot].set(True))
+    host = _Host(request, tuple(tokens[-window:]) if window else (), stops, done)
+    hosts = state.hosts[:slot] + (host,) + state.hosts[slot + 1 :]
+    return dataclasses.replace(state, rows=rows, hosts=hosts)
+
+
+def free(state: SlotState, slot: int) -> SlotState:
+    """``state`` with slot ``slot`` empty (it takes no more tokens; a new prefix may go there)."""
+    _slot(state, slot)
+    rows = dataclasses.replace(state.rows, done=state.rows.done.at[slot].set(True))
+    hosts = state.hosts[:slot] + (None,) + state.hosts[slot + 1 :]
+    return dataclasses.replace(state, rows=rows, hosts=hosts)
+
+
+def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, list[Token]]:
+    """Up to ``steps`` decode steps of every live slot, in one compiled loop.
+
+    Returns the state after them and the new tokens, step by step (slot order within a step).
+    A stop string ends its slot on the host: the slot's later tokens of the chunk are dropped.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise GenerationError(f"steps must be a positive integer, got {steps!r}")
+    live = state.live_slots
+    if not live:
+        return state, []
+    size = 1 << (steps - 1).bit_length()  # compiled sizes: powers of two
+    run = _chunk(engine, state.capacity, state.top_logprobs, size)
+    rows, out = run(engine.model.params, state.rows, np.int32(steps))
+    out = jax.device_get(out)
+    hosts = list(state.hosts)
+    tokens: list[Token] = []
+    ended = []
+    for i in range(size):
+        taking = [s for s in live if out.token[i, s] >= 0 and not hosts[s].done]
+        if not taking:
+            break
+        for s, token in zip(taking, _stepped(out, hosts, taking, i), strict=True):
+            host = hosts[s]
+            if host.stops is not None and not token.eos:
+                tail = (host.tail + (token.token,))[-host.stops.window :]
+                if host.stops.hit(list(tail)) and not token.done:
+                    token = dataclasses.replace(token, done=True, finish_reason="stop")
+                    ended.append(s)
+                host = dataclasses.replace(host, tail=tail)
+            hosts[s] = dataclasses.replace(host, done=token.done)
+            tokens.append(token)
+    if ended:
+        rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(ended)].set(True))
+    return dataclasses.replace(state, rows=rows, hosts=tuple(hosts)), tokens
+
+
+def _stepped(out, hosts, slots, i):
+    return [_tokens(out, hosts[s].request, [s], i, True)[0] for s in slots]
+
+
+def _slot(state: SlotState, slot: int) -> None:
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < len(state.hosts):
+        raise GenerationError(f"slot must be an integer in [0, {len(state.hosts)}), got {slot!r}")
+
+
+def _axes(engine: Engine) -> int:
+    info = next((i for i in engine.model.inputs if i.name == "position_ids"), None)
+    if info is None:
+        return 0
+    return 3 if info.shape is not None and len(info.shape) == 3 else 1
+
+
+def _pad_token(engine: Engine) -> int:
+    vocab = engine.vocab_size or 2**31
+    for token in (engine.options.pad_token_id, *engine.eos, 0):
+        if token is not None and 0 <= token < vocab:
+            return int(token)
+    return 0
