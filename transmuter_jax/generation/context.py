@@ -12,6 +12,7 @@ import numpy as np
 from .. import hub
 from ..onnx.model import Model
 from ..onnx.trace import value_sources
+from . import constraints
 from .cache import CacheLayout, layout, present_name
 from .errors import GenerationError
 from .options import Options, merge
@@ -185,6 +186,11 @@ def context(
 
             tokenizer = Tokenizer.from_folder(hub.folder(repo, hub.SMALL_FILES))
         ctx.stops = StopStrings(merged.stop_strings, tokenizer.token_texts)
+    constraint = constraints.from_options(merged)
+    if constraint is not None:  # compiled now: a bad one is refused before any generation
+        path = os.path.join(hub.folder(repo, hub.SMALL_FILES), "tokenizer.json")
+        vocab = ctx.vocab_size or 0
+        ctx.processors.append(constraints.processor(constraint, path, vocab, merged.eos_token_id))
     return ctx
 
 
