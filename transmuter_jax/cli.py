@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .constraint_args import add_constraint_arguments, constraint_options
+
 PROG = "transmuter-jax"
 
 
@@ -34,6 +36,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation", DEFAULTS_NOTE)
+    add_constraint_arguments(parser)  # --json-schema, --json-object, --regex, --grammar, --choice
     group.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens to generate "
                        "(default: generation_config.json's max_new_tokens, or its max_length "
                        "minus the prompt when not 20, else 256)")  # fmt: skip
@@ -237,6 +240,7 @@ def _options(args: argparse.Namespace, warn=_warn) -> dict[str, Any]:
         options["repetition_penalty"] = args.repetition_penalty
     if args.stop:
         options["stop"] = list(args.stop)
+    options.update(constraint_options(args))
     return options
 
 

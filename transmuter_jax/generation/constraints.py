@@ -2,7 +2,8 @@
 
 llguidance compiles a constraint against the tokenizer's vocabulary (its Hugging Face
 ``tokenizer.json`` path) and gives each step's allowed tokens as an int32 bitmask
-[ceil(vocab / 32)] (bit j of word w: token 32 w + j). Two paths apply it (docs/structured-output.md):
+[ceil(vocab / 32)] (bit j of word w: token 32 w + j). Two paths apply it
+(docs/structured-output.md):
 
 - host: a :class:`HostMatcher` per constraint, a task processor (``(state, process)``, see
   :mod:`.processors`) whose state is the row's bitmask and whose process is :func:`apply_mask`;
@@ -106,7 +107,7 @@ def _llg():
         import llguidance
     except ImportError:  # pragma: no cover - a declared dependency
         raise GenerationError(
-            "structured output needs llguidance: pip install 'transmuter-jax[structured]'"
+            "structured output needs llguidance: pip install 'transmuter_jax[structured]'"
         ) from None
     return llguidance
 
@@ -156,9 +157,7 @@ def _checked(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]
     return matcher
 
 
-def compile_matcher(
-    constraint: Constraint, path: str, vocab: int, eos: Sequence[int]
-) -> Any:
+def compile_matcher(constraint: Constraint, path: str, vocab: int, eos: Sequence[int]) -> Any:
     """A new llguidance ``LLMatcher`` of ``constraint`` at its start.
 
     Args:
@@ -176,9 +175,10 @@ def compile_matcher(
     return _checked(constraint, os.fspath(path), int(vocab), eos).deep_copy()
 
 
-def bitmask(matcher: Any) -> np.ndarray:
-    """[ceil(vocab / 32)] int32 the tokens ``matcher`` allows next."""
-    return np.frombuffer(matcher.compute_bitmask(), np.int32).copy()
+def bitmask(matcher: Any, vocab: int) -> np.ndarray:
+    """[ceil(vocab / 32)] int32 the tokens ``matcher`` allows next (llguidance's bitmask may
+    have a word more: it is cut to the vocabulary)."""
+    return np.frombuffer(matcher.compute_bitmask(), np.int32)[: -(-vocab // 32)].copy()
 
 
 def allowed(mask: jax.Array | np.ndarray, vocab: int) -> jax.Array:
@@ -230,7 +230,7 @@ class HostMatcher:
 
     def state(self, row: dict) -> np.ndarray:
         """The bitmask of a row (``{"prompt", "generated" (last first), "vocab"}``)."""
-        return bitmask(self.matcher(row["prompt"], list(row["generated"])[::-1]))
+        return bitmask(self.matcher(row["prompt"], list(row["generated"])[::-1]), self.vocab)
 
 
 def _process(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -321,7 +321,25 @@ def _table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]) 
                 table[dense[name], token] = dense[after]
     for name in finals:
         table[dense[name], list(eos)] = dense[name]
+    _as_llguidance(table, compile_matcher(constraint, path, vocab, eos), vocab)
     return TokenTable(jnp.asarray(pack(table >= 0)), jnp.asarray(table))
+
+
+def _as_llguidance(table: np.ndarray, start: Any, vocab: int) -> None:
+    """Removes from ``table`` the tokens llguidance's mask leaves out in each state (it keeps
+    tokenizations near the canonical one: after "m" of "maybe" it allows "ay", not "a"), so
+    that the device path gives the host path's tokens. A state's mask is llguidance's after one
+    token path that reaches it (breadth first from the start)."""
+    paths, order = {0: []}, [0]
+    for state in order:
+        matcher = start.deep_copy()
+        matcher.consume_tokens(paths[state])
+        table[state, ~np.asarray(allowed(bitmask(matcher, vocab), vocab))] = -1
+        for token in np.flatnonzero(table[state] >= 0):
+            after = int(table[state, token])
+            if after not in paths:
+                paths[after] = [*paths[state], int(token)]
+                order.append(after)
 
 
 def token_table(constraint: Constraint, path: str, vocab: int, eos: Sequence[int]) -> TokenTable:
@@ -332,7 +350,9 @@ def token_table(constraint: Constraint, path: str, vocab: int, eos: Sequence[int
             with $ref or open objects), or one too large for the device.
     """
     if not constraint.finite:
-        raise GenerationError(f"a {constraint.kind} constraint has no device table: use the host path")
+        raise GenerationError(
+            f"a {constraint.kind} constraint has no device table: use the host path"
+        )
     eos = tuple(int(e) for e in eos)
     if not eos:
         raise GenerationError("structured output needs an eos token (eos_token_id is empty)")
