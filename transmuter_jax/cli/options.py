@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .constraints import add_constraint_arguments, constraint_options
 from .output import warn
 
 DEFAULTS_NOTE = (
@@ -27,6 +28,7 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
     """The generation options (transformers' names in :func:`generation_options`); a flag that
     every generating command takes goes here, and its option into :func:`generation_options`."""
     group = parser.add_argument_group("generation", DEFAULTS_NOTE)
+    add_constraint_arguments(parser)  # --json-schema, --json-object, --regex, --grammar, --choice
     group.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens to generate "
                        "(default: generation_config.json's max_new_tokens, or its max_length "
                        "minus the prompt when not 20, else 256)")  # fmt: skip
@@ -110,6 +112,7 @@ def generation_options(args: argparse.Namespace, warn=warn) -> dict[str, Any]:
         options["repetition_penalty"] = args.repetition_penalty
     if args.stop:
         options["stop"] = list(args.stop)
+    options.update(constraint_options(args))
     return options
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from .. import hub
 from ..onnx.errors import ModelFileError
 from ..onnx.model import Model
+from . import constraints
 from .cache import CacheLayout, Mode, detect, layout, present_name
 from .errors import GenerationError
 from .options import Options, merge
@@ -45,6 +46,10 @@ class Context:
         texts: the text of each token id (read where stop strings need them), or any object
             whose ``token_texts`` gives them (a tokenizer), or None.
         prefill: how prompts run, one of :data:`PREFILLS`.
+        repo: the model's folder or hub id (its tokenizer.json is the vocabulary of a
+            constraint).
+        constraint: the processors of the options' constraint (json_schema, regex, grammar,
+            choice, json_object), after all others; empty without one.
     """
 
     model: Model
@@ -59,6 +64,8 @@ class Context:
     stops: StopStrings | None = None
     texts: Any = None
     prefill: str = "buckets"
+    repo: str = ""
+    constraint: tuple[Any, ...] = ()
 
     @property
     def token_texts(self) -> tuple[str | None, ...] | None:
@@ -76,12 +83,21 @@ class Context:
         a task's own processors kept after them)."""
         merged = self.options.replace(**options)
         merged.check_supported(self.vocab_size)
-        custom = tuple(p for p in self.processors if not isinstance(p, str))
+        custom = tuple(
+            p for p in self.processors if not isinstance(p, str) and p not in self.constraint
+        )
         stops = self.stops
         if merged.stop_strings != self.options.stop_strings:
             stops = _stops(merged, self.token_texts)
+        constraint = self.constraint
+        if constraints.from_options(merged) != constraints.from_options(self.options):
+            constraint = _constraint(merged, self.repo, self.vocab_size)
         return dataclasses.replace(
-            self, options=merged, processors=(*from_options(merged), *custom), stops=stops
+            self,
+            options=merged,
+            processors=(*from_options(merged), *custom, *constraint),
+            stops=stops,
+            constraint=constraint,
         )
 
     @property
@@ -206,9 +222,24 @@ def context(
         stops=_stops(merged, texts),
         texts=texts,
         prefill=prefill,
+        repo=os.fspath(repo),
     )
     merged.check_supported(ctx.vocab_size)
+    constraint = _constraint(merged, ctx.repo, ctx.vocab_size)
+    if constraint:  # compiled now: a bad one is refused before any generation
+        ctx = dataclasses.replace(
+            ctx, processors=(*ctx.processors, *constraint), constraint=constraint
+        )
     return ctx
+
+
+def _constraint(options: Options, repo: str, vocab: int | None) -> tuple[Any, ...]:
+    """The processors of the options' constraint (the mask after all other processors)."""
+    constraint = constraints.from_options(options)
+    if constraint is None:
+        return ()
+    path = os.path.join(hub.folder(repo, hub.SMALL_FILES), "tokenizer.json")
+    return (constraints.processor(constraint, path, vocab or 0, options.eos_token_id),)
 
 
 def _stops(options: Options, texts: Sequence[str | None] | None) -> StopStrings | None:

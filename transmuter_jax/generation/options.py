@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -113,10 +114,48 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return strings
 
 
+def _constraint_options(options: Options, fix) -> None:
+    """Checks the structured-output options (one constraint at most) and stores a schema as
+    JSON text and the choices as a tuple."""
+    given = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(options, n)]
+    given += ["json_object"] if options.json_object is True else []
+    if len(given) > 1:
+        raise GenerationError(f"give one constraint, not {' and '.join(given)}")
+    for name in ("json_object", "json_whitespace"):
+        if not isinstance(getattr(options, name), bool):
+            raise GenerationError(f"{name} must be a bool, got {getattr(options, name)!r}")
+    schema = options.json_schema
+    if schema is not None:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as error:
+                raise GenerationError(f"json_schema is not valid JSON: {error}") from None
+        if not isinstance(schema, Mapping | bool):
+            raise GenerationError(f"json_schema must be a JSON object (a dict), got {schema!r:.80}")
+        try:
+            fix("json_schema", json.dumps(schema, ensure_ascii=False))
+        except (TypeError, ValueError) as error:
+            raise GenerationError(f"json_schema is not JSON data: {error}") from None
+    for name in ("regex", "grammar"):
+        value = getattr(options, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise GenerationError(f"{name} must be a non-empty string, got {value!r}")
+    choice = options.choice
+    if choice is not None:
+        if isinstance(choice, str) or not isinstance(choice, list | tuple) or not choice:
+            raise GenerationError(f"choice must be a non-empty list of strings, got {choice!r}")
+        if not all(isinstance(c, str) and c for c in choice):
+            raise GenerationError(f"choice entries must be non-empty strings, got {choice!r}")
+        fix("choice", tuple(choice))
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """What generation reads of transformers 4.57 ``GenerationConfig``, with its defaults, and
-    this engine's own options (``token_logprobs``, ``top_logprobs``, ``decode_steps``).
+    this engine's own options (``token_logprobs``, ``top_logprobs``, ``decode_steps``, and the
+    structured-output constraints ``json_schema``, ``json_object``, ``regex``, ``grammar``,
+    ``choice`` with ``json_whitespace``).
 
     Lists are stored as tuples (eos_token_id always a tuple, empty for none), so an Options is
     hashable and its repr is stable across processes.
@@ -159,6 +198,13 @@ class Options:
     token_logprobs: bool = False
     top_logprobs: int = 0
     decode_steps: int = DECODE_STEPS
+    # structured output (docs/structured-output.md): at most one of the five constraints
+    json_schema: str | None = None  # a dict or JSON text, stored as JSON text
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_whitespace: bool = False
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -184,6 +230,7 @@ class Options:
                     f"got {decay!r}"
                 )
             fix("exponential_decay_length_penalty", (decay[0], float(decay[1])))
+        _constraint_options(self, fix)
         self._validate()
 
     def _validate(self) -> None:

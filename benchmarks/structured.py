@@ -1,0 +1,134 @@
+"""Structured output: constrained vs unconstrained decode tokens/s, and constraint compile times.
+
+``python benchmarks/structured.py [--new 32] [--repo default]`` runs the default model (greedy)
+at batch 1 and 8 without a constraint and with a JSON schema, a regex and a choice (the host
+path of today's engine), times the device path's per-step work (:func:`table_bitmask`,
+:func:`apply_mask`, :func:`next_state` on [batch, vocab] logits inside jit) against a plain
+argmax, and the compile time of each constraint (llguidance, and the device table). It prints
+one JSON object; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "member"],
+}
+CONSTRAINTS = {
+    "json_schema": {"json_schema": SCHEMA},
+    "regex": {"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3} (apples|pears)"},
+    "choice": {"choice": ["positive", "negative", "neutral"]},
+}
+PROMPT = "Describe a person as JSON with a name, an age, tags and membership."
+
+
+def _rate(pipe, batch: int, new: int, options: dict) -> dict:
+    """Decode tokens/s: the new tokens after each row's first over the time from the first
+    token's event to the last (the prompts' prefill left out)."""
+    prompts = [pipe.prompt_ids(f"{PROMPT} ({i})") for i in range(batch)]
+    options = {"max_new_tokens": new, **options}
+    runner = pipe._runner
+    runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
+    times, counts = [], []
+
+    def on_token(event) -> None:
+        times.append(time.perf_counter())
+        counts.append(int((event["token"] >= 0).sum()))
+
+    runner.run(pipe.tokenizer, prompts, options, on_token=on_token)
+    tokens = sum(counts[1:])  # the first event's tokens come with the prefill
+    seconds = times[-1] - times[0]
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+
+
+def _device_step(vocab: int, batch: int, path: str, eos: tuple[int, ...]) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from transmuter_jax.generation import constraints as cs
+
+    table = cs.token_table(cs.Constraint("regex", CONSTRAINTS["regex"]["regex"]), path, vocab, eos)
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(64, batch, vocab)), jnp.float32)
+
+    @jax.jit
+    def masked(logits, state):
+        def step(state, scores):
+            token = jnp.argmax(cs.apply_mask(scores, cs.table_bitmask(table, state)), -1)
+            return cs.next_state(table, state, token.astype(jnp.int32)), token
+
+        return jax.lax.scan(step, state, logits)[1]
+
+    @jax.jit
+    def plain(logits, state):
+        return jax.lax.scan(lambda s, x: (s, jnp.argmax(x, -1)), state, logits)[1]
+
+    state = jnp.zeros(batch, jnp.int32)
+    out = {}
+    for name, fn in (("masked", masked), ("plain", plain)):
+        fn(logits, state).block_until_ready()
+        start = time.perf_counter()
+        for _ in range(5):
+            fn(logits, state).block_until_ready()
+        out[f"{name}_us_per_step"] = round((time.perf_counter() - start) / 5 / 64 * 1e6, 1)
+    out["table_states"] = table.states
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--repo", default="default")
+    args = parser.parse_args()
+    from transmuter_jax import text
+    from transmuter_jax.generation import constraints as cs
+
+    pipe = text.generation(args.repo)
+    folder = pipe.files.folder
+    path = os.path.join(folder, "tokenizer.json")
+    ctx = pipe._runner.context(1, {})
+    vocab, eos = ctx.vocab_size, ctx.eos
+    report: dict = {"model": folder, "new_tokens": args.new, "vocab": vocab, "compile": {}}
+    start = time.perf_counter()
+    cs.tokenizer(path, vocab, eos)
+    report["compile"]["tokenizer_s"] = round(time.perf_counter() - start, 3)
+    for name, options in CONSTRAINTS.items():
+        constraint = cs.from_options(ctx.options.replace(**options))
+        start = time.perf_counter()
+        cs.compile_matcher(constraint, path, vocab, eos)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        cs.compile_matcher(constraint, path, vocab, eos)
+        cached = time.perf_counter() - start
+        row = {"llguidance_s": round(first, 4), "cached_s": round(cached, 5)}
+        if constraint.finite:
+            start = time.perf_counter()
+            table = cs.token_table(constraint, path, vocab, eos)
+            row |= {"table_s": round(time.perf_counter() - start, 3), "states": table.states}
+        report["compile"][name] = row
+    for batch in (1, 8):
+        free = _rate(pipe, batch, args.new, {})
+        rows = {"free": free}
+        for name, options in CONSTRAINTS.items():
+            rows[name] = _rate(pipe, batch, args.new, options)
+            rows[name]["ratio"] = round(rows[name]["tok_s"] / free["tok_s"], 2)
+        report[f"batch_{batch}"] = rows
+        report[f"device_step_batch_{batch}"] = _device_step(vocab, batch, path, eos)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
