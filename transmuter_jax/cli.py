@@ -178,8 +178,13 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
         "($TRANSMUTER_JAX_CACHE, else ~/.cache/transmuter_jax). Skips what is there.",
     )  # fmt: skip
     prep.add_argument("--verbose", "-v", action="store_true", help="show tracebacks")
+
+    from .serving import cli as serve_cli  # argparse only; the server loads in serve_cli.run
+
+    serve = commands.add_parser("serve", help=serve_cli.HELP, description=serve_cli.DESCRIPTION)
+    serve_cli.add_arguments(serve)
     return main, {"generate": gen, "chat": chat, "translate": tr, "transcribe": tx,
-                  "caption": cap, "prepare": prep}  # fmt: skip
+                  "caption": cap, "prepare": prep, "serve": serve}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -736,6 +741,12 @@ def _prepare(args: argparse.Namespace, notice: _CompileNotice) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serving import cli as serve_cli
+
+    return serve_cli.run(args)
+
+
 COMMANDS = {
     "generate": _generate,
     "chat": _chat,
@@ -743,6 +754,7 @@ COMMANDS = {
     "transcribe": _transcribe,
     "caption": _caption,
     "prepare": _prepare,
+    "serve": lambda args, notice: _serve(args),
 }
 
 
