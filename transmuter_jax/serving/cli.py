@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 API_KEY_ENV = "TRANSMUTER_JAX_API_KEY"
@@ -146,11 +147,15 @@ def run(args: argparse.Namespace) -> int:
             app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
         )
     )
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler it found:
+    # this one, so that the process exits 0 after the shutdown.
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
         server.run()
     finally:
         scheduler.closing = True
         backend.close()
+        signal.signal(signal.SIGTERM, previous)
     log.info("stopped")
     return 0
 
