@@ -124,6 +124,21 @@ def _greedy(pipe, prompt, n_tokens, **options):
     return pipe.generate([prompt], do_sample=False, max_new_tokens=n_tokens, **options)[0]
 
 
+def test_serving_modules_load_neither_jax_nor_the_model_at_import():
+    """jax, numpy and the library's tasks load with the model (in serve's run), not before."""
+    import ast
+
+    for path in sorted((ROOT / "transmuter_jax" / "serving").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            for name in names:
+                assert not name.startswith(("jax", "numpy", "..")), f"{path.name}: {name}"
+
+
 def test_health_and_models(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = server.client().models.list()
