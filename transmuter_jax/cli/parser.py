@@ -24,6 +24,7 @@ COMMANDS: list[str] = [
     "transmuter_jax.cli.transcribe",
     "transmuter_jax.cli.caption",
     "transmuter_jax.cli.prepare",
+    "transmuter_jax.cli.serve",
 ]
 
 

@@ -212,14 +212,26 @@ class Pipeline:
         )  # fmt: skip
 
     def run(
-        self, request: Request, *, seed: int | None = None, on_token: OnToken | None = None
+        self,
+        request: Request,
+        *,
+        seed: int | None = None,
+        on_token: OnToken | None = None,
+        on_step: Callable[[Mapping[str, np.ndarray]], None] | None = None,
     ) -> list:
-        """The results of ``request`` (see :meth:`generate`), before :meth:`finish`."""
-        tell = None
+        """The results of ``request`` (see :meth:`generate`), before :meth:`finish`.
+
+        ``on_step``: called with each step's whole event (the tokens, finished flags and, when
+        asked, log-probabilities: see :func:`transmuter_jax.generation.generate`'s on_token),
+        after ``on_token``.
+        """
+        tell = on_step
         if on_token is not None:
 
             def tell(event: Mapping[str, np.ndarray]) -> None:
                 on_token(np.asarray(event["token"]))
+                if on_step is not None:
+                    on_step(event)
 
         return self._started().run(
             self.tokenizer, request.prompts, request.options, seed=seed, inputs=request.inputs,

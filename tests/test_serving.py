@@ -1,0 +1,427 @@
+"""The OpenAI-compatible server as a subprocess on 127.0.0.1, on a fixture model: answers equal
+the library's, streaming, load, disconnects, bad requests, the API key, the queue bound,
+SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from transmuter_jax import text  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL = ROOT / "tests" / "fixtures" / "llama-optimum"
+CHATML = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+NAME = "tiny"
+KEY = "secret-key"
+MESSAGES = [{"role": "user", "content": "The quiet river"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``transmuter-jax serve`` in a subprocess; stops by itself at the end of the module."""
+
+    def __init__(self, tmp: pathlib.Path, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        template = tmp / "chatml.jinja"
+        template.write_text(CHATML)
+        self.log = tmp / f"server-{self.port}.log"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+        env.pop("TRANSMUTER_JAX_API_KEY", None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "transmuter_jax",
+            "serve",
+            str(MODEL),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            NAME,
+            "--chat-template",
+            str(template),
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError("the server did not answer /health in 180 s")
+
+    def client(self, key: str = "none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"), "--max-batch-size", "8")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server with an API key, one request per batch and a queue of one."""
+    s = Server(
+        tmp_path_factory.mktemp("guarded"),
+        "--api-key",
+        KEY,
+        "--max-batch-size",
+        "1",
+        "--max-queue",
+        "1",
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return text.generation(MODEL, chat_template=CHATML)
+
+
+def _greedy(pipe, prompt, n_tokens, **options):
+    return pipe.generate([prompt], do_sample=False, max_new_tokens=n_tokens, **options)[0]
+
+
+def test_serving_modules_load_neither_jax_nor_the_model_at_import():
+    """jax, numpy and the library's tasks load with the model (in serve's run), not before."""
+    import ast
+
+    for path in sorted((ROOT / "transmuter_jax" / "serving").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            for name in names:
+                assert not name.startswith(("jax", "numpy", "..")), f"{path.name}: {name}"
+
+
+def test_health_and_models(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_chat_equals_the_library_with_logprobs(server, pipe):
+    want = _greedy(pipe, MESSAGES, 12, token_logprobs=True, top_logprobs=3)
+    got = server.client().chat.completions.create(
+        model=NAME,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = got.choices[0]
+    assert choice.message.content == want.text
+    assert choice.finish_reason == ("length" if want.finish_reason == "length" else "stop")
+    content = choice.logprobs.content
+    tok = pipe.tokenizer
+    assert [c.token for c in content] == [tok.decode([t]) for t in want.token_ids]
+    assert [c.logprob for c in content] == pytest.approx(want.logprobs, abs=1e-5)
+    for entry, best in zip(content, want.top_logprobs, strict=True):
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([i]) for i, _ in best]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [lp for _, lp in best], abs=1e-5
+        )
+    prompt = pipe.prompt_ids(MESSAGES)
+    assert got.usage.prompt_tokens == len(prompt)
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.total_tokens == len(prompt) + len(want.token_ids)
+
+
+def test_completions_equal_the_library(server, pipe):
+    prompts = ["The quiet river", "Once upon"]
+    want = pipe.generate(
+        prompts, chat=False, do_sample=False, max_new_tokens=9, token_logprobs=True, top_logprobs=2
+    )
+    got = server.client().completions.create(
+        model=NAME, prompt=prompts, max_tokens=9, temperature=0, logprobs=2
+    )
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w.text for w in want]
+    for choice, w in zip(sorted(got.choices, key=lambda c: c.index), want, strict=True):
+        assert choice.logprobs.token_logprobs == pytest.approx(w.logprobs, abs=1e-5)
+        assert len(choice.logprobs.top_logprobs) == len(w.token_ids)
+
+
+def test_stream_deltas_join_into_the_answer(server):
+    client = server.client()
+    args = dict(model=NAME, messages=MESSAGES, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**args)
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    text_ = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text_ == whole.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == whole.choices[0].finish_reason and not any(reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
+        whole.usage.completion_tokens
+    )
+    pieces = list(
+        client.completions.create(
+            model=NAME, prompt="Once upon", max_tokens=15, temperature=0, stream=True
+        )
+    )
+    plain = client.completions.create(model=NAME, prompt="Once upon", max_tokens=15, temperature=0)
+    assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
+
+
+def test_raw_sse_ends_with_done(server):
+    body = {"model": NAME, "prompt": "Once upon", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    json.loads(lines[0][5:])
+
+
+def test_stop_strings_equal_the_library(server, pipe):
+    whole = _greedy(pipe, MESSAGES, 20).text
+    stop = whole[6:8]  # a piece of the greedy answer: the answer ends before it
+    want = _greedy(pipe, MESSAGES, 20, stop=[stop])
+    for stream in (False, True):
+        got = server.client().chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=20, temperature=0, stop=stop, stream=stream
+        )
+        if stream:
+            chunks = [c for c in got if c.choices]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            content, reason = got.choices[0].message.content, got.choices[0].finish_reason
+        assert content == want.text and stop not in content
+        assert reason == "stop"
+
+
+def test_n_with_a_seed_repeats_and_equals_the_library(server, pipe):
+    args = dict(model=NAME, messages=MESSAGES, max_tokens=10, temperature=0.8, seed=7, n=3)
+    first = server.client().chat.completions.create(**args)
+    again = server.client().chat.completions.create(**args)
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices]
+    want = pipe.generate(
+        [MESSAGES],
+        seed=7,
+        do_sample=True,
+        temperature=0.8,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=10,
+        num_return_sequences=3,
+    )[0]
+    assert texts == [w.text for w in want]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+
+
+def test_logit_bias_forces_a_token(server, pipe):
+    token = pipe.tokenizer.encode("river", add_special_tokens=False)[0]
+    got = server.client().completions.create(
+        model=NAME, prompt="Once upon", max_tokens=5, temperature=0, logit_bias={str(token): 100}
+    )
+    assert got.choices[0].text == pipe.tokenizer.decode([token] * 5)
+
+
+def test_concurrent_staggered_requests_equal_their_solo_answers(server, pipe):
+    prompts = [[{"role": "user", "content": f"Tell me about the number {i}"}] for i in range(16)]
+    want = [_greedy(pipe, p, 8 + i % 5).text for i, p in enumerate(prompts)]
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+    async def one(i):
+        await asyncio.sleep(0.05 * i)
+        stream = i % 2 == 1
+        out = await client.chat.completions.create(
+            model=NAME, messages=prompts[i], max_tokens=8 + i % 5, temperature=0, stream=stream
+        )
+        if not stream:
+            return out.choices[0].message.content
+        return "".join([c.choices[0].delta.content or "" async for c in out if c.choices])
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(16)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == want
+
+
+def _gauge(server, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_a_disconnected_stream_frees_its_request(server, pipe):
+    body = {
+        "model": NAME,
+        "prompt": "Once upon",
+        "max_tokens": 200,
+        "temperature": 0.9,
+        "stream": True,
+        "seed": 1,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break
+    deadline = time.monotonic() + 60
+    while _gauge(server, "transmuter_jax_num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gauge(server, "transmuter_jax_num_requests_running") == 0
+    got = server.client().chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    assert got.choices[0].message.content == _greedy(pipe, MESSAGES, 6).text
+
+
+BAD = [
+    (b"{not json", 400, None),
+    ({"model": NAME}, 400, "messages"),
+    ({"model": NAME, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": NAME, "messages": MESSAGES, "n": 0}, 400, "n"),
+    ({"model": NAME, "messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
+    ({"model": NAME, "messages": "hello"}, 400, "messages"),
+    ({"model": "other", "messages": MESSAGES}, 404, "model"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
+    ({"model": NAME, "messages": MESSAGES, "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"model": NAME, "messages": MESSAGES, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": NAME, "messages": MESSAGES, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"model": NAME, "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_bounded_load_loses_nothing_and_memory_stays_flat(server):
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+    def rss() -> int:
+        status = pathlib.Path(f"/proc/{server.proc.pid}/status").read_text()
+        return int(
+            next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]
+        )
+
+    async def burst(count: int) -> list[str]:
+        gate = asyncio.Semaphore(8)
+
+        async def one(i):
+            async with gate:
+                out = await client.completions.create(
+                    model=NAME, prompt=f"Count {i % 7}", max_tokens=2, temperature=0
+                )
+                return out.choices[0].finish_reason
+
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+    async def main():
+        try:
+            first = await burst(100)  # every batch shape compiles in these
+            middle = await burst(100)
+            before = rss()
+            rest = await burst(100)
+            return first + middle + rest, before, rss()
+        finally:
+            await client.close()
+
+    reasons, before, after = asyncio.run(main())
+    assert len(reasons) == 300 and set(reasons) <= {"length", "stop"}
+    assert after - before < 16 * 1024, f"RSS grew by {(after - before) // 1024} MiB"
+
+
+def test_the_api_key_is_required(guarded):
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client("wrong").models.list()
+    r = httpx.post(f"{guarded.url}/v1/completions", json={"model": NAME, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    assert [m.id for m in guarded.client(KEY).models.list().data] == [NAME]
+
+
+def test_a_full_queue_gets_429(guarded):
+    body = {
+        "model": NAME,
+        "prompt": "Once upon",
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    headers = {"authorization": f"Bearer {KEY}"}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(f"{guarded.url}/v1/completions", json=body, headers=headers)
+                    for _ in range(6)
+                )
+            )
+
+    statuses = sorted(r.status_code for r in asyncio.run(main()))
+    assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses
+    limited = next(r for r in asyncio.run(main()) if r.status_code == 429)
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_sigterm_exits_0(guarded):
+    assert guarded.stop() == 0
+    assert "stopped" in guarded.log.read_text()

@@ -1,0 +1,492 @@
+"""The OpenAI routes on FastAPI: /health, /v1/models, /v1/chat/completions, /v1/completions,
+/metrics. Requests become :class:`~.backend.Submission` s; their events become OpenAI's
+responses or SSE chunks (sse-starlette)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+
+from .backend import Event, Final, Submission
+from .protocol import ApiError, ChatRequest, CompletionRequest
+from .scheduler import Job, Scheduler
+
+
+@dataclasses.dataclass
+class Served:
+    """What the routes need of the model.
+
+    Attributes:
+        name: the served model name (the ``model`` field requests must give).
+        pipe: the text-generation pipeline (tokenizer, chat template, defaults).
+        max_model_len: the most tokens of prompt plus answer.
+        vocab_size: the vocabulary (logit_bias ids must lie in it).
+        generation_config: take omitted sampling fields from generation_config.json (vLLM's
+            ``--generation-config auto``) instead of OpenAI's defaults.
+        decode_steps: the engine's decode chunk (new tokens per device call).
+    """
+
+    name: str
+    pipe: Any
+    max_model_len: int
+    vocab_size: int
+    generation_config: bool = False
+    decode_steps: int | None = None
+
+
+def _field(loc: Sequence[Any]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def _error(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``served`` through ``scheduler``."""
+    app = FastAPI(title="transmuter-jax", docs_url=None, redoc_url=None)
+    metrics = scheduler.metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        return _error(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(
+                ApiError(
+                    400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json"
+                )
+            )
+        param = _field(first.get("loc", ()))
+        return _error(ApiError(400, f"{param}: {first.get('msg')}", param=param))
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        path = request.url.path
+        if api_key and path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                response = _error(
+                    ApiError(
+                        401,
+                        "a missing or wrong API key (give it as 'Authorization: Bearer KEY')",
+                        type="authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
+                metrics.requests.labels(path, "401").inc()
+                return response
+        try:
+            response = await call_next(request)
+        except Exception as error:  # noqa: BLE001 - the server keeps serving
+            response = _error(ApiError(500, f"internal error: {error}", type="server_error"))
+        if path.startswith("/v1/"):
+            metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": served.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "transmuter-jax",
+            "max_model_len": served.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        _check_model(served, body.model)
+        messages = [_message(m, i) for i, m in enumerate(body.messages)]
+        try:
+            prompt = served.pipe.prompt_ids(messages, chat=True)
+        except (ValueError, TypeError) as error:
+            raise ApiError(400, f"messages: {error}", param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = body.top_logprobs or 0
+        if top and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = top if body.logprobs else None
+        sub = _submission(served, body, prompt, max_tokens, logprobs, "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        job = scheduler.submit(rid, sub)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = _chat_chunks(served, job, rid, body.logprobs, include)
+            return EventSourceResponse(_sse(chunks), ping=600)
+        finals = await _finals(job, request)
+        return _chat_response(served, rid, sub, finals, body.logprobs)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(served, body.model)
+        texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        if not texts or not all(texts):
+            raise ApiError(400, "prompt: give a non-empty string or list of them", param="prompt")
+        if body.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        tok = served.pipe.tokenizer
+        prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
+        subs = [
+            _submission(served, body, p, body.max_tokens or 16, body.logprobs, "prompt")
+            for p in prompts
+        ]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = [scheduler.submit(f"{rid}-{i}", s) for i, s in enumerate(subs)]
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = _completion_chunks(served, jobs, rid, body.logprobs is not None, include)
+            return EventSourceResponse(_sse(chunks), ping=600)
+        results = [await _finals(job, request) for job in jobs]
+        return _completion_response(served, rid, subs, results, body.logprobs is not None)
+
+    return app
+
+
+def _check_model(served: Served, model: str) -> None:
+    if model != served.name:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist: this server serves {served.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _message(message: Any, index: int) -> dict[str, str]:
+    """A chat message as the chat template takes it: text parts joined."""
+    content = message.content
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(
+                    400,
+                    f"messages.{index}.content: only text parts are supported, "
+                    f"got {part.get('type')!r}",
+                    param=f"messages.{index}.content",
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content}
+
+
+def _submission(
+    served: Served,
+    body: Any,
+    prompt: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    field: str,
+) -> Submission:
+    """The engine's view of a request; raises ApiError for what the model cannot run."""
+    limit = served.max_model_len
+    if len(prompt) >= limit:
+        raise ApiError(
+            400,
+            f"{field}: the prompt has {len(prompt)} tokens, but this model's "
+            f"context is {limit} tokens",
+            param=field,
+            code="context_length_exceeded",
+        )
+    new = max_tokens if max_tokens is not None else limit - len(prompt)
+    if len(prompt) + new > limit:
+        raise ApiError(
+            400,
+            f"max_tokens: {len(prompt)} prompt tokens + {new} new ones exceed "
+            f"this model's context of {limit} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    options: dict[str, Any] = {"max_new_tokens": new}
+    defaults = served.pipe.defaults if served.generation_config else {}
+    temperature = body.temperature
+    if temperature is None:
+        temperature = defaults.get("temperature", 1.0) if defaults.get("do_sample", True) else 0
+    if temperature == 0:
+        options["do_sample"] = False
+    else:
+        options.update(do_sample=True, temperature=float(temperature))
+        top_p = body.top_p if body.top_p is not None else defaults.get("top_p", 1.0)
+        top_k = body.top_k if body.top_k is not None else defaults.get("top_k", 0)
+        options.update(top_p=float(top_p), top_k=max(int(top_k or 0), 0))
+        if body.min_p:
+            options["min_p"] = float(body.min_p)
+    if body.repetition_penalty is not None:
+        options["repetition_penalty"] = float(body.repetition_penalty)
+    if body.min_tokens:
+        options["min_new_tokens"] = int(body.min_tokens)
+    if body.ignore_eos:
+        options["eos_token_id"] = []
+    if body.logit_bias:
+        options["sequence_bias"] = _logit_bias(body.logit_bias, served.vocab_size)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stop) or len(stop) > 4:
+        raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
+    if stop:
+        options["stop"] = stop
+    if logprobs is not None:
+        options["token_logprobs"] = True
+        if logprobs:
+            options["top_logprobs"] = int(logprobs)
+    if served.decode_steps:
+        options["decode_steps"] = served.decode_steps
+    seed = body.seed if body.seed is not None else secrets.randbits(31)
+    return Submission(
+        tuple(prompt),
+        tuple((k, _frozen(v)) for k, v in sorted(options.items())),
+        int(seed),
+        n=body.n,
+        stop=tuple(stop),
+        presence_penalty=float(body.presence_penalty),
+        frequency_penalty=float(body.frequency_penalty),
+    )
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _logit_bias(bias: dict[str, float], vocab: int) -> list[tuple[tuple[int], float]]:
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(
+                400, f"logit_bias: the key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        if not 0 <= token < vocab:
+            raise ApiError(
+                400,
+                f"logit_bias: token id {token} is outside the vocabulary of {vocab}",
+                param="logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise ApiError(
+                400,
+                f"logit_bias: the bias {value} of token {token} is outside [-100, 100]",
+                param="logit_bias",
+            )
+        out.append(((token,), float(value)))
+    return out
+
+
+async def _finals(job: Job, request: Request) -> list[tuple[Final, str]]:
+    """The final answer and finish reason of each choice of ``job``; cancels it when the
+    client goes away."""
+    finals: dict[int, tuple[Final, str]] = {}
+
+    async def collect() -> None:
+        async for event in job.events():
+            if event.final is not None:
+                finals[event.choice] = (event.final, event.finish_reason or "stop")
+
+    task = asyncio.ensure_future(collect())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            job.cancel()
+            raise ApiError(499, "the client closed the request", code="client_closed")
+    task.result()
+    return [finals[c] for c in range(job.submission.n)]
+
+
+def _token(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    return text, list(text.encode("utf-8"))
+
+
+def _chat_logprobs(tokenizer: Any, tokens, logprobs, tops) -> dict[str, Any]:
+    content = []
+    for i, token in enumerate(tokens):
+        text, raw = _token(tokenizer, token)
+        best = []
+        for t, lp in tops[i] if tops else []:
+            s, b = _token(tokenizer, t)
+            best.append({"token": s, "logprob": lp, "bytes": b})
+        content.append({"token": text, "logprob": logprobs[i], "bytes": raw, "top_logprobs": best})
+    return {"content": content, "refusal": None}
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _chat_response(served: Served, rid: str, sub: Submission, finals, logprobs: bool):
+    tok = served.pipe.tokenizer
+    choices = []
+    for index, (final, reason) in enumerate(finals):
+        lp = None
+        if logprobs:
+            lp = _chat_logprobs(tok, final.token_ids, final.logprobs, final.top_logprobs)
+        message = {"role": "assistant", "content": final.text}
+        choices.append(
+            {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
+        )
+    completion = sum(len(f.token_ids) for f, _ in finals)
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": choices,
+        "usage": _usage(len(sub.prompt), completion),
+    }
+
+
+def _completion_logprobs(tokenizer: Any, tokens, logprobs, tops, offset: int = 0):
+    texts = [_token(tokenizer, t)[0] for t in tokens]
+    offsets, at = [], offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    top = None
+    if tops is not None:
+        top = [{_token(tokenizer, t)[0]: lp for t, lp in best} for best in tops]
+    return {
+        "tokens": texts,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _completion_response(served: Served, rid: str, subs, results, logprobs: bool):
+    tok = served.pipe.tokenizer
+    choices, completion = [], 0
+    for p, finals in enumerate(results):
+        for j, (final, reason) in enumerate(finals):
+            lp = None
+            if logprobs:
+                lp = _completion_logprobs(tok, final.token_ids, final.logprobs, final.top_logprobs)
+            choices.append(
+                {
+                    "index": p * subs[p].n + j,
+                    "text": final.text,
+                    "logprobs": lp,
+                    "finish_reason": reason,
+                }
+            )
+            completion += len(final.token_ids)
+    prompt = sum(len(s.prompt) for s in subs)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": choices,
+        "usage": _usage(prompt, completion),
+    }
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    async for chunk in chunks:
+        yield {"data": json.dumps(chunk, ensure_ascii=False)}
+    yield {"data": "[DONE]"}
+
+
+async def _chat_chunks(served: Served, job: Job, rid: str, logprobs: bool, include: bool):
+    tok = served.pipe.tokenizer
+    created = int(time.time())
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served.name}
+    extra = {"usage": None} if include else {}
+
+    def chunk(index: int, delta: dict, lp=None, reason=None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        return {**head, "choices": [choice], **extra}
+
+    for index in range(job.submission.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    completion = 0
+    event: Event
+    async for event in job.events():
+        if event.token is not None:
+            completion += 1
+            lp = None
+            if logprobs:
+                lp = _chat_logprobs(
+                    tok,
+                    [event.token],
+                    [event.logprob],
+                    [event.top] if event.top is not None else None,
+                )
+            if event.text or lp is not None:
+                yield chunk(event.choice, {"content": event.text}, lp)
+        else:
+            if event.text:
+                yield chunk(event.choice, {"content": event.text})
+            yield chunk(event.choice, {}, None, event.finish_reason)
+    if include:
+        yield {**head, "choices": [], "usage": _usage(len(job.submission.prompt), completion)}
+
+
+async def _completion_chunks(
+    served: Served, jobs: list[Job], rid: str, logprobs: bool, include: bool
+):
+    tok = served.pipe.tokenizer
+    head = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.name,
+    }
+    extra = {"usage": None} if include else {}
+    completion = 0
+    for p, job in enumerate(jobs):  # the prompts' jobs run together; their chunks come in order
+        n = job.submission.n
+        async for event in job.events():
+            index = p * n + event.choice
+            if event.token is not None:
+                completion += 1
+                lp = None
+                if logprobs:
+                    tops = [event.top] if event.top is not None else None
+                    lp = _completion_logprobs(tok, [event.token], [event.logprob], tops)
+                if not event.text and lp is None:
+                    continue
+                choice = {"index": index, "text": event.text, "logprobs": lp, "finish_reason": None}
+            else:
+                choice = {
+                    "index": index,
+                    "text": event.text,
+                    "logprobs": None,
+                    "finish_reason": event.finish_reason,
+                }
+            yield {**head, "choices": [choice], **extra}
+    if include:
+        prompt = sum(len(j.submission.prompt) for j in jobs)
+        yield {**head, "choices": [], "usage": _usage(prompt, completion)}

@@ -1,0 +1,171 @@
+"""``transmuter-jax serve [MODEL]``: its options (:func:`add_arguments`) and runner (:func:`run`).
+
+Only argparse is imported at module level, so the command line stays quick to start; FastAPI,
+uvicorn and the model load in :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+API_KEY_ENV = "TRANSMUTER_JAX_API_KEY"
+HELP = "serve a model behind the OpenAI API (needs the 'serve' extra)"
+DESCRIPTION = (
+    "Serve MODEL (a folder, a hub id, or the default model when left out) behind an "
+    "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /health, "
+    "/metrics. Stops on SIGTERM or Ctrl-C. See docs/serving.md."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the options of ``serve`` to ``parser``."""
+    parser.add_argument("model", nargs="?", metavar="MODEL")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name requests give (default: MODEL, or 'default')",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=8,
+        metavar="B",
+        help="the most requests that run together (default 8)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="the most tokens of prompt plus answer (default: the model's positions)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="the most requests waiting; one more gets 429 (default 64)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on "
+        f"/v1 routes (default: ${API_KEY_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="TEMPLATE",
+        help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
+    )
+    parser.add_argument(
+        "--generation-config",
+        choices=("openai", "auto"),
+        default="openai",
+        help="omitted sampling fields: OpenAI's defaults (temperature 1.0), or "
+        "'auto': generation_config.json's, as vLLM's flag",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        metavar="K",
+        help="new tokens per device call of the decode loop (default: the library's, 16)",
+    )
+    parser.add_argument("--dtype", help="variant of the ONNX files: fp32 (default), q4, int4, ...")
+    parser.add_argument("--file", help="the decoder .onnx file to use, relative to MODEL")
+    parser.add_argument("--verbose", "-v", action="store_true", help="show details and tracebacks")
+
+
+def _template(value: str | None) -> str | None:
+    if value is not None and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_batch_size", "max_queue", "port"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+            )
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if args.decode_steps is not None and args.decode_steps < 1:
+        raise ValueError(f"--decode-steps must be positive, got {args.decode_steps}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the model and serves it until SIGTERM or Ctrl-C; returns the exit status."""
+    _check(args)
+    try:
+        import uvicorn
+
+        from .app import Served, create_app
+        from .backend import PipelineBackend
+        from .metrics import Metrics
+        from .scheduler import Scheduler
+    except ImportError as error:
+        raise ValueError(
+            f"serve needs the 'serve' extra: pip install 'transmuter_jax[serve]' ({error})"
+        ) from None
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    log = logging.getLogger("transmuter_jax.serving")
+    from .. import text
+
+    pipe = text.generation(
+        args.model, dtype=args.dtype, file=args.file, chat_template=_template(args.chat_template)
+    )
+    config = _config(pipe.files.folder)
+    positions = int(config.get("max_position_embeddings") or 2048)
+    max_len = min(args.max_model_len or positions, positions)
+    vocab = int(config.get("vocab_size") or len(pipe.tokenizer.special_ids) or 1)
+    name = args.served_model_name or args.model or "default"
+    served = Served(name, pipe, max_len, vocab, args.generation_config == "auto", args.decode_steps)
+    backend = PipelineBackend(pipe, args.max_batch_size)
+    metrics = Metrics(lambda: backend.waiting, lambda: backend.running)
+    scheduler = Scheduler(backend, metrics, args.max_queue)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = create_app(served, scheduler, api_key)
+    log.info(
+        "serving %s as %r on http://%s:%d (batch %d, context %d)",
+        pipe.files.folder,
+        name,
+        args.host,
+        args.port,
+        args.max_batch_size,
+        max_len,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    )
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler it found:
+    # this one, so that the process exits 0 after the shutdown.
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        server.run()
+    finally:
+        scheduler.closing = True
+        backend.close()
+        signal.signal(signal.SIGTERM, previous)
+    log.info("stopped")
+    return 0
+
+
+def _config(folder: str) -> dict:
+    import json
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data.get("text_config", data) if isinstance(data, dict) else {}
