@@ -32,13 +32,22 @@ from . import (
 )
 from .compiler import jit_options
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
-from .errors import GraphError, InputError, ModelFileError, TransmuterError, UnsupportedOpError
+from .errors import (
+    DynamicShapeError,
+    GraphError,
+    InputError,
+    ModelFileError,
+    TransmuterError,
+    UnsupportedOpError,
+)
 from .ops.quant import INT8_ENV
 from .registry import registered
 from .trace import (
     Graph,
+    HostSplit,
     check_produced,
     check_supported,
+    host_split,
     prune,
     run_nodes,
     static_dependencies,
@@ -304,6 +313,7 @@ class Model:
         }
         static = static_dependencies(self._graph) & small
         self.static_inputs = tuple(i.name for i in self.inputs if i.name in static)
+        self._split: HostSplit | None = host_split(self._graph, self.static_inputs)
         self._by_name = {i.name: i for i in self.inputs}
         self._compiled: dict[tuple, Any] = {}
         self.compile_stats: list[CompileStat] = []
@@ -338,6 +348,7 @@ class Model:
         new.__dict__.pop("_fingerprint", None)
         graph = self._graph
         new._graph = Graph(proto, graph.opsets, graph.file, graph.constants)
+        new._split = host_split(new._graph, new.static_inputs)
         if inputs is not None:
             new.inputs = list(inputs)
         if params is not None:
@@ -377,7 +388,28 @@ class Model:
             The outputs by name, as JAX arrays.
         """
         dynamic, static = self._prepare(inputs)
+        if self._split is not None:
+            self._run_host(dynamic, static)
         return self.compiled(dynamic, static)(self.params, dynamic)
+
+    @property
+    def host_split(self) -> HostSplit | None:
+        """The nodes run on the host because their values decide shapes (None: none)."""
+        return self._split
+
+    def _run_host(self, dynamic: dict, static: dict) -> None:
+        """Runs the host part of the graph on the concrete inputs and adds its values: to
+        ``static`` those the program needs at trace time, to ``dynamic`` the others."""
+        split = self._split
+        values = {n: np.asarray(v) for n, v in dynamic.items()}
+        scope = self._scope(static, self.params, values)
+        with _graph_errors(self.path, "run the value-dependent part of"):
+            run_nodes(self._graph, scope, nodes=split.nodes, host=True)
+        for name in split.static:
+            static[name] = np.asarray(scope[name])
+            dynamic.pop(name, None)  # a graph input read at trace time
+        for name in split.dynamic:
+            dynamic[name] = to_device_dtype(np.asarray(scope[name]))
 
     def compiled(self, dynamic: Mapping[str, Any], static: Mapping[str, np.ndarray]):
         """The compiled function ``(params, dynamic) -> outputs`` for this input signature."""
@@ -443,7 +475,18 @@ class Model:
             The outputs by name.
         """
         scope = self._scope(static, params, inputs)
-        run_nodes(self._graph, scope)
+        given = frozenset()
+        if self._split is not None:
+            missing = [n for n in self._split.names if n not in scope]
+            if missing:
+                raise DynamicShapeError(
+                    f"{self._split.label} gives a shape that depends on the values of the "
+                    "inputs; such nodes run on the host before each call, which a program "
+                    "compiled around the model (a loop over tokens) cannot do: it would retrace "
+                    "every step. Call the model itself, or export the graph with static shapes"
+                )
+            given = self._split.names
+        run_nodes(self._graph, scope, given=given)
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
 
     # The generation package's name for :meth:`trace` until it moves to the public seam.
