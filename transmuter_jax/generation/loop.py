@@ -89,7 +89,8 @@ def compile(  # noqa: A001
             (one shape per length). A graph the rewrite does not understand keeps exact lengths
             (``compiled.unpadded`` says why).
         mesh: a mesh with axes "model" (weights and cache heads split, see
-            :mod:`.sharding`) and/or "data" (batch rows; it must divide ``batch_size``).
+            :mod:`.sharding`) and/or "data" (batch rows; a batch it does not divide is
+            padded with padding rows up to a multiple of it).
         devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         shard_overrides: partition specs by initializer name that win over the sharding
             rules (None: replicated).
@@ -111,6 +112,9 @@ def compile(  # noqa: A001
     reorder = cache_modes.reorder_function(ctx.cache, **jit_options)
     if mesh is None and devices is not None:
         mesh = sharding.make_mesh(devices)
+    if mesh is not None:  # padding rows up to a multiple of the "data" axis (issue 29)
+        batch_size = sharding.padded_batch(mesh, batch_size)
+        ready = dataclasses.replace(ready, batch_size=batch_size)
     if mesh is not None and sharding.axis_size(mesh, sharding.MODEL) > 1:
         # fused q/k/v products as one each, so that they split by heads (see .qkv)
         ready = dataclasses.replace(ready, model=split_qkv(ready.model))
