@@ -346,6 +346,7 @@ class Model:
         """
         new = copy.copy(self)
         new.__dict__.pop("_fingerprint", None)
+        new.__dict__.pop("_host_needed", None)
         graph = self._graph
         new._graph = Graph(proto, graph.opsets, graph.file, graph.constants)
         new._split = host_split(new._graph, new.static_inputs)
@@ -388,6 +389,13 @@ class Model:
             The outputs by name, as JAX arrays.
         """
         dynamic, static = self._prepare(inputs)
+        if self._split is not None and not self.__dict__.get("_host_needed"):
+            # The analysis over-approximates: a graph that traces without its host part runs
+            # whole; one that does not runs its host part from then on.
+            try:
+                return self.compiled(dynamic, static)(self.params, dynamic)
+            except DynamicShapeError:
+                self._host_needed = True
         if self._split is not None:
             self._run_host(dynamic, static)
         return self.compiled(dynamic, static)(self.params, dynamic)
@@ -476,17 +484,19 @@ class Model:
         """
         scope = self._scope(static, params, inputs)
         given = frozenset()
-        if self._split is not None:
-            missing = [n for n in self._split.names if n not in scope]
-            if missing:
-                raise DynamicShapeError(
-                    f"{self._split.label} gives a shape that depends on the values of the "
-                    "inputs; such nodes run on the host before each call, which a program "
-                    "compiled around the model (a loop over tokens) cannot do: it would retrace "
-                    "every step. Call the model itself, or export the graph with static shapes"
-                )
+        if self._split is not None and all(n in scope for n in self._split.names):
             given = self._split.names
-        run_nodes(self._graph, scope, given=given)
+        try:
+            run_nodes(self._graph, scope, given=given)
+        except DynamicShapeError as error:
+            if self._split is None or given:
+                raise
+            raise DynamicShapeError(
+                f"{error}. {self._split.label} gives a shape that depends on the values of the "
+                "inputs: such nodes run on the host before each call of the model, which a "
+                "program compiled around it (a loop over tokens) cannot do, as it would "
+                "retrace every step"
+            ) from error
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
 
     # The generation package's name for :meth:`trace` until it moves to the public seam.
