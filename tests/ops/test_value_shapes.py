@@ -173,3 +173,46 @@ def test_traced_inside_another_program_is_refused_by_name():
     x = rng.standard_normal((8, 4)).astype(np.float32)
     with pytest.raises(DynamicShapeError, match="NonZero.*retrace every step"):
         jax.jit(lambda v: model.trace({}, model.params, {"x": v}))(x)
+
+
+def padding_frames_dropped():
+    """SmolVLM's get_image_features pattern: pixel_values [batch, images, 3, 8, 8] flattened to
+    frames, the all-zero (padding) frames dropped with NonZero + GatherND, then a patch
+    embedding (Conv) of the real frames only: [real frames, 4 patches, 6]."""
+    w = rng.standard_normal((6, 3, 4, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("Reshape", ["pv", "frames"], ["flat"]),
+        helper.make_node("Equal", ["flat", "zero"], ["is0"]),
+        helper.make_node("Cast", ["is0"], ["is0i"], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", ["is0i", "chw"], ["zeros"], keepdims=0),
+        helper.make_node("Equal", ["zeros", "nb"], ["padding"]),
+        helper.make_node("Not", ["padding"], ["real"]),
+        helper.make_node("NonZero", ["real"], ["nz"], name="real_images_inds"),
+        helper.make_node("Transpose", ["nz"], ["idx"], perm=[1, 0]),
+        helper.make_node("GatherND", ["flat", "idx"], ["kept"]),
+        helper.make_node("Conv", ["kept", "w"], ["patches"], strides=[4, 4]),
+        helper.make_node("Reshape", ["patches", "tokens"], ["t"]),
+        helper.make_node("Transpose", ["t"], ["image_features"], perm=[0, 2, 1]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.asarray([-1, 3, 8, 8], np.int64), "frames"),
+        numpy_helper.from_array(np.asarray(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.asarray([1, 2, 3], np.int64), "chw"),
+        numpy_helper.from_array(np.asarray(3 * 8 * 8, np.int64), "nb"),
+        numpy_helper.from_array(np.asarray([0, 6, -1], np.int64), "tokens"),
+        numpy_helper.from_array(w, "w"),
+    ]
+    inputs = [helper.make_tensor_value_info("pv", F, ["b", "n", 3, 8, 8])]
+    outputs = [helper.make_tensor_value_info("image_features", F, None)]
+    return model_of(nodes, inputs, outputs, inits)
+
+
+@pytest.mark.parametrize("padding", [(), (0,), (0, 1), (2,)])
+def test_padding_frames_dropped(padding):
+    """Single images and left-padded batches whose padding frames are all zeros."""
+    model = padding_frames_dropped()
+    pv = rng.standard_normal((2, 3, 3, 8, 8)).astype(np.float32)
+    for frame in padding:  # the first frames of row 1: left padding
+        pv[1, frame] = 0.0
+    assert_same(model, {"pv": pv}, atol=1e-4)
+    assert_same(model, {"pv": pv[:1, :1].copy()}, atol=1e-4)  # one image
