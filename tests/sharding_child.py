@@ -77,7 +77,8 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
             warnings.simplefilter("always")
             if spec.get("load"):  # placed at load, from the file straight to the shards
                 loaded, on = _load(name, mesh, tmp, given, options)
-            sharded = generation.compile(on, BATCH, mesh=mesh, shard_small=0)
+            batch = spec.get("batch", BATCH)  # padded up to the data axis
+            sharded = generation.compile(on, batch, mesh=mesh, shard_small=0)
             tokens, logprobs = _pairs(generation.generate(sharded, prompts, seeds, inputs))
             gap = None if at else _logits_gap(ctx, sharded, prompts[0], inputs)
         params = sharded.model.params
@@ -90,6 +91,7 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
                 "fixture": name,
                 "mode": ctx.mode,
                 "mesh": [model, data],
+                "batch": sharded.batch_size,
                 "single": single,
                 "tokens": tokens,
                 "logprob_gap": _gap(single_lp, logprobs),

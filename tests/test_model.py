@@ -247,19 +247,22 @@ def test_truncated_external_data_is_refused(tmp_path):
         tj.load(path)
 
 
-def test_value_dependent_shape_names_the_node(tmp_path):
-    # Reshape to a shape read from a large input's values: the shape is not static.
+def test_value_dependent_shape_runs_on_the_host(tmp_path):
+    # Reshape to a shape read from a large input's values: the shape is computed on the host.
     proto = _graph_model(
         [helper.make_node("Reshape", ["x", "shape"], ["y"], name="reshape_by_value")],
         [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [12]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
             helper.make_tensor_value_info("shape", TensorProto.INT64, [16]),
         ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
     )
     model = tj.load(_save(proto, tmp_path / "m.onnx"))
-    with pytest.raises(tj.DynamicShapeError, match="reshape_by_value"):
-        model({"x": np.zeros(12, np.float32), "shape": np.ones(16, np.int64)})
+    assert "reshape_by_value" in model.host_split.label
+    out = model({"x": np.full(1, 3.0, np.float32), "shape": np.ones(16, np.int64)})
+    assert out["y"].shape == (1,) * 16 and float(out["y"].reshape(())) == 3.0
+    with pytest.raises(tj.GraphError, match="reshape_by_value"):
+        model({"x": np.zeros(1, np.float32), "shape": np.full(16, 2, np.int64)})
 
 
 def test_small_shape_input_becomes_a_compile_time_input(tmp_path):

@@ -17,10 +17,12 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx
 import pytest
 from generation_cases import context
 from jax.sharding import AbstractMesh, PartitionSpec
 
+import transmuter_jax as tj
 from transmuter_jax import generation
 from transmuter_jax.generation import GenerationError
 from transmuter_jax.onnx import qkv
@@ -241,10 +243,68 @@ def test_fused_qkv_products_split_by_heads(name, tmp_path):
     np.testing.assert_allclose(np.asarray(split(feeds)["logits"]), want, atol=1e-6)
 
 
-def test_data_axis_must_divide_the_batch(tmp_path):
-    ctx = context("llama-optimum", tmp_path)
-    with pytest.raises(GenerationError, match="'data' of size 4 does not divide the batch of 6"):
-        generation.compile(ctx, 6, mesh=AbstractMesh((4, 1), ("data", "model")))
+def test_batch_is_padded_up_to_the_data_axis():
+    mesh = AbstractMesh((4, 2), ("data", "model"))
+    assert [sharding.padded_batch(mesh, b) for b in (1, 4, 6, 8, 9)] == [4, 4, 8, 8, 12]
+    assert sharding.padded_batch(AbstractMesh((2,), ("model",)), 3) == 3
+
+
+def test_model_axes_and_data_axes_larger_than_the_batch():
+    """GPT-2's fused q/k/v on a 4-way model axis; batches of 4 and 6 on data axes of 8 and 4
+    (padding rows up to a multiple): the single-device tokens."""
+    result = _run(
+        [
+            {"fixture": "gpt2-optimum", "meshes": [[4, 2]], "batch": 6},
+            {"fixture": "llama-genai-fp32", "meshes": [[1, 8]], "batch": 4},
+        ]
+    )
+    _check(result)
+    assert [c["batch"] for c in result["cases"]] == [6, 8]
+
+
+def _fused_gemm(path, bias_from_node: bool):
+    """x [1, 3, 8] -> Gemm (GPT-2's c_attn: a bias of 3 x 8 features) -> Split in q, k, v; the
+    bias read directly, or through a node (which the cut cannot slice)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    bias = "bb" if bias_from_node else "b"
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+        helper.make_node("Identity", ["b"], ["bb"]),
+        helper.make_node("Gemm", ["x2", "W", bias], ["g"], name="c_attn"),
+        helper.make_node("Reshape", ["g", "back"], ["g3"]),
+        helper.make_node("Split", ["g3", "sizes"], ["q", "k", "v"], axis=2),
+    ]
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 24)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.standard_normal(24).astype(np.float32), "b"),
+        numpy_helper.from_array(np.array([-1, 8], np.int64), "flat"),
+        numpy_helper.from_array(np.array([1, 3, 24], np.int64), "back"),
+        numpy_helper.from_array(np.array([8, 8, 8], np.int64), "sizes"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "qkv"]
+    graph = helper.make_graph(nodes, "g", [x], outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return tj.load(path)
+
+
+@pytest.mark.parametrize("bias_from_node", [False, True])
+def test_fused_bias_the_cut_cannot_slice_stays_fused(tmp_path, bias_from_node):
+    """A fused product whose bias the cut cannot slice (computed by a node) stays one product
+    (its columns meet a whole bias otherwise); one whose bias it slices is cut with it."""
+    model = _fused_gemm(str(tmp_path / "m.onnx"), bias_from_node)
+    split = qkv.split_qkv(model)
+    assert (split is model) == bias_from_node
+    if not bias_from_node:
+        assert {"b.cols0", "b.cols8", "b.cols16"} <= set(split.params)
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 3, 8)).astype(np.float32)}
+    want, got = model(feeds), split(feeds)
+    for name in "qkv":
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), atol=1e-6)
 
 
 def test_mesh_axes_are_named(tmp_path):
@@ -309,6 +369,31 @@ def test_overrides_win_over_the_rules(tmp_path):
     odd = AbstractMesh((3,), ("model",))
     with pytest.raises(GenerationError, match=f"{row!r}: dimension \\d+ .* axis 'model' of 3"):
         sharding.find_rules(ctx.model, odd, overrides={row: ("model",)})
+
+
+FAMILIES = [
+    "llama-optimum",
+    "llama-genai-fp32",
+    "llama-genai-int4",
+    "gpt2-optimum",
+    "qwen2-optimum",
+    "qwen2-genai-int4",
+    "gemma3-genai-fp32",
+    "marian-optimum",
+    "whisper-optimum",
+    "smolvlm-torch",
+    "qwen25vl-genai-fp32",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mesh_sweep(name):
+    """Model axes 2, 4 and 8 and a data axis of 8 for a batch of 4 (padding rows), on every
+    fixture family: the single-device tokens."""
+    result = _run([{"fixture": name, "meshes": [[2, 4], [4, 2], [8, 1], [1, 8]], "batch": 4}])
+    _check(result)
+    assert [c["batch"] for c in result["cases"]] == [4, 4, 4, 8]
 
 
 @pytest.mark.slow

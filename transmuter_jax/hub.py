@@ -18,7 +18,7 @@ import json
 import os
 import posixpath
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .runtime.errors import ModelFileError
@@ -99,12 +99,75 @@ def folder(repo: str | os.PathLike, patterns: Sequence[str] | None = None) -> st
 def read_json(repo: str | os.PathLike, name: str) -> dict[str, Any]:
     """The JSON file ``name`` of ``repo``, or {} when it has none.
 
+    A folder that the onnxruntime-genai builder wrote has no config.json or
+    generation_config.json: for those names, the equivalents of its ``genai_config.json``
+    (:func:`genai_equivalent`).
+
     Raises:
         ModelFileError: the file is not valid JSON, or not a JSON object.
     """
+    if name in GENAI_EQUIVALENTS:
+        root = folder(repo, [name, "genai_config.json"])
+        if not os.path.exists(os.path.join(root, name)):
+            if os.path.isfile(os.path.join(root, "genai_config.json")):
+                return genai_equivalent(_read_object(root, "genai_config.json"), name)
+            return {}
+        return _read_object(root, name)
     path = os.path.join(folder(repo, [name]), name)
     if not os.path.exists(path):
         return {}
+    return _read_object(os.path.dirname(path), name)
+
+
+# The search options of genai_config.json that are generation options of the same name.
+GENAI_SEARCH = (
+    "do_sample",
+    "num_beams",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "max_length",
+    "min_length",
+    "no_repeat_ngram_size",
+    "length_penalty",
+    "early_stopping",
+    "num_return_sequences",
+)
+GENAI_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+GENAI_EQUIVALENTS = ("config.json", "generation_config.json")
+
+
+def genai_equivalent(genai: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """What ``name`` (config.json or generation_config.json) would say, from a genai_config.json.
+
+    config.json: model_type, vocab_size, the decoder's heads, head size, hidden size and layers,
+    context_length as max_position_embeddings, and the token ids. generation_config.json: the
+    token ids and the ``search`` options (generation defaults).
+    """
+    model = genai.get("model") if isinstance(genai.get("model"), Mapping) else {}
+    ids = {k: model[k] for k in GENAI_TOKEN_IDS if model.get(k) is not None}
+    if name == "generation_config.json":
+        search = genai.get("search") if isinstance(genai.get("search"), Mapping) else {}
+        return {**{k: search[k] for k in GENAI_SEARCH if k in search}, **ids}
+    decoder = model.get("decoder") if isinstance(model.get("decoder"), Mapping) else {}
+    config: dict[str, Any] = {}
+    fields = {
+        "model_type": model.get("type"),
+        "vocab_size": model.get("vocab_size"),
+        "max_position_embeddings": model.get("context_length"),
+        "num_attention_heads": decoder.get("num_attention_heads"),
+        "num_key_value_heads": decoder.get("num_key_value_heads"),
+        "head_dim": decoder.get("head_size"),
+        "hidden_size": decoder.get("hidden_size"),
+        "num_hidden_layers": decoder.get("num_hidden_layers"),
+    }
+    config.update({k: v for k, v in fields.items() if v is not None})
+    return {**config, **ids}
+
+
+def _read_object(root: str, name: str) -> dict[str, Any]:
+    path = os.path.join(root, name)
     try:
         with open(path, encoding="utf-8") as file:
             value = json.load(file)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx_cases import check_op, node_model, run_jax
-
-from transmuter_jax.onnx.errors import DynamicShapeError
+from onnx_cases import check_op
 
 rng = np.random.default_rng(0)
 
@@ -116,27 +114,6 @@ def test_non_zero_static(opset):
 def test_non_zero_small_input_is_static():
     """A small graph input feeding NonZero becomes a compile-time input."""
     check_op("NonZero", {"x": np.asarray([[0, 1], [2, 0]], np.float32)}, opset=13)
-
-
-def traced_error(op_type, inputs, **kwargs):
-    model = node_model(op_type, inputs, name="the_node", **kwargs)
-    feeds = {k: v for k, v in inputs.items() if k not in kwargs.get("constants", ())}
-    with pytest.raises(DynamicShapeError) as error:
-        run_jax(model, feeds)
-    return str(error.value)
-
-
-@pytest.mark.parametrize(
-    ("op_type", "inputs"),
-    [
-        ("NonZero", {"x": np.ones((3, 4), np.float32)}),
-        ("Unique", {"x": np.ones(12, np.float32)}),
-        ("Compress", {"x": np.ones((12, 2), np.float32), "c": np.ones(12, bool)}),
-    ],
-)
-def test_value_dependent_shape_on_traced_input(op_type, inputs):
-    message = traced_error(op_type, inputs, opset=13)
-    assert "'the_node'" in message and f"({op_type})" in message
 
 
 @pytest.mark.parametrize("opset", [9, 11])

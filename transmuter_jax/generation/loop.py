@@ -66,7 +66,8 @@ def compile(  # noqa: A001
             (one shape per length). A graph the rewrite does not understand keeps exact lengths
             (``compiled.unpadded`` says why).
         mesh: a mesh with axes "model" (weights and cache heads split, see
-            :mod:`.sharding`) and/or "data" (batch rows; it must divide ``batch_size``).
+            :mod:`.sharding`) and/or "data" (batch rows; a batch it does not divide is
+            padded with padding rows up to a multiple of it).
         devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         shard_overrides: partition specs by initializer name that win over the sharding
             rules (None: replicated).
@@ -86,6 +87,10 @@ def compile(  # noqa: A001
         raise GenerationError(f"grow_cache must be one of {GROW_CACHES}, got {grow_cache!r}")
     if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
         raise GenerationError(f"top_logprobs must be a non-negative integer, got {top_logprobs!r}")
+    if mesh is None and devices is not None:
+        mesh = sharding.make_mesh(devices)
+    if mesh is not None:  # padding rows up to a multiple of the "data" axis
+        batch_size = sharding.padded_batch(mesh, batch_size)
     engine = Engine(ctx, batch_size, ctx.model, ctx.embed, tuple(sorted(jit_options.items())))
     engine = dataclasses.replace(
         engine, slot_capacity=slots.capacity_of(engine, capacity), slot_top_logprobs=top_logprobs
@@ -96,8 +101,6 @@ def compile(  # noqa: A001
         ("reorder", ctx.cache, jit_key(jit_options)),
         lambda: cache_modes.reorder_function(ctx.cache, **jit_options),
     )
-    if mesh is None and devices is not None:
-        mesh = sharding.make_mesh(devices)
     if mesh is not None and sharding.axis_size(mesh, sharding.MODEL) > 1:
         # fused q/k/v products as one each, so that they split by heads (see .qkv)
         engine = dataclasses.replace(engine, model=split_qkv(engine.model))

@@ -33,12 +33,21 @@ from . import (
     prepack,
 )
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
-from .errors import GraphError, InputError, ModelFileError, TransmuterError, UnsupportedOpError
+from .errors import (
+    DynamicShapeError,
+    GraphError,
+    InputError,
+    ModelFileError,
+    TransmuterError,
+    UnsupportedOpError,
+)
 from .registry import registered
 from .trace import (
     Graph,
+    HostSplit,
     check_produced,
     check_supported,
+    host_split,
     prune,
     run_nodes,
     static_dependencies,
@@ -274,6 +283,7 @@ class Model:
         }
         static = static_dependencies(self._graph) & small
         self.static_inputs = tuple(i.name for i in self.inputs if i.name in static)
+        self._split: HostSplit | None = host_split(self._graph, self.static_inputs)
         self._by_name = {i.name: i for i in self.inputs}
         self._compiled: dict[tuple, Any] = {}
         self.compile_stats: list[CompileStat] = []
@@ -306,8 +316,10 @@ class Model:
         """
         new = copy.copy(self)
         new.__dict__.pop("_fingerprint", None)
+        new.__dict__.pop("_host_needed", None)
         graph = self._graph
         new._graph = Graph(proto, graph.opsets, graph.file, graph.constants)
+        new._split = host_split(new._graph, new.static_inputs)
         if inputs is not None:
             new.inputs = list(inputs)
         if params is not None:
@@ -347,7 +359,35 @@ class Model:
             The outputs by name, as JAX arrays.
         """
         dynamic, static = self._prepare(inputs)
+        if self._split is not None and not self.__dict__.get("_host_needed"):
+            # The analysis over-approximates: a graph that traces without its host part runs
+            # whole; one that does not runs its host part from then on.
+            try:
+                return self.compiled(dynamic, static)(self.params, dynamic)
+            except DynamicShapeError:
+                self._host_needed = True
+        if self._split is not None:
+            self._run_host(dynamic, static)
         return self.compiled(dynamic, static)(self.params, dynamic)
+
+    @property
+    def host_split(self) -> HostSplit | None:
+        """The nodes run on the host because their values decide shapes (None: none)."""
+        return self._split
+
+    def _run_host(self, dynamic: dict, static: dict) -> None:
+        """Runs the host part of the graph on the concrete inputs and adds its values: to
+        ``static`` those the program needs at trace time, to ``dynamic`` the others."""
+        split = self._split
+        values = {n: np.asarray(v) for n, v in dynamic.items()}
+        scope = self._scope(static, self.params, values)
+        with graph_errors(self.path, "run the value-dependent part of"):
+            run_nodes(self._graph, scope, nodes=split.nodes, host=True)
+        for name in split.static:
+            static[name] = np.asarray(scope[name])
+            dynamic.pop(name, None)  # a graph input read at trace time
+        for name in split.dynamic:
+            dynamic[name] = to_device_dtype(np.asarray(scope[name]))
 
     def compiled(self, dynamic: Mapping[str, Any], static: Mapping[str, np.ndarray]):
         """The compiled function ``(params, dynamic) -> outputs`` for this input signature."""
@@ -408,7 +448,20 @@ class Model:
             The outputs by name.
         """
         scope = self._scope(static, params, inputs)
-        run_nodes(self._graph, scope)
+        given = frozenset()
+        if self._split is not None and all(n in scope for n in self._split.names):
+            given = self._split.names
+        try:
+            run_nodes(self._graph, scope, given=given)
+        except DynamicShapeError as error:
+            if self._split is None or given:
+                raise
+            raise DynamicShapeError(
+                f"{error}. {self._split.label} gives a shape that depends on the values of the "
+                "inputs: such nodes run on the host before each call of the model, which a "
+                "program compiled around it (a loop over tokens) cannot do, as it would "
+                "retrace every step"
+            ) from error
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
 
     # The generation package's name for :meth:`trace` until it moves to the public seam.

@@ -103,9 +103,23 @@ class _Rewriter:
             return None, None, None
         if node.domain not in ("", "ai.onnx", "com.microsoft") or linear(node, self.shapes) is None:
             return None, None, None
-        if linear(node, self.shapes).weight not in self.params:
+        info = linear(node, self.shapes)
+        if info.weight not in self.params or not self._cuttable(node, info):
             return None, None, None
         return node, add, reshape
+
+    def _cuttable(self, node: NodeProto, info) -> bool:
+        """Whether every input of the product that may hold output features is one the cut
+        slices: a bias (or scales) the rules do not see as an initializer, computed by a node
+        or 2-D, would meet the cut columns whole, so the product stays fused (replicated)."""
+        skip = {node.input[0]} | set(info.column)
+        for name in node.input[1:]:
+            if not name or name in skip:
+                continue
+            shape = self.shapes.get(name)
+            if shape is None or (shape and shape[-1] == info.n and info.n > 1):
+                return False
+        return True
 
     def _split(self, split: NodeProto):
         """A Split along the last axis of one product's output: one product per output."""

@@ -147,17 +147,37 @@ def check_produced(graph: Graph, outer: Iterable[str] = ()) -> None:
         )
 
 
-def run_nodes(graph: Graph, scope: Scope) -> None:
-    """Runs the nodes of ``graph`` in order, writing their outputs into ``scope``."""
-    for node in graph.proto.node:
+def run_nodes(
+    graph: Graph,
+    scope: Scope,
+    *,
+    nodes: Iterable[NodeProto] | None = None,
+    given: frozenset[str] = frozenset(),
+    host: bool = False,
+) -> None:
+    """Runs the nodes of ``graph`` in order, writing their outputs into ``scope``.
+
+    Args:
+        nodes: the nodes to run (default: all of the graph's).
+        given: values already in ``scope`` (computed on the host): a node whose outputs are all
+            given is not run, and no node overwrites them.
+        host: run on concrete values, as numpy (the host part of a split graph).
+    """
+    for node in graph.proto.node if nodes is None else nodes:
+        if given and all(o in given for o in node.output if o):
+            continue
         spec = graph.spec(node)
         args = [scope[name] if name else None for name in node.input]
+        if host:
+            args = [np.asarray(a) if isinstance(a, jax.Array) else a for a in args]
         for i in spec.static:
             if i < len(args) and args[i] is not None and not is_static(args[i]):
                 raise DynamicShapeError(
                     f"{node_label(node)} of {graph.file} needs input {i} "
                     f"({node.input[i]!r}) at trace time, but its value depends on the values "
-                    "of the graph's inputs, so the shape of the result is not static"
+                    "of the graph's inputs inside a Loop, Scan or If body (or a program compiled "
+                    "around the model), where the shape of the result is not static: only the "
+                    "main graph's value-dependent nodes run on the host (see docs/tracer.md)"
                 )
         attrs = {a.name: attribute_value(a) for a in node.attribute}
         if spec.takes_ctx:
@@ -168,7 +188,7 @@ def run_nodes(graph: Graph, scope: Scope) -> None:
                 with jax.ensure_compile_time_eval():
                     out = spec.fn(*args, **attrs)
                 out = _to_numpy(out)
-                if _largest(out) > FOLD_LIMIT:
+                if _largest(out) > FOLD_LIMIT and not host:
                     # Too large to embed in the program: compute it in the program instead.
                     with in_program():
                         out = spec.fn(*args, **attrs)
@@ -179,7 +199,9 @@ def run_nodes(graph: Graph, scope: Scope) -> None:
             raise
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for name, value in zip(node.output, outs, strict=False):
-            if name:
+            if host and isinstance(value, jax.Array):
+                value = np.asarray(value)
+            if name and name not in given:
                 scope[name] = (
                     np.asarray(value)
                     if isinstance(value, (np.generic, int, float, bool))
@@ -272,3 +294,60 @@ def _walk_dependencies(graph: Graph, deps: dict[str, frozenset[str]], needed: se
             flow = frozenset().union(*(deps.get(n, frozenset()) for n in node_inputs(node)))
         for name in node.output:
             deps[name] = flow
+
+
+# Ops whose outputs' shapes depend on the values of their inputs: run whole on the host, their
+# outputs enter the program as arguments, so it compiles once per resulting shape.
+HOST_SHAPED = {("", "NonZero"), ("", "Unique")}
+
+
+@dataclass(frozen=True)
+class HostSplit:
+    """The part of a graph that runs on the host because its values decide shapes.
+
+    Attributes:
+        nodes: the main-graph nodes to run on the host, in graph order.
+        static: values the program needs at trace time (a Reshape's shape, a TopK's k): each
+            distinct value compiles once.
+        dynamic: outputs of :data:`HOST_SHAPED` nodes, given to the program as arguments (one
+            compile per shape).
+        label: the first node whose shape depends on the inputs' values, for messages.
+    """
+
+    nodes: tuple[NodeProto, ...]
+    static: tuple[str, ...]
+    dynamic: tuple[str, ...]
+    label: str
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.static + self.dynamic)
+
+
+def host_split(graph: Graph, static_inputs: Iterable[str] = ()) -> HostSplit | None:
+    """The host part of ``graph``: the nodes whose outputs decide shapes and depend on the values
+    of graph inputs other than ``static_inputs``; None when there is none."""
+    deps = value_sources(graph)
+    known = set(static_inputs)
+    static: list[str] = []
+    dynamic: list[str] = []
+    label = None
+    for node in graph.proto.node:
+        spec = graph.spec(node)
+        dependent = [
+            node.input[i]
+            for i in spec.static
+            if i < len(node.input) and node.input[i] and deps.get(node.input[i], set()) - known
+        ]
+        if not dependent:
+            continue
+        label = label or f"{node_label(node)} of {graph.file}"
+        if (spec.domain, spec.name) in HOST_SHAPED:
+            dynamic.extend(o for o in node.output if o and o not in dynamic)
+        else:
+            static.extend(n for n in dependent if n not in static)
+    if label is None:
+        return None
+    dynamic = [n for n in dynamic if n not in static]
+    nodes = tuple(prune(graph.proto, static + dynamic))
+    return HostSplit(nodes, tuple(static), tuple(dynamic), label)

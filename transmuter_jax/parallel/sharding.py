@@ -481,6 +481,13 @@ def place_model(
     return placed
 
 
+def padded_batch(mesh: Mesh, batch_size: int) -> int:
+    """``batch_size`` rounded up to a multiple of the mesh's "data" axis: the rows past the
+    caller's are padding rows (empty prompts), so any batch runs on any data axis."""
+    data = axis_size(mesh, DATA)
+    return -(-batch_size // data) * data
+
+
 def placement(
     ctx: Any,
     mesh: Mesh,
