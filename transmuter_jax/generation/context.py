@@ -12,6 +12,7 @@ import numpy as np
 from .. import hub
 from ..onnx.model import Model
 from ..onnx.trace import value_sources
+from ..onnx.window import hidden_rows_matter
 from .cache import CacheLayout, layout, present_name
 from .errors import GenerationError
 from .options import Options, merge
@@ -104,7 +105,9 @@ def cache_mode(model: Model) -> str:
     """The cache mode of a decoder, from its graph.
 
     in_place: a GroupQueryAttention counts the valid rows from the values of attention_mask.
-    append: the graph takes position_ids. grow: the positions come from the cache length.
+    append: the graph takes position_ids, and hidden rows after the valid ones change none of its
+    attention masks (see :func:`~transmuter_jax.onnx.window.hidden_rows_matter`). grow: the
+    positions come from the cache length, or a mask reads it (a sliding window).
     """
     nodes = [n for n in model.graph.proto.node if n.op_type == "GroupQueryAttention"]
     if nodes:
@@ -114,7 +117,7 @@ def cache_mode(model: Model) -> str:
             return "in_place"
         return "grow"
     if any(i.name == "position_ids" for i in model.inputs):
-        return "append"
+        return "grow" if hidden_rows_matter(model) else "append"
     return "grow"
 
 

@@ -102,7 +102,7 @@ class PaddedPast:
 
 
 @dataclasses.dataclass
-class _Run:
+class Run:
     """What one abstract trace saw: each node in order and each value."""
 
     nodes: list[tuple[tuple, int, NodeProto]]  # (graph path, index, node)
@@ -110,11 +110,11 @@ class _Run:
     opsets: Mapping[str, int]
 
 
-def _probe(model: Model, inputs: Mapping[str, Any]) -> _Run:
+def probe(model: Model, inputs: Mapping[str, Any]) -> Run:
     """Traces ``model`` abstractly; an If with a known condition runs its branch inline."""
     static = {k: v for k, v in inputs.items() if isinstance(v, np.ndarray)}
     dynamic = {k: v for k, v in inputs.items() if k not in static}
-    run = _Run([], {}, model.graph.opsets)
+    run = Run([], {}, model.graph.opsets)
 
     def record(scope: Mapping[str, Any]) -> None:
         for name, value in scope.items():
@@ -184,7 +184,7 @@ def _label(node: NodeProto) -> str:
     return f"{node.name or '<unnamed>'} ({node.op_type})"
 
 
-def _analyse(model: Model, first: _Run, second: _Run, past: Sequence[str], change: int) -> _Plan:
+def _analyse(model: Model, first: Run, second: Run, past: Sequence[str], change: int) -> _Plan:
     """Where positions are used as absolute values and where padding rows meet a Softmax."""
     kinds: dict[str, str] = {}
     for name, a in first.values.items():
@@ -331,11 +331,11 @@ def _same_rows(source: tuple, out: tuple, axis: int) -> bool:
     return source[axis] == out[axis] and source[after[0] :] == out[after[1] :]
 
 
-def _opset(node: NodeProto, run: _Run) -> int:
+def _opset(node: NodeProto, run: Run) -> int:
     return run.opsets.get(canonical_domain(node.domain), 1)
 
 
-def _zero_where(node: NodeProto, run: _Run, tainted) -> bool:
+def _zero_where(node: NodeProto, run: Run, tainted) -> bool:
     """Where(c, 0, x) with x zero on the padding keys: still zero there."""
     if [i for i, _ in tainted] != [2]:
         return False
@@ -437,7 +437,7 @@ def pad_past(
     if not past:
         raise NotPaddable("the decoder has no self-attention cache")
     try:
-        first, second = (_probe(model, inputs(n)) for n in PROBES)
+        first, second = (probe(model, inputs(n)) for n in PROBES)
         plan = _analyse(model, first, second, past, PROBES[1] - PROBES[0])
     except NotPaddable:
         raise
@@ -451,7 +451,7 @@ def pad_past(
     check = dict(inputs(PROBES[0]))
     check[PAD_INPUT] = jax.ShapeDtypeStruct((), np.int32)
     try:
-        _probe(padded, check)
+        probe(padded, check)
     except Exception as error:  # noqa: BLE001 - any failure to trace keeps the original graph
         raise NotPaddable(f"the rewritten graph does not trace: {error}") from error
     shifted = tuple(name for _, _, _, name, _ in plan.shifts)
