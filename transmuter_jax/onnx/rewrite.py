@@ -63,6 +63,7 @@ _ELEMENTWISE = {
     "Cast",
     "Identity",
     "Neg",
+    "Tanh",
     "Max",
     "Min",
     "And",
@@ -226,8 +227,8 @@ def _analyse(model: Model, first: Run, second: Run, past: Sequence[str], change:
                 continue
             if op in _INDEXING and i in _INDEXING[op] and kinds.get(inputs[0]) == "padded":
                 continue  # an index into a tensor in the graph's own coordinates
-            if op in _ELEMENTWISE and "padded" in out_kinds:
-                continue  # a mask combined with scores over the padded keys
+            if (op in _ELEMENTWISE or op == "ScatterND") and "padded" in out_kinds:
+                continue  # a mask combined with scores (or written into a mask) over the keys
             raise NotPaddable(f"node {_label(node)} uses a value of the cache length")
         # 3. Padding rows.
         tainted = [(i, taint[n]) for i, n in enumerate(inputs) if n in taint]
@@ -285,6 +286,14 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
         if len(tainted) == 2 and tainted[0][1] == ("zero", -1) and tainted[1][1] == ("rows", -2):
             return  # weights that are 0 on the padding keys times the cache's values
         raise refuse
+    if len(states) == 1 and op == "Transpose":
+        rank = len(out_a.shape)
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        moved = (perm or list(reversed(range(rank)))).index(axis + rank) - rank
+        if axes != [moved]:
+            raise refuse
+        taint[out] = (state, moved)
+        return
     if states == {"rows"}:
         if op == "Softmax":
             rank = len(out_a.shape)
@@ -295,14 +304,6 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
                 raise NotPaddable(f"Softmax {_label(node)} is not over the padded keys")
             plan.masks.append((path, index, axis, np.dtype(out_a.dtype)))
             taint[out] = ("zero", axis)
-            return
-        if op == "Transpose":
-            rank = len(out_a.shape)
-            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-            moved = (perm or list(reversed(range(rank)))).index(axis + rank) - rank
-            if axes != [moved]:
-                raise refuse
-            taint[out] = ("rows", moved)
             return
         if op == "Concat":
             along = next(a.i for a in node.attribute if a.name == "axis")
@@ -319,6 +320,12 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
     if states == {"zero"}:
         if op in ("IsNaN", "IsInf"):
             return  # false on the padding keys, whose weights are 0
+        if op in _LAYOUT and op != "Concat" and not rest:  # zeros moved, the keys' axis kept
+            source = first.values[node.input[i]]
+            if axes != [axis] or not _same_rows(source.shape, out_a.shape, axis):
+                raise refuse
+            taint[out] = ("zero", axis)
+            return
         if op in _KEEPS_ZERO or op == "Where" and _zero_where(node, first, tainted):
             taint[out] = ("zero", axis)
             return
