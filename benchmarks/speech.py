@@ -2,7 +2,7 @@
 onnxruntime and transformers' PyTorch pipeline, on the same recording, in one run.
 
 Usage: python benchmarks/speech.py [--engines jax,ort,torch] [--repeats 3] [--batch 4]
-           [--long-s 60] [--json [PATH]] [--markdown]
+           [--long-s 60] [--decoding greedy,beams5] [--json [PATH]] [--markdown]
 
 Each engine runs in its own fresh process (this script with ``--worker``), on the same 16 kHz
 samples of jfk.wav (``transmuter_jax.default.sample_audio()``, 11 s):
@@ -16,11 +16,12 @@ samples of jfk.wav (``transmuter_jax.default.sample_audio()``, 11 s):
   begin_suppress_tokens applied as transformers does), intra_op_num_threads = cores;
 - torch: transformers' ``pipeline("automatic-speech-recognition")`` on the transformers folder
   (PyTorch fp32, ``torch.set_num_threads(cores)``), run with the fixture environment's
-  interpreter (``.venv-fixtures``: torch and transformers 4.57), HF_HUB_OFFLINE=1, with
-  ``num_beams=1``: the pipeline's own default is beam search with 5 beams (its
-  ``_default_generation_config``, where generation_config.json sets no num_beams), while
-  ``generate()``, transmuter_jax and the ort loop decode greedily; with 5 beams the long
-  recording's transcript differs (a chunk's first token) and torch does 5 rows of work per row.
+  interpreter (``.venv-fixtures``: torch and transformers 4.57), HF_HUB_OFFLINE=1.
+
+Both decodings run (``--decoding``): ``greedy`` (``num_beams=1`` given to jax and torch; the ort
+loop is greedy) and ``beams5``, the pipelines' own default (no num_beams given: transformers' ASR
+pipeline and ``speech_to_text()`` both search with 5 beams); its cases are named ``short-beams5``
+and ``long-beams5`` (jax and torch only).
 
 --threads N below the cores runs every engine's process on the same N CPUs (its affinity, which
 XLA's and transmuter_jax's thread pools follow) with N onnxruntime and PyTorch threads: on a
@@ -166,7 +167,7 @@ def _ort_engine(job: dict, state: dict):
     size = model_config["d_model"] // heads
 
     def call(batch: list, options: dict) -> dict:
-        if options:
+        if {k: v for k, v in options.items() if (k, v) != ("num_beams", 1)}:
             raise ValueError(f"the onnxruntime step loop takes no options ({sorted(options)})")
         clock = _Clock()
         hidden = encoder.run(None, {"input_features": extractor(batch)})[0]
@@ -241,10 +242,12 @@ def _torch_engine(job: dict, state: dict):
 
     def call(batch: list, options: dict) -> dict:
         clocks.append(_Clock())
+        options = dict(options)
+        generate = {"num_beams": options.pop("num_beams")} if "num_beams" in options else {}
         with torch.inference_mode():
             size = job["batch"] if len(batch) > 1 or options else 1
-            # greedy as the other engines: the pipeline's default is num_beams=5
-            out = asr(list(batch), batch_size=size, generate_kwargs={"num_beams": 1}, **options)
+            # no num_beams: the pipeline's default (5 beams)
+            out = asr(list(batch), batch_size=size, generate_kwargs=generate, **options)
         wall = time.perf_counter() - clocks[-1].start
         texts = [o["text"] for o in out]
         figures = _figures(clocks[-1], wall, len(batch), texts, [])
@@ -285,7 +288,7 @@ def worker(job: dict) -> dict:
     options = dict(job.get("options") or {})
     out: dict = {"engine": job["engine"], "case": job["case"], **state}
     calls = [(1, [samples])]
-    if job["case"] == "short" and job["batch"] > 1:
+    if job["case"].startswith("short") and job["batch"] > 1:
         calls.append((job["batch"], [samples] * job["batch"]))
     out["runs"] = []
     for rows, batch in calls:
@@ -374,8 +377,18 @@ def measure(args) -> dict:
         cpus = sorted(os.sched_getaffinity(0))[: args.threads]
         env["TRANSMUTER_JAX_KERNEL_THREADS"] = str(args.threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    cases = [("short", e, short, {}) for e in args.engines]
-    cases += [("long", e, long, {"chunk_length_s": 30}) for e in args.engines if e != "ort"]
+    cases = []
+    for decoding in args.decoding:
+        greedy = decoding == "greedy"
+        suffix, beams = ("", {"num_beams": 1}) if greedy else ("-beams5", {})
+        cases += [
+            ("short" + suffix, e, short, dict(beams)) for e in args.engines if greedy or e != "ort"
+        ]
+        cases += [
+            ("long" + suffix, e, long, {"chunk_length_s": 30, **beams})
+            for e in args.engines
+            if e != "ort"
+        ]
     results, skipped = [], []
     try:
         for case, engine, samples, options in cases:
@@ -396,7 +409,7 @@ def measure(args) -> dict:
                 skipped.append({"engine": engine, "case": case, "why": why})
                 print(f"skipped: {why}")
                 continue
-            result["audio_s"] = short_s if case == "short" else long_s
+            result["audio_s"] = short_s if case.startswith("short") else long_s
             results.append(result)
             walls = ", ".join(f"b{r['batch']} {r['wall_s']:.2f} s" for r in result["runs"])
             print(walls or result.get("error", ""))
@@ -586,7 +599,8 @@ def print_tables(figures: dict) -> None:
             print(f"    {engine:<5} {text!r}")
     for result in figures["results"]:
         if result.get("error"):
-            note = UNSUPPORTED if result["engine"] == "jax" and result["case"] == "long" else ""
+            long = result["case"].startswith("long")
+            note = UNSUPPORTED if result["engine"] == "jax" and long else ""
             print(f"{note}\n  {result['engine']} {result['case']}: {result['error']}".lstrip())
     for s in figures["skipped"]:
         print(f"skipped: {s['engine']} {s['case']}: {s['why']}")
@@ -628,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
         "that many CPUs",
     )
     parser.add_argument("--long-s", type=float, default=60.0, help="length of the long recording")
+    parser.add_argument(
+        "--decoding",
+        type=lambda text: [d for d in text.split(",") if d],
+        default=["greedy", "beams5"],
+        help="greedy (num_beams=1) and/or beams5 (the pipelines' default), comma-separated",
+    )
     parser.add_argument(
         "--json",
         nargs="?",

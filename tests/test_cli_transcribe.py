@@ -37,6 +37,15 @@ def test_text_is_the_pipelines(pipe, capsys):
     assert _run(capsys, MODEL, CLIP, CLIP, *OPTIONS) == 2 * (expected + "\n")
 
 
+def test_num_beams_one_decodes_greedily(pipe, capsys):
+    """The default is the ASR pipeline's 5 beams; --num-beams 1 is the greedy transcript."""
+    greedy = pipe.generate([CLIP], max_new_tokens=8, num_beams=1, token_logprobs=True)[0]
+    lines = _run(capsys, MODEL, CLIP, "--json", "--num-beams", "1", *OPTIONS).splitlines()
+    assert json.loads(lines[0])["token_ids"] == greedy.token_ids
+    beams = json.loads(_run(capsys, MODEL, CLIP, "--json", *OPTIONS).splitlines()[0])
+    assert beams["token_ids"] == pipe.generate([CLIP], max_new_tokens=8)[0].token_ids
+
+
 def test_json_is_the_pipelines_result(pipe, capsys):
     result = pipe.generate([CLIP], max_new_tokens=8, language="de", token_logprobs=True)[0]
     lines = _run(capsys, MODEL, CLIP, "--json", "--language", "de", *OPTIONS).splitlines()
@@ -73,7 +82,7 @@ def test_an_unfinished_last_chunk_ends_with_the_audio(tmp_path, capsys):
     path = str(tmp_path / "noise.wav")
     soundfile.write(path, samples, 16000, subtype="FLOAT")
     duration = len(samples) / 16000
-    args = [MODEL, path, "--language", "en", "--max-new-tokens", "24"]
+    args = [MODEL, path, "--language", "en", "--max-new-tokens", "24", "--num-beams", "1"]
     srt = _run(capsys, *args, "--srt")
     cues = re.findall(r"^\d+\n(\S+) --> (\S+)\n(.*)$", srt, re.M)
     assert [c[2] for c in cues] == [c["text"].strip() for c in chunks]

@@ -27,6 +27,27 @@ MODES = {
     "qwen2-genai-fp32": "in_place",
     "gemma3-genai-fp32": "in_place",
     "qwen25vl-genai-fp32": "in_place",
+    # issue 29's architectures (tests/fixtures/make_archs.py): a sliding window, or no
+    # position_ids, gives grow
+    "qwen3-optimum": "append",
+    "phi3-optimum": "grow",
+    "mistral-optimum": "append",
+    "mistral-window-optimum": "grow",
+    "granite-optimum": "append",
+    "olmo2-optimum": "append",
+    "gemma2-optimum": "grow",
+    "cohere-optimum": "append",
+    "stablelm-optimum": "append",
+    "falcon-optimum": "append",
+    "gpt-neox-optimum": "append",
+    "opt-optimum": "append",
+    "bloom-optimum": "grow",
+    "smollm3-optimum": "append",
+    "qwen3-genai-fp32": "in_place",
+    "phi3-genai-fp32": "in_place",
+    "mistral-genai-fp32": "in_place",
+    "mistral-window-genai-fp32": "in_place",
+    "granite-genai-fp32": "in_place",
 }
 
 

@@ -7,13 +7,21 @@ stopped a row).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-from generation_cases import context, encoder_inputs, reference
+from generation_cases import FIXTURES, context, encoder_inputs, reference
 
 from transmuter_jax import generation
 
-NAMES = ["llama-optimum", "whisper-optimum", "marian-optimum"]
+# and every fixture of issue 29's architectures (tests/fixtures/make_archs.py)
+NAMES = ["llama-optimum", "whisper-optimum", "marian-optimum"] + sorted(
+    p.parent.name
+    for p in FIXTURES.glob("*/reference.json")
+    if p.parent.name not in ("llama-optimum", "whisper-optimum", "marian-optimum")
+    and any(c.get("name") == "processors_all" for c in json.loads(p.read_text()).get("cases", []))
+)
 
 
 def _cases():

@@ -70,7 +70,33 @@ def test_long_audio_matches_the_pipeline(pipe, clips, name):
         _check(got, want, timestamps)
         assert len(got.logprobs) == len(got.token_ids)
         assert all(np.isfinite(got.logprobs)) and all(p <= 0 for p in got.logprobs)
-        assert got.finish_reason == "length"  # max_new_tokens ends every chunk of these
+        if "max_new_tokens" in case["options"]:
+            assert got.finish_reason == "length"  # max_new_tokens ends every chunk of these
+
+
+DEFAULTS = ("default_timestamps", "default_options")  # the pipeline's defaults: 5 beams
+
+
+def test_the_default_cases_give_no_num_beams():
+    for name in DEFAULTS:
+        assert "num_beams" not in LONG[name]["options"]
+    assert LONG["pipeline_beams"]["options"]["num_beams"] == 5
+
+
+@pytest.mark.parametrize("name", [*DEFAULTS, "pipeline_beams"])
+def test_the_default_decoding_is_the_pipelines(clips, name):
+    """speech_to_text() without options decodes as transformers' ASR pipeline without options
+    (5 beams): texts, merged tokens and timestamps, long inputs in chunks and short ones whole."""
+    pipe = speech_to_text(FIXTURE)
+    case = LONG[name]
+    options = {k: v for k, v in case["options"].items() if k != "num_beams"}
+    options.setdefault("chunk_length_s", 30)
+    timestamps = bool(options.get("return_timestamps"))
+    results = pipe.generate([clips[c] for c in case["clips"]], sampling_rate=RATE, **options)
+    for got, want in zip(results, case["rows"], strict=True):
+        _check(got, want, timestamps)
+    greedy = pipe.generate([clips[case["clips"][0]]], sampling_rate=RATE, num_beams=1, **options)
+    assert greedy[0].token_ids != case["rows"][0]["tokens"]  # beams decide: the check can fail
 
 
 def test_chunks_cut_and_merge_as_the_pipeline():
@@ -162,7 +188,8 @@ def test_stereo_file_gives_the_tokens_of_transformers(pipe):
     """stereo-44k.wav through the loader (mixed down, soxr to 16 kHz) decodes as transformers
     generates from the same samples."""
     case = REF["file_cases"]["stereo"]
-    got = pipe.generate([FIXTURE / case["file"]], token_logprobs=True, **case["options"])[0]
+    options = {"num_beams": 1, **case["options"]}  # generate()'s greedy decoding
+    got = pipe.generate([FIXTURE / case["file"]], token_logprobs=True, **options)[0]
     want = case["rows"][0]
     assert got.token_ids == want["tokens"] and got.text == want["text"]
     np.testing.assert_allclose(got.logprobs, want["logprobs"], atol=LOGPROB_ATOL, rtol=0)
@@ -192,7 +219,8 @@ def test_command_line_transcribes_a_long_file(clips, tmp_path, capsys):
     path = tmp_path / "long.wav"
     soundfile.write(path, clips["long45"], RATE, subtype="FLOAT")
     args = ["transcribe", str(FIXTURE), str(path), "--json", "--timestamps"]
-    assert cli.main([*args, "--language", "en", "--max-new-tokens", "24"]) == 0
+    greedy = ["--num-beams", "1"]  # the reference's decoding
+    assert cli.main([*args, "--language", "en", "--max-new-tokens", "24", *greedy]) == 0
     record = json.loads(capsys.readouterr().out)
     want = case["rows"][0]
     assert record["text"] == want["text"] and record["token_ids"] == want["tokens"]

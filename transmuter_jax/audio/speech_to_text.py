@@ -19,6 +19,7 @@ from . import chunks as chunking
 from . import layouts
 from . import prompt as forced
 from . import timestamps as stamps
+from .defaults import pipeline_defaults
 from .features import FeatureExtractor
 from .load import Audio
 from .load import load as load_audio
@@ -76,6 +77,7 @@ class SpeechToText(Pipeline):
         self.encoder = layouts.encoder(self.files.encoder, decoder, config)
         speech, generation = _split(options)
         forced.check(self.generation_config, speech.get("language"), speech.get("task"))
+        generation = {**pipeline_defaults(self.generation_config, generation), **generation}
         self.start(decoder, embed, given=list(self.encoder.given), options=generation)
         self._stamps = None
         if self.timestamp_begin is not None:
@@ -346,7 +348,9 @@ def speech_to_text(
             encoder stays on the default device.
         devices: without ``mesh``, the devices of a mesh that puts them all on "model".
         **options: default options: ``language``, ``task`` and generation options
-            (transformers' names).
+            (transformers' names). Generation starts from the ASR pipeline's defaults:
+            ``num_beams=5`` and, where generation_config.json sets no max_length,
+            ``max_new_tokens=256`` (``num_beams=1``: greedy).
 
     Returns:
         A :class:`SpeechToText`: call it with audio, or use ``generate`` and ``stream``.

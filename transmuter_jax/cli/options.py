@@ -55,7 +55,8 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
         help="sampling seed (default: random; only sampling uses it)",
     )
     group.add_argument("--num-beams", type=int, metavar="K", help="beam search with K beams "
-                       "(default 1); the answer prints when the search ends")  # fmt: skip
+                       "(default 1; transcribe: 5, as transformers' ASR pipeline); the answer "
+                       "prints when the search ends")  # fmt: skip
     group.add_argument("--num-return-sequences", type=int, metavar="N", help="N answers: "
                        "samples (with --sample) or the N best beams (N <= --num-beams); printed "
                        "when done, as '[j] text' lines, with --json one object per line "

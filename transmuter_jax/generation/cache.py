@@ -27,6 +27,7 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.model import Model
 from ..onnx.ops import write_rows
 from ..onnx.trace import value_sources
+from ..onnx.window import hidden_rows_matter
 from ..runtime import jit as compiler
 from ..runtime.stored import AutoStoredJit
 from .errors import GenerationError
@@ -398,7 +399,9 @@ def detect(model: Model) -> Mode:
     ``compile`` refines it).
 
     in_place: a GroupQueryAttention counts the valid rows from the values of attention_mask.
-    append: the graph takes position_ids. grow: the positions come from the cache length.
+    append: the graph takes position_ids, and hidden rows after the valid ones change none of its
+    attention masks (see :func:`~transmuter_jax.onnx.window.hidden_rows_matter`). grow: the
+    positions come from the cache length, or a mask reads it (a sliding window).
     """
     nodes = [n for n in model.graph.proto.node if n.op_type == "GroupQueryAttention"]
     if nodes:
@@ -408,7 +411,7 @@ def detect(model: Model) -> Mode:
             return InPlace()
         return GrowExact()
     if any(i.name == "position_ids" for i in model.inputs):
-        return Append()
+        return GrowExact() if hidden_rows_matter(model) else Append()
     return GrowExact()
 
 

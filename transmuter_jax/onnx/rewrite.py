@@ -63,6 +63,7 @@ _ELEMENTWISE = {
     "Cast",
     "Identity",
     "Neg",
+    "Tanh",
     "Max",
     "Min",
     "And",
@@ -102,7 +103,7 @@ class PaddedPast:
 
 
 @dataclasses.dataclass
-class _Run:
+class Run:
     """What one abstract trace saw: each node in order and each value."""
 
     nodes: list[tuple[tuple, int, NodeProto]]  # (graph path, index, node)
@@ -110,11 +111,11 @@ class _Run:
     opsets: Mapping[str, int]
 
 
-def _probe(model: Model, inputs: Mapping[str, Any]) -> _Run:
+def probe(model: Model, inputs: Mapping[str, Any]) -> Run:
     """Traces ``model`` abstractly; an If with a known condition runs its branch inline."""
     static = {k: v for k, v in inputs.items() if isinstance(v, np.ndarray)}
     dynamic = {k: v for k, v in inputs.items() if k not in static}
-    run = _Run([], {}, model.graph.opsets)
+    run = Run([], {}, model.graph.opsets)
 
     def record(scope: Mapping[str, Any]) -> None:
         for name, value in scope.items():
@@ -184,7 +185,7 @@ def _label(node: NodeProto) -> str:
     return f"{node.name or '<unnamed>'} ({node.op_type})"
 
 
-def _analyse(model: Model, first: _Run, second: _Run, past: Sequence[str], change: int) -> _Plan:
+def _analyse(model: Model, first: Run, second: Run, past: Sequence[str], change: int) -> _Plan:
     """Where positions are used as absolute values and where padding rows meet a Softmax."""
     kinds: dict[str, str] = {}
     for name, a in first.values.items():
@@ -226,8 +227,8 @@ def _analyse(model: Model, first: _Run, second: _Run, past: Sequence[str], chang
                 continue
             if op in _INDEXING and i in _INDEXING[op] and kinds.get(inputs[0]) == "padded":
                 continue  # an index into a tensor in the graph's own coordinates
-            if op in _ELEMENTWISE and "padded" in out_kinds:
-                continue  # a mask combined with scores over the padded keys
+            if (op in _ELEMENTWISE or op == "ScatterND") and "padded" in out_kinds:
+                continue  # a mask combined with scores (or written into a mask) over the keys
             raise NotPaddable(f"node {_label(node)} uses a value of the cache length")
         # 3. Padding rows.
         tainted = [(i, taint[n]) for i, n in enumerate(inputs) if n in taint]
@@ -285,6 +286,14 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
         if len(tainted) == 2 and tainted[0][1] == ("zero", -1) and tainted[1][1] == ("rows", -2):
             return  # weights that are 0 on the padding keys times the cache's values
         raise refuse
+    if len(states) == 1 and op == "Transpose":
+        rank = len(out_a.shape)
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        moved = (perm or list(reversed(range(rank)))).index(axis + rank) - rank
+        if axes != [moved]:
+            raise refuse
+        taint[out] = (state, moved)
+        return
     if states == {"rows"}:
         if op == "Softmax":
             rank = len(out_a.shape)
@@ -295,14 +304,6 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
                 raise NotPaddable(f"Softmax {_label(node)} is not over the padded keys")
             plan.masks.append((path, index, axis, np.dtype(out_a.dtype)))
             taint[out] = ("zero", axis)
-            return
-        if op == "Transpose":
-            rank = len(out_a.shape)
-            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-            moved = (perm or list(reversed(range(rank)))).index(axis + rank) - rank
-            if axes != [moved]:
-                raise refuse
-            taint[out] = ("rows", moved)
             return
         if op == "Concat":
             along = next(a.i for a in node.attribute if a.name == "axis")
@@ -319,6 +320,12 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
     if states == {"zero"}:
         if op in ("IsNaN", "IsInf"):
             return  # false on the padding keys, whose weights are 0
+        if op in _LAYOUT and op != "Concat" and not rest:  # zeros moved, the keys' axis kept
+            source = first.values[node.input[i]]
+            if axes != [axis] or not _same_rows(source.shape, out_a.shape, axis):
+                raise refuse
+            taint[out] = ("zero", axis)
+            return
         if op in _KEEPS_ZERO or op == "Where" and _zero_where(node, first, tainted):
             taint[out] = ("zero", axis)
             return
@@ -331,11 +338,11 @@ def _same_rows(source: tuple, out: tuple, axis: int) -> bool:
     return source[axis] == out[axis] and source[after[0] :] == out[after[1] :]
 
 
-def _opset(node: NodeProto, run: _Run) -> int:
+def _opset(node: NodeProto, run: Run) -> int:
     return run.opsets.get(canonical_domain(node.domain), 1)
 
 
-def _zero_where(node: NodeProto, run: _Run, tainted) -> bool:
+def _zero_where(node: NodeProto, run: Run, tainted) -> bool:
     """Where(c, 0, x) with x zero on the padding keys: still zero there."""
     if [i for i, _ in tainted] != [2]:
         return False
@@ -437,7 +444,7 @@ def pad_past(
     if not past:
         raise NotPaddable("the decoder has no self-attention cache")
     try:
-        first, second = (_probe(model, inputs(n)) for n in PROBES)
+        first, second = (probe(model, inputs(n)) for n in PROBES)
         plan = _analyse(model, first, second, past, PROBES[1] - PROBES[0])
     except NotPaddable:
         raise
@@ -451,7 +458,7 @@ def pad_past(
     check = dict(inputs(PROBES[0]))
     check[PAD_INPUT] = jax.ShapeDtypeStruct((), np.int32)
     try:
-        _probe(padded, check)
+        probe(padded, check)
     except Exception as error:  # noqa: BLE001 - any failure to trace keeps the original graph
         raise NotPaddable(f"the rewritten graph does not trace: {error}") from error
     shifted = tuple(name for _, _, _, name, _ in plan.shifts)
