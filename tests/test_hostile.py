@@ -587,7 +587,7 @@ def test_a_tokenizer_folder_whose_config_is_a_json_string_is_named(tmp_path):
     config.pop("tokenizer_class", None)  # the class then comes from config.json
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "config.json").write_text('"just a string"')
-    with pytest.raises(tj.ModelFileError, match="config.json must hold a JSON object"):
+    with pytest.raises(tj.ModelFileError, match="config.json.? must hold a JSON object"):
         Tokenizer.from_folder(tmp_path)
 
 
@@ -702,3 +702,309 @@ def test_an_oversized_max_new_tokens_runs_in_bounded_memory():
     assert record["finish_reason"] == "length"
     assert 200 < len(record["token_ids"]) < 256  # the 256 positions less the prompt
     assert all(np.isfinite(record["logprobs"]))
+
+
+# -- round 2: model folders are untrusted input ------------------------------------------------
+
+
+def _special(tmp_path: Path, kind: str, name: str) -> Path:
+    """``name`` in ``tmp_path`` as a hostile file of ``kind``."""
+    path = tmp_path / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    elif kind == "link outside":
+        outside = tmp_path.parent / f"outside-{name}"
+        outside.write_text('{"secret": 1}')
+        path.symlink_to(outside)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "huge":
+        with open(path, "wb") as stream:
+            stream.truncate(hub.MAX_TOKENIZER_BYTES + 1)  # sparse: no disk used
+    elif kind == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    return path
+
+
+_SPECIAL = {
+    "fifo": "is a FIFO, not a regular file",
+    "device": "outside the model's folder",
+    "link outside": "outside the model's folder; refusing to read it",
+    "folder": "is a folder, not a regular file",
+    "huge": "more than the limit of",
+    "deep": "nested too deep",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_SPECIAL))
+@pytest.mark.parametrize(
+    "name", ["config.json", "generation_config.json", "preprocessor_config.json"]
+)
+def test_a_hostile_config_file_is_refused_by_name_without_reading_it(tmp_path, kind, name):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    _special(folder, kind, name)
+    with pytest.raises(tj.ModelFileError, match=_SPECIAL[kind]) as error:
+        hub.read_json(folder, name)
+    assert name in str(error.value)
+    assert "secret" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", sorted(_SPECIAL))
+@pytest.mark.parametrize(
+    "name", ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]
+)
+def test_a_hostile_tokenizer_file_is_refused_by_name(tmp_path, kind, name):
+    import shutil
+
+    from transmuter_jax.text.tokenizer import Tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(FIXTURES / "llama-optimum" / file, folder / file)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)  # then config.json is read too
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / name).unlink(missing_ok=True)
+    _special(folder, kind, name)
+    if kind == "deep" and name == "tokenizer.json":
+        with pytest.raises(tj.ModelFileError, match="cannot load"):
+            Tokenizer.from_folder(folder)
+        return
+    with pytest.raises(tj.ModelFileError, match=_SPECIAL[kind]):
+        Tokenizer.from_folder(folder)
+
+
+def test_a_hub_cache_snapshot_whose_files_link_to_its_blobs_is_read(tmp_path):
+    snapshot = tmp_path / "models--org--name" / "snapshots" / ("0" * 40)
+    blobs = tmp_path / "models--org--name" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (blobs / "abc").write_text('{"max_new_tokens": 4}')
+    (snapshot / "generation_config.json").symlink_to("../../blobs/abc")
+    assert hub.read_json(snapshot, "generation_config.json") == {"max_new_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"hop_length": 0}, "hop_length is 0; it must be from 1 to"),
+        ({"hop_length": 2.5}, "hop_length is 2.5; it must be a whole number"),
+        ({"n_samples": 0}, "n_samples is 0; it must be from 1"),
+        ({"n_samples": 10**12}, "n_samples is 1000000000000; it must be from 1"),
+        ({"chunk_length": -3}, "chunk_length is -3"),
+        ({"sampling_rate": 1}, "sampling_rate is 1; it must be from 1,000 to 384,000"),
+        ({"sampling_rate": "16k"}, "sampling_rate is '16k'; it must be a whole number"),
+        ({"feature_size": 10**9}, "feature_size is 1000000000"),
+        ({"n_fft": 1}, "n_fft is 1"),
+        ({"nb_max_frames": float("nan")}, "nb_max_frames is nan"),
+        ({"padding_value": float("inf")}, "padding_value is inf; it must be a finite number"),
+        (
+            {"n_samples": 200, "hop_length": 100, "n_fft": 400},
+            r"n_fft \(400\) needs more than 200 samples",
+        ),
+    ],
+)
+def test_degenerate_feature_extractor_values_are_refused_by_name(config, words):
+    from transmuter_jax.audio.features import FeatureExtractor
+
+    with pytest.raises(tj.ModelFileError, match=r"preprocessor_config\.json: " + words):
+        FeatureExtractor.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"size": 0}, r"size\['height'\] is 0; it must be from 1 to 8192"),
+        ({"size": {"height": 10**9, "width": 3}}, r"size\['height'\] is 1000000000"),
+        ({"size": {"height": 4, "width": -1}}, r"size\['width'\] is -1"),
+        ({"image_std": [0.5, 0, 0.5]}, "image_std is .*a standard deviation of 0"),
+        ({"image_std": 0}, "image_std is 0"),
+        ({"image_mean": [float("nan")] * 3}, "image_mean is .*it must be finite"),
+        ({"image_mean": "grey"}, "image_mean is 'grey'; it must be a number or a list"),
+        ({"rescale_factor": float("inf")}, "rescale_factor is inf; it must be finite"),
+        ({"resample": 9}, "resample is 9; it must be one of"),
+        (
+            {"do_center_crop": True, "crop_size": {"height": 0, "width": 2}},
+            r"crop_size\['height'\] is 0",
+        ),
+    ],
+)
+@pytest.mark.parametrize("kind", ["ViTImageProcessor", "DeiTImageProcessor"])
+def test_degenerate_image_processor_values_are_refused_by_name(config, words, kind):
+    from transmuter_jax.vision import processing
+
+    if "crop_size" in config and kind == "ViTImageProcessor":
+        processing.PROCESSORS[kind](config)  # ViT does not crop: it reads no crop_size
+        return
+    with pytest.raises(ValueError, match=f"{kind}: " + words):
+        processing.PROCESSORS[kind](config)
+    if "crop_size" not in config:  # a call's options are checked the same way
+        with pytest.raises(ValueError, match=f"{kind}: " + words):
+            processing.PROCESSORS[kind]({}).settings(config)
+
+
+@pytest.mark.parametrize(
+    ("file", "words"),
+    [
+        ({"max_new_tokens": "ten"}, "max_new_tokens must be an integer, got 'ten'"),
+        ({"max_length": 3.5}, "max_length must be an integer, got 3.5"),
+        ({"temperature": "hot"}, "temperature must be a finite number"),
+        ({"top_p": float("inf")}, "top_p must be a finite number"),
+        ({"do_sample": "yes"}, "do_sample must be a bool"),
+        ({"eos_token_id": "2"}, "eos_token_id must be a token id"),
+        ({"num_beams": [4]}, "num_beams must be an integer"),
+    ],
+)
+def test_generation_config_values_of_the_wrong_type_are_refused_naming_the_file(file, words):
+    from transmuter_jax.generation import GenerationError
+    from transmuter_jax.generation.options import merge
+
+    with pytest.raises(GenerationError, match=r"generation_config\.json: " + words):
+        merge({}, file, {})
+
+
+# -- round 2: options and arguments ------------------------------------------------------------
+
+
+def test_numpy_scalars_count_as_the_python_numbers_they_hold():
+    from transmuter_jax.generation.options import merge
+
+    plain = merge({}, {"top_k": 40}, {"max_new_tokens": 7, "temperature": 0.5, "do_sample": True})
+    numpy = merge(
+        {},
+        {"top_k": np.int32(40)},
+        {
+            "max_new_tokens": np.int64(7),
+            "temperature": np.float32(0.5),
+            "do_sample": np.bool_(True),
+        },
+    )
+    assert numpy == plain and hash(numpy) == hash(plain)
+    assert numpy.program_key == plain.program_key  # the same compiled programs
+    assert type(numpy.max_new_tokens) is int and type(numpy.temperature) is float
+    zero_d = merge({}, {}, {"max_new_tokens": np.array(7), "eos_token_id": [np.int64(2)]})
+    assert zero_d.max_new_tokens == 7 and zero_d.eos_token_id == (2,)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"max_new_tokens": 3.0}, "max_new_tokens must be an integer, got 3.0"),
+        ({"max_new_tokens": float("inf")}, "max_new_tokens must be an integer"),
+        ({"temperature": float("inf"), "do_sample": True}, "temperature must be a finite"),
+        ({"top_p": float("nan"), "do_sample": True}, "top_p must be a finite number"),
+        ({"num_return_sequences": 10**9, "do_sample": True}, "more than the limit of 1024"),
+        ({"top_logprobs": 10**6}, "top_logprobs is 1000000, more than the limit of 1024"),
+        ({"num_beams": 5000}, "num_beams is 5000, more than the limit of 1024"),
+    ],
+)
+def test_limits_of_the_wrong_type_non_finite_or_huge_are_refused_by_name(options, words):
+    from transmuter_jax.generation import GenerationError
+    from transmuter_jax.generation.options import merge
+
+    with pytest.raises(GenerationError, match=words):
+        merge({}, {}, options)
+
+
+# -- round 2: audio ----------------------------------------------------------------------------
+
+
+def _wav(samples: np.ndarray, rate: int, channels: int = 1) -> bytes:
+    """A PCM16 wav file of [frames * channels] interleaved samples, its header written by hand
+    (so that any rate can be told)."""
+    import struct
+
+    data = (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+    header = struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF", 36 + len(data), b"WAVE", b"fmt ", 16, 1, channels, rate,
+        rate * channels * 2, channels * 2, 16, b"data", len(data),
+    )  # fmt: skip
+    return header + data
+
+
+_TONE = np.sin(np.arange(16000) / 7.0).astype(np.float32) * 0.5
+
+
+@pytest.mark.parametrize(
+    ("audio", "rate", "words"),
+    [
+        (np.zeros(0, np.float32), 16000, "empty"),
+        (np.array([np.nan, 0.1], np.float32), 16000, "NaN or infinite"),
+        (np.array([np.inf, 0.1]), 16000, "NaN or infinite"),
+        (np.array([1e300, 0.1]), 16000, "beyond float32's range"),
+        (_TONE, 0, "sampling_rate is 0 Hz, outside 100 to 1,000,000 Hz"),
+        (_TONE, 10**12, "sampling_rate is 1,000,000,000,000 Hz, outside"),
+        (_TONE, float("nan"), "sampling_rate is a whole number of Hz, got nan"),
+        (_TONE, 16000.5, "sampling_rate is a whole number of Hz"),
+        (_TONE, "16000", "sampling_rate is a number of Hz, got '16000'"),
+        (
+            np.full(3 * 10**6, 0.1, np.float32),
+            100,
+            "lasts 8.3 h at 100 Hz, longer than the limit of 6 h",
+        ),
+        (b"this is not audio at all, just text\n" * 20, None, "cannot read the audio bytes"),
+        (_wav(_TONE, 16000)[:30], None, "cannot read the audio bytes"),
+        (_wav(_TONE, 1), None, "the file's sampling rate is 1 Hz, outside"),
+        (_wav(_TONE[:100], 2_000_000_000), None, "the file.s sampling rate is 2,000,000,000 Hz"),
+    ],
+    ids=lambda v: str(v)[:30] if not isinstance(v, np.ndarray) else f"array{v.shape}",
+)
+def test_hostile_audio_is_refused_by_name(audio, rate, words):
+    from transmuter_jax.audio.load import AudioError, load
+
+    with pytest.raises(AudioError, match=words):
+        load(audio, 16000, rate)
+
+
+def test_odd_but_valid_audio_gives_the_right_samples():
+    from transmuter_jax.audio.load import load
+
+    one = load(np.array([0.25], np.float32), 16000, 16000)
+    np.testing.assert_array_equal(one, [0.25])
+    eight = np.repeat(_TONE[:, None], 8, axis=1)  # [frames, 8 channels]
+    np.testing.assert_allclose(load(_wav(eight.reshape(-1), 16000, 8), 16000), _TONE, atol=1e-4)
+    truncated = _wav(_TONE, 16000)[:-1001]  # half a sample cut off the end of the data
+    got = load(truncated, 16000)
+    assert 0 < len(got) < len(_TONE)
+    np.testing.assert_allclose(got, _TONE[: len(got)], atol=1e-4)
+    low = load(_wav(_TONE[:8000], 8000), 16000)  # resampled up, to twice the samples
+    assert len(low) == 16000 and np.isfinite(low).all()
+
+
+@pytest.mark.parametrize(
+    ("chunk", "stride", "words"),
+    [
+        (-1.0, None, "chunk_length_s is a positive number of seconds, got -1"),
+        (float("nan"), None, "chunk_length_s is a finite number of seconds, got nan"),
+        (float("inf"), None, "chunk_length_s is a finite number of seconds, got inf"),
+        (1e-9, None, "chunk_length_s=1e-09 is shorter than the least of 0.1 s"),
+        (0.05, None, "chunk_length_s=0.05 is shorter than the least of 0.1 s"),
+        (10.0, float("inf"), "stride_length_s is finite seconds, got inf"),
+        (10.0, (1.0, float("nan")), "stride_length_s is finite seconds"),
+        (10.0, -1.0, "stride_length_s is not negative"),
+        (10.0, 5.0, "stride_length_s=5.0 is too large for chunk_length_s=10.0"),
+        (10.0, 4.96, "advances 0.08 s a chunk, less than the least of 0.1 s"),
+        (10.0, (1.0,), r"stride_length_s is seconds or \(left, right\)"),
+        (10.0, "2", r"stride_length_s is seconds or \(left, right\)"),
+        (True, None, "chunk_length_s is a number of seconds, got True"),
+    ],
+)
+def test_chunk_and_stride_lengths_are_refused_by_name(chunk, stride, words):
+    from transmuter_jax.audio import chunks
+
+    if words is None:
+        return
+    with pytest.raises(ValueError, match=words):
+        chunks.lengths(chunk, stride, 16000, 30 * 16000)
+
+
+def test_numpy_chunk_lengths_count_as_numbers():
+    from transmuter_jax.audio import chunks
+
+    want = chunks.lengths(10.0, (1.0, 2.0), 16000, 480000)
+    assert chunks.lengths(np.float32(10.0), (np.float64(1.0), np.int64(2)), 16000, 480000) == want
