@@ -1008,3 +1008,125 @@ def test_numpy_chunk_lengths_count_as_numbers():
 
     want = chunks.lengths(10.0, (1.0, 2.0), 16000, 480000)
     assert chunks.lengths(np.float32(10.0), (np.float64(1.0), np.int64(2)), 16000, 480000) == want
+
+
+# -- round 2: images ---------------------------------------------------------------------------
+
+
+def _image_bytes(image, format="PNG", **save) -> bytes:
+    import io
+
+    stream = io.BytesIO()
+    image.save(stream, format=format, **save)
+    return stream.getvalue()
+
+
+def _reference_rgb(data: bytes) -> np.ndarray:
+    """transformers' load_image of ``data``: EXIF orientation, then convert("RGB")."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    return np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+
+
+def _odd_images() -> dict[str, bytes]:
+    from PIL import Image
+
+    gradient = np.arange(48, dtype=np.uint8).reshape(4, 4, 3) * 5
+    rgb = Image.fromarray(gradient)
+    palette = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+    palette.info["transparency"] = 0
+    frames = [Image.new("RGB", (3, 2), c) for c in ((255, 0, 0), (0, 255, 0))]
+    animated = _image_bytes(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    sixteen = Image.fromarray(np.arange(12, dtype=np.uint16).reshape(3, 4) * 5000)
+    return {
+        "1x1": _image_bytes(Image.new("RGB", (1, 1), (9, 8, 7))),
+        "cmyk": _image_bytes(rgb.convert("CMYK"), "JPEG"),
+        "16-bit": _image_bytes(sixteen.convert("I;16")),
+        "palette with transparency": _image_bytes(palette),
+        "animated": animated,
+    }
+
+
+@pytest.mark.parametrize("kind", ["1x1", "cmyk", "16-bit", "palette with transparency", "animated"])
+def test_odd_images_load_as_transformers_loads_them(kind):
+    from transmuter_jax import vision
+
+    data = _odd_images()[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pillow's own notes on palettes
+        want = _reference_rgb(data)
+        got = np.asarray(vision.load_image(data))
+    assert got.dtype == np.uint8 and got.shape == want.shape and got.shape[-1] == 3
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_decompression_bomb_is_refused_with_pillows_limit_kept(tmp_path):
+    from PIL import Image
+
+    from transmuter_jax import vision
+
+    limit = Image.MAX_IMAGE_PIXELS
+    side = int((2 * limit) ** 0.5) + 100  # past twice the limit: Pillow's error, not a warning
+    path = tmp_path / "bomb.png"
+    Image.new("1", (side, side)).save(path)  # a few kB on disk
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(vision.ImageError, match=r"more pixels than Pillow's limit of [\d,]+"):
+        vision.load_image(path)
+    with pytest.raises(vision.ImageError, match="decompression bomb"):
+        vision.load_image(path.read_bytes())
+    assert Image.MAX_IMAGE_PIXELS == limit
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:9/cat.png", "https://example.com/a.jpg", "file:///etc/passwd", "s3://b/k"],
+)
+def test_an_image_url_is_refused_by_name_and_never_fetched(url, monkeypatch):
+    import socket
+    import urllib.request
+
+    from transmuter_jax import vision
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the network was used")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    with pytest.raises(vision.ImageError, match="is a URL; images are never fetched"):
+        vision.load_image(url)
+
+
+@pytest.mark.parametrize(
+    "path", ["/etc/passwd", "/etc/hostname", "/proc/self/environ", "/dev/zero"]
+)
+def test_a_system_file_given_as_an_image_is_refused_without_its_content(path):
+    from transmuter_jax import vision
+
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not on this system")
+    with pytest.raises(vision.ImageError) as error:
+        vision.load_image(path)
+    message = str(error.value)
+    assert repr(path) in message
+    if os.path.isfile(path) and os.access(path, os.R_OK):
+        content = Path(path).read_bytes()[:4000].decode("latin-1")
+        for line in content.replace("\0", "\n").splitlines():
+            if len(line) > 6:
+                assert line not in message
+
+
+@pytest.mark.parametrize("cut", [10, 40, 200])
+def test_a_text_file_or_a_truncated_image_is_refused_by_name(tmp_path, cut):
+    from PIL import Image
+
+    from transmuter_jax import vision
+
+    noise = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    data = _image_bytes(Image.fromarray(noise))
+    (tmp_path / "cut.png").write_bytes(data[:cut])
+    (tmp_path / "notes.txt").write_text("not an image\n" * 100)
+    for name in ("cut.png", "notes.txt"):
+        with pytest.raises(vision.ImageError, match=rf"'.*{name}' is not a readable image file"):
+            vision.load_image(tmp_path / name)
