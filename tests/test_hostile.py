@@ -1130,3 +1130,47 @@ def test_a_text_file_or_a_truncated_image_is_refused_by_name(tmp_path, cut):
     for name in ("cut.png", "notes.txt"):
         with pytest.raises(vision.ImageError, match=rf"'.*{name}' is not a readable image file"):
             vision.load_image(tmp_path / name)
+
+
+# -- round 2: text -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["a\ud800b", "\udcff", "ok \udfff"])
+def test_a_lone_surrogate_is_refused_with_a_clear_message(text):
+    from transmuter_jax.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(FIXTURES / "llama-optimum")
+    index = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    words = rf"is not valid Unicode text: it holds a lone surrogate U\+{ord(text[index]):04X} at"
+    with pytest.raises(ValueError, match="text " + words):
+        tokenizer.encode(text)
+    with pytest.raises(ValueError, match=r"texts\[1\] " + words):
+        tokenizer.encode_batch(["fine", text])
+
+
+def _cli(args: list, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "transmuter_jax", *args],
+        input=stdin,
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def test_non_utf8_standard_input_and_arguments_get_one_clear_error_line():
+    model = str(FIXTURES / "llama-optimum")
+    done = _cli(["generate", model, "-", "--max-new-tokens", "2"], b"caf\xe9 \xff\xfe")
+    err = done.stderr.decode()
+    assert done.returncode in (1, 2), err
+    assert err.strip().splitlines() == [
+        "transmuter-jax: error: standard input is not UTF-8 text: byte 0xe9 at offset 3 "
+        "(invalid continuation byte); give UTF-8 text"
+    ]
+    done = _cli(["generate", model, b"caf\xe9", "--max-new-tokens", "2"])
+    err = done.stderr.decode()
+    assert done.returncode in (1, 2), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("transmuter-jax: error: ") and "lone surrogate U+DCE9" in err

@@ -119,6 +119,19 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
+def check_text(text: str, name: str) -> None:
+    """Raises ValueError when ``text`` is not valid Unicode: a lone surrogate (as Python makes
+    of bytes that are not UTF-8 with surrogateescape, or as "\\ud800" writes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{name} is not valid Unicode text: it holds a lone surrogate "
+            f"U+{ord(text[error.start]):04X} at character {error.start} (bytes that are not "
+            "UTF-8?); give UTF-8 text"
+        ) from None
+
+
 def _read_text(path: pathlib.Path, folder: pathlib.Path | None = None) -> str:
     """A UTF-8 text file of the folder (a chat template), read with hub's bounds."""
     try:
@@ -348,6 +361,7 @@ class Tokenizer:
         """The ids of `text`, as transformers' `tokenizer(text).input_ids`."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        check_text(text, "text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(
@@ -358,6 +372,7 @@ class Tokenizer:
         for index, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
+            check_text(text, f"texts[{index}]")
         encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [encoding.ids for encoding in encodings]
 
