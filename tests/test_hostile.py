@@ -1174,3 +1174,52 @@ def test_non_utf8_standard_input_and_arguments_get_one_clear_error_line():
     assert done.returncode in (1, 2), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert err.startswith("transmuter-jax: error: ") and "lone surrogate U+DCE9" in err
+
+
+# -- round 2: seeds and mesh arguments ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_pipe():
+    from transmuter_jax import text
+
+    return text.generation(FIXTURES / "llama-optimum")
+
+
+_SAMPLE = {"do_sample": True, "max_new_tokens": 3, "top_k": 0}
+
+
+@pytest.mark.parametrize("seed", [3.7, 3.0, float("nan"), "5", True, [1], np.float32(2)])
+def test_a_seed_of_the_wrong_type_is_refused_by_name_never_truncated(llama_pipe, seed):
+    from transmuter_jax.generation import GenerationError
+
+    with pytest.raises(GenerationError, match=r"seed must be an integer, got "):
+        llama_pipe.generate(["hi"], seed=seed, **_SAMPLE)
+
+
+def test_numpy_and_huge_seeds_are_seeds(llama_pipe):
+    plain = llama_pipe.generate(["hi"], seed=5, **_SAMPLE)[0].token_ids
+    assert llama_pipe.generate(["hi"], seed=np.int64(5), **_SAMPLE)[0].token_ids == plain
+    assert llama_pipe.generate(["hi"], seed=np.array(5), **_SAMPLE)[0].token_ids == plain
+    for seed in (2**64 + 5, -(2**70), 2**200):
+        first = llama_pipe.generate(["hi"], seed=seed, **_SAMPLE)[0].token_ids
+        assert first == llama_pipe.generate(["hi"], seed=seed, **_SAMPLE)[0].token_ids
+        assert len(first) == 3 and all(0 <= t < VOCAB for t in first)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "words"),
+    [
+        ({"mesh": "cpu"}, TypeError, "mesh= must be a jax.sharding.Mesh, not str"),
+        ({"mesh": 4}, TypeError, "mesh= must be a jax.sharding.Mesh, not int"),
+        ({"devices": "cpu"}, TypeError, "devices= must be a sequence of jax devices, not str"),
+        ({"devices": 8}, TypeError, "devices= must be a sequence of jax devices, not int"),
+        ({"devices": []}, ValueError, "devices= is empty"),
+        ({"devices": ["cpu:0"]}, TypeError, r"devices\[0\] must be a jax device"),
+    ],
+)
+def test_mesh_and_device_arguments_that_are_not_are_refused_by_name(arguments, error, words):
+    from transmuter_jax import text
+
+    with pytest.raises(error, match=words):
+        text.generation(FIXTURES / "llama-optimum", **arguments)

@@ -48,6 +48,15 @@ def plain(value: Any) -> Any:
     return value
 
 
+def seed_value(seed: Any) -> int:
+    """``seed`` as a Python int: an int of any size or a numpy integer; GenerationError for
+    anything else (a float, a string, a bool), which is never truncated."""
+    seed = plain(seed)
+    if not _is_int(seed):
+        raise GenerationError(f"seed must be an integer, got {seed!r}")
+    return seed
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

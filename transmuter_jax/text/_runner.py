@@ -16,6 +16,7 @@ import numpy as np
 from .. import default, hub
 from .. import generation as gen
 from ..generation import sharding
+from ..generation.options import seed_value
 from ..onnx.model import Model, load
 from .tokenizer import Tokenizer
 
@@ -229,7 +230,7 @@ class Runner:
         with num_return_sequences n > 1 a list of n per prompt."""
         ctx = self.context(len(prompts), options, processors)
         stop = stop_option({**self.options, **options})[1]
-        base = secrets.randbits(31) if seed is None else int(seed)
+        base = secrets.randbits(31) if seed is None else seed_value(seed)
         seeds = [base + i for i in range(len(prompts))]
         out = gen.generate(ctx, prompts, seeds, inputs, on_token, clamp=True)
         if ctx.options.num_return_sequences == 1:
@@ -368,8 +369,25 @@ def load_decoder(files: hub.Files, mesh: Any = None) -> tuple[Model, Model | Non
 
 def mesh_of(mesh: Any, devices: Sequence[Any] | None) -> Any:
     """The mesh of a pipeline's ``mesh=`` or ``devices=`` (all on "model"), or None."""
+    import jax
+
     if mesh is not None and devices is not None:
         raise ValueError("pass mesh= or devices=, not both")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh= must be a jax.sharding.Mesh, not {type(mesh).__name__}")
+    if devices is not None:
+        if isinstance(devices, str | bytes) or not isinstance(devices, Sequence | np.ndarray):
+            raise TypeError(
+                f"devices= must be a sequence of jax devices, not {type(devices).__name__}"
+            )
+        if len(devices) == 0:
+            raise ValueError("devices= is empty: give one jax device or more")
+        for i, device in enumerate(devices):
+            if not isinstance(device, jax.Device):
+                raise TypeError(
+                    f"devices[{i}] must be a jax device (jax.devices()), not "
+                    f"{type(device).__name__}"
+                )
     return sharding.make_mesh(devices) if devices is not None else mesh
 
 
