@@ -1223,3 +1223,21 @@ def test_mesh_and_device_arguments_that_are_not_are_refused_by_name(arguments, e
 
     with pytest.raises(error, match=words):
         text.generation(FIXTURES / "llama-optimum", **arguments)
+
+
+# -- round 2: stop strings ---------------------------------------------------------------------
+
+
+def test_thousands_of_stop_strings_and_a_huge_one_give_the_right_tokens(llama_pipe):
+    base = llama_pipe.generate(["hi"], max_new_tokens=12)[0]
+    target = "valley"  # in the fixture's greedy text
+    assert target in base.text
+    alone = llama_pipe.generate(["hi"], max_new_tokens=12, stop_strings=[target])[0]
+    assert alone.finish_reason == "stop" and len(alone.token_ids) < len(base.token_ids)
+    many = [f"zq{i}xv" for i in range(3000)]
+    for strings in (many, [*many, target], ["Q" * 100_000], ["Q" * 100_000, target]):
+        got = llama_pipe.generate(["hi"], max_new_tokens=12, stop_strings=strings)[0]
+        want = alone if target in strings else base
+        assert got.token_ids == want.token_ids
+        streamed = "".join(llama_pipe.stream("hi", max_new_tokens=12, stop_strings=strings))
+        assert streamed == want.text
