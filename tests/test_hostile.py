@@ -1241,3 +1241,114 @@ def test_thousands_of_stop_strings_and_a_huge_one_give_the_right_tokens(llama_pi
         assert got.token_ids == want.token_ids
         streamed = "".join(llama_pipe.stream("hi", max_new_tokens=12, stop_strings=strings))
         assert streamed == want.text
+
+
+# -- round 2: streams and threads --------------------------------------------------------------
+
+_STREAM = {"max_new_tokens": 40, "do_sample": True, "top_k": 0}
+
+
+def test_two_threads_streaming_one_pipeline_each_equal_their_solo_run(llama_pipe):
+    import threading
+
+    solo = {s: "".join(llama_pipe.stream("hi there", seed=s, **_STREAM)) for s in (1, 2, 3)}
+    got: dict = {}
+
+    def run(seed):
+        got[seed] = "".join(llama_pipe.stream("hi there", seed=seed, **_STREAM))
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in solo]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert got == solo
+
+
+def test_a_stream_closed_from_another_thread_ends_and_stops_generating(llama_pipe):
+    import threading
+
+    options = {"max_new_tokens": 200, "min_new_tokens": 200}
+    whole = "".join(llama_pipe.stream("hi", **options))
+    stream = llama_pipe.stream("hi", **options)
+    read = [next(stream)]
+    errors = []
+
+    def reader():
+        try:
+            read.extend(stream)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    stream.close()  # from this thread, while the reader may be waiting in another
+    thread.join(120)
+    assert not thread.is_alive() and errors == []
+    assert whole.startswith("".join(read))
+    assert list(stream) == []  # closed stays closed
+    assert llama_pipe.generate(["hi"], **options)[0].text == whole  # the pipeline still works
+
+
+def test_an_exception_inside_on_token_reaches_the_caller_and_the_context_stays_usable():
+    from transmuter_jax import generation
+
+    model = tj.load(LLAMA / "model.onnx")
+    ctx = generation.compile(generation.context(LLAMA, model, max_new_tokens=4), 1)
+    want = generation.generate(ctx, [[5, 6]], [1])
+
+    class Mine(Exception):
+        pass
+
+    def on_token(event):
+        raise Mine("from on_token")
+
+    with pytest.raises(Mine, match="from on_token"):
+        generation.generate(ctx, [[5, 6]], [1], None, on_token)
+    assert generation.generate(ctx, [[5, 6]], [1]) == want
+
+
+# -- round 2: the command line -----------------------------------------------------------------
+
+_LM = str(FIXTURES / "llama-optimum")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["generate", _LM, "hi", "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range"),
+        (["generate", _LM, "hi", "--max-new-tokens", "-3"], "it must be at least 1"),
+        (["generate", _LM, "hi", "--max-new-tokens", "2.5"], "'2.5' is not a whole number"),
+        (["generate", _LM, "hi", "--temperature", "nan"], "--temperature: nan is out of range"),
+        (["generate", _LM, "hi", "--temperature", "-1"], "it must be finite, at least 0"),
+        (["generate", _LM, "hi", "--top-p", "2"], "--top-p: 2 is out of range"),
+        (["generate", _LM, "hi", "--top-p", "0"], "above 0 and at most 1"),
+        (["generate", _LM, "hi", "--top-k", "-1"], "--top-k: -1 is out of range"),
+        (["generate", _LM, "hi", "--num-beams", "0"], "--num-beams: 0 is out of range"),
+        (["generate", _LM, "hi", "--num-return-sequences", "99999"], "from 1 to 1024"),
+        (["generate", _LM, "hi", "--repetition-penalty", "0"], "--repetition-penalty: 0 is out"),
+        (["generate", _LM, "hi", "--top-logprobs", "5000"], "--top-logprobs: 5000 is out"),
+        (["generate", _LM, "hi", "--stop", ""], "--stop: an empty string matches everywhere"),
+        (["generate", _LM, "hi", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["generate", _LM + "/tokenizer.json", "hi"], "is a file, not a model folder"),
+    ],
+)
+def test_bad_command_lines_get_one_error_line(args, words):
+    done = _cli(args)
+    err = done.stderr.decode()
+    assert done.returncode in (1, 2), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("transmuter-jax: error: "), err
+    assert words in lines[0]
+
+
+def test_a_megabyte_prompt_gets_a_result_or_one_error_line():
+    done = _cli(
+        ["generate", _LM, "-", "--max-new-tokens", "2", "--no-chat-template"], b"w " * 500_000
+    )
+    err = done.stderr.decode()
+    if done.returncode == 0:
+        return
+    lines = [line for line in err.strip().splitlines() if not line.startswith("warning")]
+    assert done.returncode in (1, 2) and "Traceback" not in err, err
+    assert lines[-1].startswith("transmuter-jax: error: "), err

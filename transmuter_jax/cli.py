@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -32,24 +33,76 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", help="show details and tracebacks")
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one ``transmuter-jax: error:`` line (exit 2);
+    ``--help`` shows the usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{PROG}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _integer(least: int, most: int | None = None):
+    """An argparse type: a whole number from ``least`` (to ``most``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least or (most is not None and value > most):
+            span = f"from {least} to {most}" if most is not None else f"at least {least}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: it must be {span}")
+        return value
+
+    return parse
+
+
+def _real(least: float, most: float | None = None, *, above: bool = False):
+    """An argparse type: a finite number from ``least`` (or above it, with ``above``) to
+    ``most``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        low = value > least if above else value >= least
+        if not math.isfinite(value) or not low or (most is not None and value > most):
+            side = f"above {least:g}" if above else f"at least {least:g}"
+            span = f"{side} and at most {most:g}" if most is not None else side
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be finite, {span}")
+        return value
+
+    return parse
+
+
+def _nonempty(text: str) -> str:
+    """An argparse type: a non-empty string."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty string matches everywhere; give some text")
+    return text
+
+
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation", DEFAULTS_NOTE)
-    group.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens to generate "
+    group.add_argument("--max-new-tokens", type=_integer(1), metavar="N",
+                       help="most tokens to generate "
                        "(default: generation_config.json's max_new_tokens, or its max_length "
                        "minus the prompt when not 20, else 256)")  # fmt: skip
     group.add_argument("--sample", action="store_true", help="sample instead of greedy decoding "
                        "(default: generation_config.json's do_sample, else greedy)")  # fmt: skip
-    group.add_argument("--temperature", type=float, metavar="T", help="sampling temperature "
+    group.add_argument("--temperature", type=_real(0), metavar="T", help="sampling temperature "
                        "(implies --sample; 0 means greedy decoding; default 1.0)")  # fmt: skip
     group.add_argument(
         "--top-k",
-        type=int,
+        type=_integer(0),
         metavar="K",
         help="sample from the K best tokens (implies --sample; default 50)",
     )
     group.add_argument(
         "--top-p",
-        type=float,
+        type=_real(0, 1, above=True),
         metavar="P",
         help="nucleus sampling mass (implies --sample; default 1.0)",
     )
@@ -59,15 +112,18 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="sampling seed (default: random; only sampling uses it)",
     )
-    group.add_argument("--num-beams", type=int, metavar="K", help="beam search with K beams "
+    group.add_argument("--num-beams", type=_integer(1, 1024), metavar="K",
+                       help="beam search with K beams "
                        "(default 1); the answer prints when the search ends")  # fmt: skip
-    group.add_argument("--num-return-sequences", type=int, metavar="N", help="N answers: "
+    group.add_argument("--num-return-sequences", type=_integer(1, 1024), metavar="N",
+                       help="N answers: "
                        "samples (with --sample) or the N best beams (N <= --num-beams); printed "
                        "when done, as '[j] text' lines, with --json one object per line "
                        "(default 1)")  # fmt: skip
-    group.add_argument("--repetition-penalty", type=float, metavar="R",
+    group.add_argument("--repetition-penalty", type=_real(0, above=True), metavar="R",
                        help="transformers' repetition_penalty (default 1.0)")  # fmt: skip
-    group.add_argument("--stop", action="append", metavar="STR", help="stop when the answer "
+    group.add_argument("--stop", action="append", type=_nonempty, metavar="STR",
+                       help="stop when the answer "
                        "reaches STR, which is cut from it (repeatable)")  # fmt: skip
 
 
@@ -92,14 +148,16 @@ def _add_image_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    main = argparse.ArgumentParser(
+    main = _Parser(
         prog=PROG,
         description="Run Hugging Face ONNX language models as compiled JAX programs. MODEL is a "
         "folder or a hub id; without it, the default model (SmolLM2-135M-Instruct, prepared "
         "offline on first use). 'default-int4' and 'default-optimum' name its other exports.",
         epilog="Exit status: 0 done, 1 an error, 2 a usage error, 130 interrupted.",
     )
-    commands = main.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = main.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
 
     gen = commands.add_parser(
         "generate", help="stream the answer to a prompt", description="Stream the answer to "
@@ -109,7 +167,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     gen.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, "
                      "log-probabilities, finish reason")  # fmt: skip
-    gen.add_argument("--top-logprobs", type=int, metavar="K", default=0, help="with --json, the K "
+    gen.add_argument("--top-logprobs", type=_integer(0, 1024), metavar="K", default=0,
+                     help="with --json, the K "
                      "most probable tokens at each step, with their log-probabilities")  # fmt: skip
     _add_chat_options(gen)
     _add_image_options(gen)

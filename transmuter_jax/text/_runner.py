@@ -304,17 +304,43 @@ class Runner:
 
         worker = threading.Thread(target=work, name="transmuter-generate", daemon=True)
         worker.start()
+        return _Stream(pieces, cancel, worker, done)
+
+
+class _Stream(Iterator[str]):
+    """The pieces of a stream as a worker thread puts them on ``pieces``; :meth:`close` may be
+    called from any thread (the reading one then ends its iteration)."""
+
+    def __init__(self, pieces: queue.Queue, cancel: threading.Event, worker, done: object):
+        self._pieces, self._cancel, self._worker, self._done = pieces, cancel, worker, done
+        self._closed = False
+
+    def __next__(self) -> str:
+        if self._closed:
+            raise StopIteration
         try:
-            while True:
-                item = pieces.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
-            worker.join()
+            item = self._pieces.get()
+        except BaseException:  # Ctrl-C while waiting: stop the worker, then let it through
+            self.close()
+            raise
+        if item is self._done:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stops generation after the current step; the iteration ends (from any thread)."""
+        self._closed = True
+        self._cancel.set()
+        self._pieces.put(self._done)  # wakes a reader waiting in another thread
+        if threading.current_thread() is not self._worker:
+            self._worker.join()
+
+    def __del__(self) -> None:
+        self._cancel.set()
 
 
 def _result(
