@@ -45,8 +45,8 @@ def test_generate_streams_to_stdout_and_json_has_tokens():
     [
         (["generate", "/no/such/folder", "hi"], "no model folder '/no/such/folder'"),
         (["generate", str(FIXTURES / "processors"), "hi"], "has no decoder"),
-        (["generate", MODEL, "hi", "--num-beams", "0"], "num_beams"),
-        (["generate", MODEL, "hi", "--max-new-tokens", "-3"], "max_new_tokens must be a non-neg"),
+        (["generate", MODEL, "hi", "--num-beams", "0"], "--num-beams: 0 is out of range"),
+        (["generate", MODEL, "hi", "--max-new-tokens", "-3"], "--max-new-tokens: -3 is out of"),
         (["generate", MODEL, "-"], "empty"),
         (
             ["translate", MODEL, "hi"],
@@ -57,7 +57,7 @@ def test_generate_streams_to_stdout_and_json_has_tokens():
 )
 def test_errors_are_one_clear_line(args, message):
     out = _cli(*args, stdin="")
-    assert out.returncode == 1
+    assert out.returncode in (1, 2)  # 2: refused by the argument parser (a usage error)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("transmuter-jax: error:") and message in lines[0], out.stderr

@@ -587,7 +587,7 @@ def test_a_tokenizer_folder_whose_config_is_a_json_string_is_named(tmp_path):
     config.pop("tokenizer_class", None)  # the class then comes from config.json
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "config.json").write_text('"just a string"')
-    with pytest.raises(tj.ModelFileError, match="config.json must hold a JSON object"):
+    with pytest.raises(tj.ModelFileError, match="config.json.? must hold a JSON object"):
         Tokenizer.from_folder(tmp_path)
 
 
@@ -702,3 +702,653 @@ def test_an_oversized_max_new_tokens_runs_in_bounded_memory():
     assert record["finish_reason"] == "length"
     assert 200 < len(record["token_ids"]) < 256  # the 256 positions less the prompt
     assert all(np.isfinite(record["logprobs"]))
+
+
+# -- round 2: model folders are untrusted input ------------------------------------------------
+
+
+def _special(tmp_path: Path, kind: str, name: str) -> Path:
+    """``name`` in ``tmp_path`` as a hostile file of ``kind``."""
+    path = tmp_path / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    elif kind == "link outside":
+        outside = tmp_path.parent / f"outside-{name}"
+        outside.write_text('{"secret": 1}')
+        path.symlink_to(outside)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "huge":
+        with open(path, "wb") as stream:
+            stream.truncate(hub.MAX_TOKENIZER_BYTES + 1)  # sparse: no disk used
+    elif kind == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    return path
+
+
+_SPECIAL = {
+    "fifo": "is a FIFO, not a regular file",
+    "device": "outside the model's folder",
+    "link outside": "outside the model's folder; refusing to read it",
+    "folder": "is a folder, not a regular file",
+    "huge": "more than the limit of",
+    "deep": "nested too deep",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_SPECIAL))
+@pytest.mark.parametrize(
+    "name", ["config.json", "generation_config.json", "preprocessor_config.json"]
+)
+def test_a_hostile_config_file_is_refused_by_name_without_reading_it(tmp_path, kind, name):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    _special(folder, kind, name)
+    with pytest.raises(tj.ModelFileError, match=_SPECIAL[kind]) as error:
+        hub.read_json(folder, name)
+    assert name in str(error.value)
+    assert "secret" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", sorted(_SPECIAL))
+@pytest.mark.parametrize(
+    "name", ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]
+)
+def test_a_hostile_tokenizer_file_is_refused_by_name(tmp_path, kind, name):
+    import shutil
+
+    from transmuter_jax.text.tokenizer import Tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(FIXTURES / "llama-optimum" / file, folder / file)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)  # then config.json is read too
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / name).unlink(missing_ok=True)
+    _special(folder, kind, name)
+    if kind == "deep" and name == "tokenizer.json":
+        with pytest.raises(tj.ModelFileError, match="cannot load"):
+            Tokenizer.from_folder(folder)
+        return
+    with pytest.raises(tj.ModelFileError, match=_SPECIAL[kind]):
+        Tokenizer.from_folder(folder)
+
+
+def test_a_hub_cache_snapshot_whose_files_link_to_its_blobs_is_read(tmp_path):
+    snapshot = tmp_path / "models--org--name" / "snapshots" / ("0" * 40)
+    blobs = tmp_path / "models--org--name" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (blobs / "abc").write_text('{"max_new_tokens": 4}')
+    (snapshot / "generation_config.json").symlink_to("../../blobs/abc")
+    assert hub.read_json(snapshot, "generation_config.json") == {"max_new_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"hop_length": 0}, "hop_length is 0; it must be from 1 to"),
+        ({"hop_length": 2.5}, "hop_length is 2.5; it must be a whole number"),
+        ({"n_samples": 0}, "n_samples is 0; it must be from 1"),
+        ({"n_samples": 10**12}, "n_samples is 1000000000000; it must be from 1"),
+        ({"chunk_length": -3}, "chunk_length is -3"),
+        ({"sampling_rate": 1}, "sampling_rate is 1; it must be from 1,000 to 384,000"),
+        ({"sampling_rate": "16k"}, "sampling_rate is '16k'; it must be a whole number"),
+        ({"feature_size": 10**9}, "feature_size is 1000000000"),
+        ({"n_fft": 1}, "n_fft is 1"),
+        ({"nb_max_frames": float("nan")}, "nb_max_frames is nan"),
+        ({"padding_value": float("inf")}, "padding_value is inf; it must be a finite number"),
+        (
+            {"n_samples": 200, "hop_length": 100, "n_fft": 400},
+            r"n_fft \(400\) needs more than 200 samples",
+        ),
+    ],
+)
+def test_degenerate_feature_extractor_values_are_refused_by_name(config, words):
+    from transmuter_jax.audio.features import FeatureExtractor
+
+    with pytest.raises(tj.ModelFileError, match=r"preprocessor_config\.json: " + words):
+        FeatureExtractor.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"size": 0}, r"size\['height'\] is 0; it must be from 1 to 8192"),
+        ({"size": {"height": 10**9, "width": 3}}, r"size\['height'\] is 1000000000"),
+        ({"size": {"height": 4, "width": -1}}, r"size\['width'\] is -1"),
+        ({"image_std": [0.5, 0, 0.5]}, "image_std is .*a standard deviation of 0"),
+        ({"image_std": 0}, "image_std is 0"),
+        ({"image_mean": [float("nan")] * 3}, "image_mean is .*it must be finite"),
+        ({"image_mean": "grey"}, "image_mean is 'grey'; it must be a number or a list"),
+        ({"rescale_factor": float("inf")}, "rescale_factor is inf; it must be finite"),
+        ({"resample": 9}, "resample is 9; it must be one of"),
+        (
+            {"do_center_crop": True, "crop_size": {"height": 0, "width": 2}},
+            r"crop_size\['height'\] is 0",
+        ),
+    ],
+)
+@pytest.mark.parametrize("kind", ["ViTImageProcessor", "DeiTImageProcessor"])
+def test_degenerate_image_processor_values_are_refused_by_name(config, words, kind):
+    from transmuter_jax.vision import processing
+
+    if "crop_size" in config and kind == "ViTImageProcessor":
+        processing.PROCESSORS[kind](config)  # ViT does not crop: it reads no crop_size
+        return
+    with pytest.raises(ValueError, match=f"{kind}: " + words):
+        processing.PROCESSORS[kind](config)
+    if "crop_size" not in config:  # a call's options are checked the same way
+        with pytest.raises(ValueError, match=f"{kind}: " + words):
+            processing.PROCESSORS[kind]({}).settings(config)
+
+
+@pytest.mark.parametrize(
+    ("file", "words"),
+    [
+        ({"max_new_tokens": "ten"}, "max_new_tokens must be an integer, got 'ten'"),
+        ({"max_length": 3.5}, "max_length must be an integer, got 3.5"),
+        ({"temperature": "hot"}, "temperature must be a finite number"),
+        ({"top_p": float("inf")}, "top_p must be a finite number"),
+        ({"do_sample": "yes"}, "do_sample must be a bool"),
+        ({"eos_token_id": "2"}, "eos_token_id must be a token id"),
+        ({"num_beams": [4]}, "num_beams must be an integer"),
+    ],
+)
+def test_generation_config_values_of_the_wrong_type_are_refused_naming_the_file(file, words):
+    from transmuter_jax.generation import GenerationError
+    from transmuter_jax.generation.options import merge
+
+    with pytest.raises(GenerationError, match=r"generation_config\.json: " + words):
+        merge({}, file, {})
+
+
+# -- round 2: options and arguments ------------------------------------------------------------
+
+
+def test_numpy_scalars_count_as_the_python_numbers_they_hold():
+    from transmuter_jax.generation.options import merge
+
+    plain = merge({}, {"top_k": 40}, {"max_new_tokens": 7, "temperature": 0.5, "do_sample": True})
+    numpy = merge(
+        {},
+        {"top_k": np.int32(40)},
+        {
+            "max_new_tokens": np.int64(7),
+            "temperature": np.float32(0.5),
+            "do_sample": np.bool_(True),
+        },
+    )
+    assert numpy == plain and hash(numpy) == hash(plain)
+    assert numpy.program_key == plain.program_key  # the same compiled programs
+    assert type(numpy.max_new_tokens) is int and type(numpy.temperature) is float
+    zero_d = merge({}, {}, {"max_new_tokens": np.array(7), "eos_token_id": [np.int64(2)]})
+    assert zero_d.max_new_tokens == 7 and zero_d.eos_token_id == (2,)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"max_new_tokens": 3.0}, "max_new_tokens must be an integer, got 3.0"),
+        ({"max_new_tokens": float("inf")}, "max_new_tokens must be an integer"),
+        ({"temperature": float("inf"), "do_sample": True}, "temperature must be a finite"),
+        ({"top_p": float("nan"), "do_sample": True}, "top_p must be a finite number"),
+        ({"num_return_sequences": 10**9, "do_sample": True}, "more than the limit of 1024"),
+        ({"top_logprobs": 10**6}, "top_logprobs is 1000000, more than the limit of 1024"),
+        ({"num_beams": 5000}, "num_beams is 5000, more than the limit of 1024"),
+    ],
+)
+def test_limits_of_the_wrong_type_non_finite_or_huge_are_refused_by_name(options, words):
+    from transmuter_jax.generation import GenerationError
+    from transmuter_jax.generation.options import merge
+
+    with pytest.raises(GenerationError, match=words):
+        merge({}, {}, options)
+
+
+# -- round 2: audio ----------------------------------------------------------------------------
+
+
+def _wav(samples: np.ndarray, rate: int, channels: int = 1) -> bytes:
+    """A PCM16 wav file of [frames * channels] interleaved samples, its header written by hand
+    (so that any rate can be told)."""
+    import struct
+
+    data = (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+    header = struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF", 36 + len(data), b"WAVE", b"fmt ", 16, 1, channels, rate,
+        rate * channels * 2, channels * 2, 16, b"data", len(data),
+    )  # fmt: skip
+    return header + data
+
+
+_TONE = np.sin(np.arange(16000) / 7.0).astype(np.float32) * 0.5
+
+
+@pytest.mark.parametrize(
+    ("audio", "rate", "words"),
+    [
+        (np.zeros(0, np.float32), 16000, "empty"),
+        (np.array([np.nan, 0.1], np.float32), 16000, "NaN or infinite"),
+        (np.array([np.inf, 0.1]), 16000, "NaN or infinite"),
+        (np.array([1e300, 0.1]), 16000, "beyond float32's range"),
+        (_TONE, 0, "sampling_rate is 0 Hz, outside 100 to 1,000,000 Hz"),
+        (_TONE, 10**12, "sampling_rate is 1,000,000,000,000 Hz, outside"),
+        (_TONE, float("nan"), "sampling_rate is a whole number of Hz, got nan"),
+        (_TONE, 16000.5, "sampling_rate is a whole number of Hz"),
+        (_TONE, "16000", "sampling_rate is a number of Hz, got '16000'"),
+        (
+            np.full(3 * 10**6, 0.1, np.float32),
+            100,
+            "lasts 8.3 h at 100 Hz, longer than the limit of 6 h",
+        ),
+        (b"this is not audio at all, just text\n" * 20, None, "cannot read the audio bytes"),
+        (_wav(_TONE, 16000)[:30], None, "cannot read the audio bytes"),
+        (_wav(_TONE, 1), None, "the file's sampling rate is 1 Hz, outside"),
+        (_wav(_TONE[:100], 2_000_000_000), None, "the file.s sampling rate is 2,000,000,000 Hz"),
+    ],
+    ids=lambda v: str(v)[:30] if not isinstance(v, np.ndarray) else f"array{v.shape}",
+)
+def test_hostile_audio_is_refused_by_name(audio, rate, words):
+    from transmuter_jax.audio.load import AudioError, load
+
+    with pytest.raises(AudioError, match=words):
+        load(audio, 16000, rate)
+
+
+def test_odd_but_valid_audio_gives_the_right_samples():
+    from transmuter_jax.audio.load import load
+
+    one = load(np.array([0.25], np.float32), 16000, 16000)
+    np.testing.assert_array_equal(one, [0.25])
+    eight = np.repeat(_TONE[:, None], 8, axis=1)  # [frames, 8 channels]
+    np.testing.assert_allclose(load(_wav(eight.reshape(-1), 16000, 8), 16000), _TONE, atol=1e-4)
+    truncated = _wav(_TONE, 16000)[:-1001]  # half a sample cut off the end of the data
+    got = load(truncated, 16000)
+    assert 0 < len(got) < len(_TONE)
+    np.testing.assert_allclose(got, _TONE[: len(got)], atol=1e-4)
+    low = load(_wav(_TONE[:8000], 8000), 16000)  # resampled up, to twice the samples
+    assert len(low) == 16000 and np.isfinite(low).all()
+
+
+@pytest.mark.parametrize(
+    ("chunk", "stride", "words"),
+    [
+        (-1.0, None, "chunk_length_s is a positive number of seconds, got -1"),
+        (float("nan"), None, "chunk_length_s is a finite number of seconds, got nan"),
+        (float("inf"), None, "chunk_length_s is a finite number of seconds, got inf"),
+        (1e-9, None, "chunk_length_s=1e-09 is shorter than the least of 0.1 s"),
+        (0.05, None, "chunk_length_s=0.05 is shorter than the least of 0.1 s"),
+        (10.0, float("inf"), "stride_length_s is finite seconds, got inf"),
+        (10.0, (1.0, float("nan")), "stride_length_s is finite seconds"),
+        (10.0, -1.0, "stride_length_s is not negative"),
+        (10.0, 5.0, "stride_length_s=5.0 is too large for chunk_length_s=10.0"),
+        (10.0, 4.96, "advances 0.08 s a chunk, less than the least of 0.1 s"),
+        (10.0, (1.0,), r"stride_length_s is seconds or \(left, right\)"),
+        (10.0, "2", r"stride_length_s is seconds or \(left, right\)"),
+        (True, None, "chunk_length_s is a number of seconds, got True"),
+    ],
+)
+def test_chunk_and_stride_lengths_are_refused_by_name(chunk, stride, words):
+    from transmuter_jax.audio import chunks
+
+    if words is None:
+        return
+    with pytest.raises(ValueError, match=words):
+        chunks.lengths(chunk, stride, 16000, 30 * 16000)
+
+
+def test_numpy_chunk_lengths_count_as_numbers():
+    from transmuter_jax.audio import chunks
+
+    want = chunks.lengths(10.0, (1.0, 2.0), 16000, 480000)
+    assert chunks.lengths(np.float32(10.0), (np.float64(1.0), np.int64(2)), 16000, 480000) == want
+
+
+# -- round 2: images ---------------------------------------------------------------------------
+
+
+def _image_bytes(image, format="PNG", **save) -> bytes:
+    import io
+
+    stream = io.BytesIO()
+    image.save(stream, format=format, **save)
+    return stream.getvalue()
+
+
+def _reference_rgb(data: bytes) -> np.ndarray:
+    """transformers' load_image of ``data``: EXIF orientation, then convert("RGB")."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    return np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+
+
+def _odd_images() -> dict[str, bytes]:
+    from PIL import Image
+
+    gradient = np.arange(48, dtype=np.uint8).reshape(4, 4, 3) * 5
+    rgb = Image.fromarray(gradient)
+    palette = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+    palette.info["transparency"] = 0
+    frames = [Image.new("RGB", (3, 2), c) for c in ((255, 0, 0), (0, 255, 0))]
+    animated = _image_bytes(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    sixteen = Image.fromarray(np.arange(12, dtype=np.uint16).reshape(3, 4) * 5000)
+    return {
+        "1x1": _image_bytes(Image.new("RGB", (1, 1), (9, 8, 7))),
+        "cmyk": _image_bytes(rgb.convert("CMYK"), "JPEG"),
+        "16-bit": _image_bytes(sixteen.convert("I;16")),
+        "palette with transparency": _image_bytes(palette),
+        "animated": animated,
+    }
+
+
+@pytest.mark.parametrize("kind", ["1x1", "cmyk", "16-bit", "palette with transparency", "animated"])
+def test_odd_images_load_as_transformers_loads_them(kind):
+    from transmuter_jax import vision
+
+    data = _odd_images()[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pillow's own notes on palettes
+        want = _reference_rgb(data)
+        got = np.asarray(vision.load_image(data))
+    assert got.dtype == np.uint8 and got.shape == want.shape and got.shape[-1] == 3
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_decompression_bomb_is_refused_with_pillows_limit_kept(tmp_path):
+    from PIL import Image
+
+    from transmuter_jax import vision
+
+    limit = Image.MAX_IMAGE_PIXELS
+    side = int((2 * limit) ** 0.5) + 100  # past twice the limit: Pillow's error, not a warning
+    path = tmp_path / "bomb.png"
+    Image.new("1", (side, side)).save(path)  # a few kB on disk
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(vision.ImageError, match=r"more pixels than Pillow's limit of [\d,]+"):
+        vision.load_image(path)
+    with pytest.raises(vision.ImageError, match="decompression bomb"):
+        vision.load_image(path.read_bytes())
+    assert Image.MAX_IMAGE_PIXELS == limit
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:9/cat.png", "https://example.com/a.jpg", "file:///etc/passwd", "s3://b/k"],
+)
+def test_an_image_url_is_refused_by_name_and_never_fetched(url, monkeypatch):
+    import socket
+    import urllib.request
+
+    from transmuter_jax import vision
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the network was used")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    with pytest.raises(vision.ImageError, match="is a URL; images are never fetched"):
+        vision.load_image(url)
+
+
+@pytest.mark.parametrize(
+    "path", ["/etc/passwd", "/etc/hostname", "/proc/self/environ", "/dev/zero"]
+)
+def test_a_system_file_given_as_an_image_is_refused_without_its_content(path):
+    from transmuter_jax import vision
+
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not on this system")
+    with pytest.raises(vision.ImageError) as error:
+        vision.load_image(path)
+    message = str(error.value)
+    assert repr(path) in message
+    if os.path.isfile(path) and os.access(path, os.R_OK):
+        content = Path(path).read_bytes()[:4000].decode("latin-1")
+        for line in content.replace("\0", "\n").splitlines():
+            if len(line) > 6:
+                assert line not in message
+
+
+@pytest.mark.parametrize("cut", [10, 40, 200])
+def test_a_text_file_or_a_truncated_image_is_refused_by_name(tmp_path, cut):
+    from PIL import Image
+
+    from transmuter_jax import vision
+
+    noise = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    data = _image_bytes(Image.fromarray(noise))
+    (tmp_path / "cut.png").write_bytes(data[:cut])
+    (tmp_path / "notes.txt").write_text("not an image\n" * 100)
+    for name in ("cut.png", "notes.txt"):
+        with pytest.raises(vision.ImageError, match=rf"'.*{name}' is not a readable image file"):
+            vision.load_image(tmp_path / name)
+
+
+# -- round 2: text -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["a\ud800b", "\udcff", "ok \udfff"])
+def test_a_lone_surrogate_is_refused_with_a_clear_message(text):
+    from transmuter_jax.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(FIXTURES / "llama-optimum")
+    index = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    words = rf"is not valid Unicode text: it holds a lone surrogate U\+{ord(text[index]):04X} at"
+    with pytest.raises(ValueError, match="text " + words):
+        tokenizer.encode(text)
+    with pytest.raises(ValueError, match=r"texts\[1\] " + words):
+        tokenizer.encode_batch(["fine", text])
+
+
+def _cli(args: list, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "transmuter_jax", *args],
+        input=stdin,
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def test_non_utf8_standard_input_and_arguments_get_one_clear_error_line():
+    model = str(FIXTURES / "llama-optimum")
+    done = _cli(["generate", model, "-", "--max-new-tokens", "2"], b"caf\xe9 \xff\xfe")
+    err = done.stderr.decode()
+    assert done.returncode in (1, 2), err
+    assert err.strip().splitlines() == [
+        "transmuter-jax: error: standard input is not UTF-8 text: byte 0xe9 at offset 3 "
+        "(invalid continuation byte); give UTF-8 text"
+    ]
+    done = _cli(["generate", model, b"caf\xe9", "--max-new-tokens", "2"])
+    err = done.stderr.decode()
+    assert done.returncode in (1, 2), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("transmuter-jax: error: ") and "lone surrogate U+DCE9" in err
+
+
+# -- round 2: seeds and mesh arguments ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_pipe():
+    from transmuter_jax import text
+
+    return text.generation(FIXTURES / "llama-optimum")
+
+
+_SAMPLE = {"do_sample": True, "max_new_tokens": 3, "top_k": 0}
+
+
+@pytest.mark.parametrize("seed", [3.7, 3.0, float("nan"), "5", True, [1], np.float32(2)])
+def test_a_seed_of_the_wrong_type_is_refused_by_name_never_truncated(llama_pipe, seed):
+    from transmuter_jax.generation import GenerationError
+
+    with pytest.raises(GenerationError, match=r"seed must be an integer, got "):
+        llama_pipe.generate(["hi"], seed=seed, **_SAMPLE)
+
+
+def test_numpy_and_huge_seeds_are_seeds(llama_pipe):
+    plain = llama_pipe.generate(["hi"], seed=5, **_SAMPLE)[0].token_ids
+    assert llama_pipe.generate(["hi"], seed=np.int64(5), **_SAMPLE)[0].token_ids == plain
+    assert llama_pipe.generate(["hi"], seed=np.array(5), **_SAMPLE)[0].token_ids == plain
+    for seed in (2**64 + 5, -(2**70), 2**200):
+        first = llama_pipe.generate(["hi"], seed=seed, **_SAMPLE)[0].token_ids
+        assert first == llama_pipe.generate(["hi"], seed=seed, **_SAMPLE)[0].token_ids
+        assert len(first) == 3 and all(0 <= t < VOCAB for t in first)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "words"),
+    [
+        ({"mesh": "cpu"}, TypeError, "mesh= must be a jax.sharding.Mesh, not str"),
+        ({"mesh": 4}, TypeError, "mesh= must be a jax.sharding.Mesh, not int"),
+        ({"devices": "cpu"}, TypeError, "devices= must be a sequence of jax devices, not str"),
+        ({"devices": 8}, TypeError, "devices= must be a sequence of jax devices, not int"),
+        ({"devices": []}, ValueError, "devices= is empty"),
+        ({"devices": ["cpu:0"]}, TypeError, r"devices\[0\] must be a jax device"),
+    ],
+)
+def test_mesh_and_device_arguments_that_are_not_are_refused_by_name(arguments, error, words):
+    from transmuter_jax import text
+
+    with pytest.raises(error, match=words):
+        text.generation(FIXTURES / "llama-optimum", **arguments)
+
+
+# -- round 2: stop strings ---------------------------------------------------------------------
+
+
+def test_thousands_of_stop_strings_and_a_huge_one_give_the_right_tokens(llama_pipe):
+    base = llama_pipe.generate(["hi"], max_new_tokens=12)[0]
+    target = "valley"  # in the fixture's greedy text
+    assert target in base.text
+    alone = llama_pipe.generate(["hi"], max_new_tokens=12, stop_strings=[target])[0]
+    assert alone.finish_reason == "stop" and len(alone.token_ids) < len(base.token_ids)
+    many = [f"zq{i}xv" for i in range(3000)]
+    for strings in (many, [*many, target], ["Q" * 100_000], ["Q" * 100_000, target]):
+        got = llama_pipe.generate(["hi"], max_new_tokens=12, stop_strings=strings)[0]
+        want = alone if target in strings else base
+        assert got.token_ids == want.token_ids
+        streamed = "".join(llama_pipe.stream("hi", max_new_tokens=12, stop_strings=strings))
+        assert streamed == want.text
+
+
+# -- round 2: streams and threads --------------------------------------------------------------
+
+_STREAM = {"max_new_tokens": 40, "do_sample": True, "top_k": 0}
+
+
+def test_two_threads_streaming_one_pipeline_each_equal_their_solo_run(llama_pipe):
+    import threading
+
+    solo = {s: "".join(llama_pipe.stream("hi there", seed=s, **_STREAM)) for s in (1, 2, 3)}
+    got: dict = {}
+
+    def run(seed):
+        got[seed] = "".join(llama_pipe.stream("hi there", seed=seed, **_STREAM))
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in solo]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert got == solo
+
+
+def test_a_stream_closed_from_another_thread_ends_and_stops_generating(llama_pipe):
+    import threading
+
+    options = {"max_new_tokens": 200, "min_new_tokens": 200}
+    whole = "".join(llama_pipe.stream("hi", **options))
+    stream = llama_pipe.stream("hi", **options)
+    read = [next(stream)]
+    errors = []
+
+    def reader():
+        try:
+            read.extend(stream)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    stream.close()  # from this thread, while the reader may be waiting in another
+    thread.join(120)
+    assert not thread.is_alive() and errors == []
+    assert whole.startswith("".join(read))
+    assert list(stream) == []  # closed stays closed
+    assert llama_pipe.generate(["hi"], **options)[0].text == whole  # the pipeline still works
+
+
+def test_an_exception_inside_on_token_reaches_the_caller_and_the_context_stays_usable():
+    from transmuter_jax import generation
+
+    model = tj.load(LLAMA / "model.onnx")
+    ctx = generation.compile(generation.context(LLAMA, model, max_new_tokens=4), 1)
+    want = generation.generate(ctx, [[5, 6]], [1])
+
+    class Mine(Exception):
+        pass
+
+    def on_token(event):
+        raise Mine("from on_token")
+
+    with pytest.raises(Mine, match="from on_token"):
+        generation.generate(ctx, [[5, 6]], [1], None, on_token)
+    assert generation.generate(ctx, [[5, 6]], [1]) == want
+
+
+# -- round 2: the command line -----------------------------------------------------------------
+
+_LM = str(FIXTURES / "llama-optimum")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["generate", _LM, "hi", "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range"),
+        (["generate", _LM, "hi", "--max-new-tokens", "-3"], "it must be at least 1"),
+        (["generate", _LM, "hi", "--max-new-tokens", "2.5"], "'2.5' is not a whole number"),
+        (["generate", _LM, "hi", "--temperature", "nan"], "--temperature: nan is out of range"),
+        (["generate", _LM, "hi", "--temperature", "-1"], "it must be finite, at least 0"),
+        (["generate", _LM, "hi", "--top-p", "2"], "--top-p: 2 is out of range"),
+        (["generate", _LM, "hi", "--top-p", "0"], "above 0 and at most 1"),
+        (["generate", _LM, "hi", "--top-k", "-1"], "--top-k: -1 is out of range"),
+        (["generate", _LM, "hi", "--num-beams", "0"], "--num-beams: 0 is out of range"),
+        (["generate", _LM, "hi", "--num-return-sequences", "99999"], "from 1 to 1024"),
+        (["generate", _LM, "hi", "--repetition-penalty", "0"], "--repetition-penalty: 0 is out"),
+        (["generate", _LM, "hi", "--top-logprobs", "5000"], "--top-logprobs: 5000 is out"),
+        (["generate", _LM, "hi", "--stop", ""], "--stop: an empty string matches everywhere"),
+        (["generate", _LM, "hi", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["generate", _LM + "/tokenizer.json", "hi"], "is a file, not a model folder"),
+    ],
+)
+def test_bad_command_lines_get_one_error_line(args, words):
+    done = _cli(args)
+    err = done.stderr.decode()
+    assert done.returncode in (1, 2), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("transmuter-jax: error: "), err
+    assert words in lines[0]
+
+
+def test_a_megabyte_prompt_gets_a_result_or_one_error_line():
+    done = _cli(
+        ["generate", _LM, "-", "--max-new-tokens", "2", "--no-chat-template"], b"w " * 500_000
+    )
+    err = done.stderr.decode()
+    if done.returncode == 0:
+        return
+    lines = [line for line in err.strip().splitlines() if not line.startswith("warning")]
+    assert done.returncode in (1, 2) and "Traceback" not in err, err
+    assert lines[-1].startswith("transmuter-jax: error: "), err

@@ -18,6 +18,8 @@ import json
 import os
 import posixpath
 import re
+import stat
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -96,6 +98,106 @@ def folder(repo: str | os.PathLike, patterns: Sequence[str] | None = None) -> st
     return _fetch(path, patterns)
 
 
+MAX_CONFIG_BYTES = 64 << 20
+"""The largest config, generation or preprocessor JSON file read (64 MiB)."""
+MAX_TOKENIZER_BYTES = 512 << 20
+"""The largest tokenizer.json read (512 MiB)."""
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a folder"),
+)
+
+
+def _allowed_root(folder: str) -> str:
+    """The folder a model file may resolve into: ``folder``, or for a hub cache snapshot
+    (``models--org--name/snapshots/<commit>``) the repository's cache folder, whose blobs its
+    links name."""
+    real = os.path.realpath(folder)
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots":
+        return os.path.dirname(parent)
+    return real
+
+
+def read_file(
+    path: str | os.PathLike, limit: int = MAX_CONFIG_BYTES, folder: str | None = None
+) -> bytes:
+    """The bytes of the model file ``path``, read with a bound.
+
+    Args:
+        path: the file.
+        limit: the most bytes it may hold.
+        folder: the model's folder, which the file (after its links) must lie in; by default
+            the file's own folder.
+
+    Raises:
+        ModelFileError: the file is not a regular file (a FIFO, a device, a folder), a link
+            that leads outside the model's folder, larger than ``limit``, or unreadable.
+    """
+    path = os.fspath(path)
+    root = _allowed_root(folder if folder is not None else os.path.dirname(path) or ".")
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise ModelFileError(
+            f"{path!r} is a link to {real!r}, outside the model's folder; refusing to read it "
+            "(copy the file into the folder)"
+        )
+    try:
+        info = os.stat(real)
+        for test, kind in _KINDS:
+            if test(info.st_mode):
+                raise ModelFileError(f"{path!r} is {kind}, not a regular file; refusing to read it")
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelFileError(f"{path!r} is not a regular file; refusing to read it")
+        if info.st_size > limit:
+            raise ModelFileError(
+                f"{path!r} holds {info.st_size:,} bytes, more than the limit of {limit:,} for "
+                "this file; refusing to read it"
+            )
+        descriptor = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(descriptor, "rb") as stream:
+            if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):  # swapped since the stat
+                raise ModelFileError(f"{path!r} is not a regular file; refusing to read it")
+            data = stream.read(limit + 1)
+    except OSError as error:
+        raise ModelFileError(f"cannot read {path!r}: {error}") from error
+    if len(data) > limit:
+        raise ModelFileError(
+            f"{path!r} holds more than the limit of {limit:,} bytes for this file; refusing to "
+            "read it"
+        )
+    return data
+
+
+def parse_json(path: str | os.PathLike, folder: str | None = None) -> dict[str, Any]:
+    """The JSON object of the model file ``path``, read with :func:`read_file`'s bounds.
+
+    Raises:
+        ModelFileError: as :func:`read_file`, or the file is not valid UTF-8 JSON, is nested
+            too deep, or does not hold a JSON object.
+    """
+    path = os.fspath(path)
+    data = read_file(path, MAX_CONFIG_BYTES, folder)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except RecursionError as error:
+        raise ModelFileError(
+            f"{path!r} is JSON nested too deep to read (more than about "
+            f"{sys.getrecursionlimit():,} levels); fix or delete it"
+        ) from error
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ModelFileError(f"{path!r} is not valid JSON: {error}; fix or delete it") from error
+    if not isinstance(value, dict):
+        raise ModelFileError(
+            f"{path!r} must hold a JSON object ({{...}}), not a {type(value).__name__}; "
+            "fix or delete it"
+        )
+    return value
+
+
 def read_json(repo: str | os.PathLike, name: str) -> dict[str, Any]:
     """The JSON file ``name`` of ``repo``, or {} when it has none.
 
@@ -104,19 +206,22 @@ def read_json(repo: str | os.PathLike, name: str) -> dict[str, Any]:
     (:func:`genai_equivalent`).
 
     Raises:
-        ModelFileError: the file is not valid JSON, or not a JSON object.
+        ModelFileError: the file is not valid JSON, or not a JSON object, or not a regular file
+            inside the folder of at most :data:`MAX_CONFIG_BYTES`.
     """
     if name in GENAI_EQUIVALENTS:
         root = folder(repo, [name, "genai_config.json"])
-        if not os.path.exists(os.path.join(root, name)):
-            if os.path.isfile(os.path.join(root, "genai_config.json")):
-                return genai_equivalent(_read_object(root, "genai_config.json"), name)
+        if not os.path.lexists(os.path.join(root, name)):
+            genai = os.path.join(root, "genai_config.json")
+            if os.path.lexists(genai):
+                return genai_equivalent(parse_json(genai, root), name)
             return {}
-        return _read_object(root, name)
-    path = os.path.join(folder(repo, [name]), name)
-    if not os.path.exists(path):
+        return parse_json(os.path.join(root, name), root)
+    root = folder(repo, [name])
+    path = os.path.join(root, name)
+    if not os.path.lexists(path):
         return {}
-    return _read_object(os.path.dirname(path), name)
+    return parse_json(path, root)
 
 
 # The search options of genai_config.json that are generation options of the same name.
@@ -164,21 +269,6 @@ def genai_equivalent(genai: Mapping[str, Any], name: str) -> dict[str, Any]:
     }
     config.update({k: v for k, v in fields.items() if v is not None})
     return {**config, **ids}
-
-
-def _read_object(root: str, name: str) -> dict[str, Any]:
-    path = os.path.join(root, name)
-    try:
-        with open(path, encoding="utf-8") as file:
-            value = json.load(file)
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelFileError(f"{path!r} is not valid JSON: {error}; fix or delete it") from error
-    if not isinstance(value, dict):
-        raise ModelFileError(
-            f"{path!r} must hold a JSON object ({{...}}), not a {type(value).__name__}; "
-            "fix or delete it"
-        )
-    return value
 
 
 def files(repo: str | os.PathLike, *, dtype: str | None = None, file: str | None = None) -> Files:
@@ -324,12 +414,7 @@ def _onnx_files(names: Iterable[str]) -> str:
 
 def _genai(repo: str, root: str, config_path: str, rank: int, decoder: str | None) -> _Variant:
     """The files that genai config ``config_path`` names (its decoder, unless ``decoder``)."""
-    try:
-        with open(os.path.join(root, config_path)) as stream:
-            config = json.load(stream)
-        model = config.get("model", {})
-    except (OSError, ValueError, AttributeError) as error:
-        raise ModelFileError(f"{repo!r}: cannot read {config_path}: {error}") from error
+    model = parse_json(os.path.join(root, config_path), root).get("model", {})
     directory = posixpath.dirname(config_path)
     if not isinstance(model, dict):
         raise ModelFileError(f"{repo!r}: {config_path} has a 'model' that is not an object")

@@ -5,6 +5,7 @@ by the rules of the Whisper tokenizer's ``_decode_asr`` (transformers 4.57)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,10 @@ class Window:
     stride: tuple[int, int, int]
 
 
+MIN_STEP = 0.1
+"""The least advance of a chunk over the last (seconds): tinier chunks are refused."""
+
+
 def lengths(
     chunk_length_s: float, stride_length_s: float | Sequence[float] | None, rate: int, window: int
 ) -> tuple[int, int, int]:
@@ -45,8 +50,12 @@ def lengths(
         ValueError: a chunk length that is not positive or longer than the window, a negative
             stride, or strides that together are longer than the chunk.
     """
+    if isinstance(chunk_length_s, np.generic):
+        chunk_length_s = chunk_length_s.item()
     if isinstance(chunk_length_s, bool) or not isinstance(chunk_length_s, int | float):
         raise ValueError(f"chunk_length_s is a number of seconds, got {chunk_length_s!r}")
+    if not math.isfinite(chunk_length_s):
+        raise ValueError(f"chunk_length_s is a finite number of seconds, got {chunk_length_s}")
     if not chunk_length_s > 0:
         raise ValueError(f"chunk_length_s is a positive number of seconds, got {chunk_length_s}")
     chunk = int(round(chunk_length_s * rate))
@@ -55,18 +64,34 @@ def lengths(
             f"chunk_length_s={chunk_length_s} is longer than the feature extractor's window of "
             f"{window / rate:g} s (the chunk would be cut)"
         )
+    if chunk < MIN_STEP * rate:
+        raise ValueError(
+            f"chunk_length_s={chunk_length_s} is shorter than the least of {MIN_STEP:g} s"
+        )
     if stride_length_s is None:
         stride_length_s = chunk_length_s / 6
-    pair = (
-        [stride_length_s, stride_length_s]
-        if isinstance(stride_length_s, int | float)
-        else list(stride_length_s)
-    )
+    if isinstance(stride_length_s, np.generic):
+        stride_length_s = stride_length_s.item()
+    try:
+        pair = (
+            [stride_length_s, stride_length_s]
+            if isinstance(stride_length_s, int | float)
+            else [s.item() if isinstance(s, np.generic) else s for s in stride_length_s]
+        )
+    except TypeError:
+        pair = []
     if len(pair) != 2 or any(isinstance(s, bool) or not isinstance(s, int | float) for s in pair):
         raise ValueError(f"stride_length_s is seconds or (left, right), got {stride_length_s!r}")
+    if not all(math.isfinite(s) for s in pair):
+        raise ValueError(f"stride_length_s is finite seconds, got {stride_length_s!r}")
     if min(pair) < 0:
         raise ValueError(f"stride_length_s is not negative, got {stride_length_s!r}")
     left, right = (int(round(s * rate)) for s in pair)
+    if chunk - left - right < MIN_STEP * rate and left + right < chunk:
+        raise ValueError(
+            f"chunk_length_s={chunk_length_s} with stride_length_s={stride_length_s!r} advances "
+            f"{(chunk - left - right) / rate:g} s a chunk, less than the least of {MIN_STEP:g} s"
+        )
     if left + right >= chunk:
         # the pipeline refuses left + right > chunk; equal would make a step of 0 samples
         raise ValueError(

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .. import hub
+from ..onnx.errors import ModelFileError
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
@@ -70,20 +71,38 @@ class FeatureExtractor:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> FeatureExtractor:
         """The extractor of a preprocessor_config.json dict (WhisperFeatureExtractor's defaults
-        for missing keys)."""
-        rate = int(config.get("sampling_rate", 16000))
-        hop = int(config.get("hop_length", 160))
-        samples = int(config.get("n_samples", int(config.get("chunk_length", 30)) * rate))
-        return cls(
-            bins=int(config.get("feature_size", 80)),
+        for missing keys).
+
+        Raises:
+            ModelFileError: a value of the wrong type, or zero, huge or degenerate, by name.
+        """
+        rate = _setting(config, "sampling_rate", 16000, 1000, 384000)
+        hop = _setting(config, "hop_length", 160, 1, 1 << 16)
+        chunk = _setting(config, "chunk_length", 30, 1, 3600)
+        samples = _setting(config, "n_samples", chunk * rate, 1, 3600 * rate)
+        n_fft = _setting(config, "n_fft", 400, 2, 1 << 16)
+        padding = config.get("padding_value", 0.0)
+        if not _number(padding) or not np.isfinite(padding):
+            raise ModelFileError(
+                f"preprocessor_config.json: padding_value is {padding!r}; it must be a finite "
+                "number"
+            )
+        out = cls(
+            bins=_setting(config, "feature_size", 80, 1, 1024),
             rate=rate,
             hop=hop,
-            n_fft=int(config.get("n_fft", 400)),
+            n_fft=n_fft,
             samples=samples,
-            frames=int(config.get("nb_max_frames", samples // hop)),
-            padding_value=float(config.get("padding_value", 0.0)),
+            frames=_setting(config, "nb_max_frames", samples // hop, 1, samples),
+            padding_value=float(padding),
             normalize=bool(config.get("do_normalize", False)),
         )
+        if n_fft // 2 >= samples:
+            raise ModelFileError(
+                f"preprocessor_config.json: n_fft ({n_fft}) needs more than {n_fft // 2} "
+                f"samples per input, and n_samples is {samples}"
+            )
+        return out
 
     @classmethod
     def from_folder(cls, repo: str | os.PathLike) -> FeatureExtractor:
@@ -121,6 +140,27 @@ class FeatureExtractor:
     def __call__(self, batch: Sequence[np.ndarray]) -> np.ndarray:
         """[len(batch), bins, frames] float32 input_features of mono samples at ``rate``."""
         return np.stack([self.log_mel(self.fit(s)) for s in batch])
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
+
+
+def _setting(config: Mapping[str, Any], name: str, default: int, least: int, most: int) -> int:
+    """The integer setting ``name`` of a preprocessor config, refused by name outside
+    ``least..most`` or when not a whole number."""
+    value = config.get(name, default)
+    if value is None:
+        value = default
+    if not _number(value) or not np.isfinite(value) or value != int(value):
+        raise ModelFileError(
+            f"preprocessor_config.json: {name} is {value!r}; it must be a whole number"
+        )
+    if not least <= int(value) <= most:
+        raise ModelFileError(
+            f"preprocessor_config.json: {name} is {value!r}; it must be from {least:,} to {most:,}"
+        )
+    return int(value)
 
 
 _FILTERS: dict[tuple[int, int, int], np.ndarray] = {}

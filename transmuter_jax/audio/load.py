@@ -11,6 +11,11 @@ import numpy as np
 
 Audio = str | os.PathLike | bytes | np.ndarray
 
+RATES = (100, 1_000_000)
+"""The sampling rates (Hz) of audio taken, the least and the most."""
+MAX_SECONDS = 6 * 3600
+"""The longest audio taken (6 hours), so that resampling and features stay in bounded memory."""
+
 
 class AudioError(ValueError):
     """The audio cannot be used: unreadable, empty, silent, not finite, or of unknown rate."""
@@ -53,6 +58,17 @@ def _mono(samples: np.ndarray) -> np.ndarray:
     raise AudioError(f"audio is [samples] or [samples, channels], got shape {samples.shape}")
 
 
+def _rate(value: Any, name: str) -> int:
+    """A sampling rate in Hz: a whole number within :data:`RATES`, else AudioError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise AudioError(f"{name} is a number of Hz, got {value!r}")
+    if not np.isfinite(value) or value != int(value):
+        raise AudioError(f"{name} is a whole number of Hz, got {value!r}")
+    if not RATES[0] <= int(value) <= RATES[1]:
+        raise AudioError(f"{name} is {int(value):,} Hz, outside {RATES[0]:,} to {RATES[1]:,} Hz")
+    return int(value)
+
+
 def load(audio: Any, rate: int, sampling_rate: int | None = None) -> np.ndarray:
     """Mono float32 samples of ``audio`` at ``rate`` Hz.
 
@@ -70,9 +86,12 @@ def load(audio: Any, rate: int, sampling_rate: int | None = None) -> np.ndarray:
         AudioError: an unreadable file, an array without ``sampling_rate``, an empty input,
             samples that are not finite (NaN, inf), or silence only.
     """
+    if sampling_rate is not None:
+        sampling_rate = _rate(sampling_rate, "sampling_rate")
     if isinstance(audio, str | os.PathLike | bytes):
         samples, given = _read(audio)
-        if sampling_rate is not None and int(sampling_rate) != given:
+        given = _rate(given, "the file's sampling rate")
+        if sampling_rate is not None and sampling_rate != given:
             raise AudioError(f"the file is at {given} Hz, not sampling_rate={sampling_rate}")
     else:
         if sampling_rate is None:
@@ -83,14 +102,19 @@ def load(audio: Any, rate: int, sampling_rate: int | None = None) -> np.ndarray:
             raise AudioError(f"audio is a path, bytes or a float array: {error}") from None
         if samples.dtype.kind != "f":
             raise AudioError(f"audio samples are floats in [-1, 1], got dtype {samples.dtype}")
-        given = int(sampling_rate)
-        if given <= 0:
-            raise AudioError(f"sampling_rate is a positive number of Hz, got {sampling_rate}")
+        given = sampling_rate
     samples = _mono(np.asarray(samples))
     if samples.size == 0:
         raise AudioError("the audio is empty (no samples)")
     if not np.isfinite(samples).all():
         raise AudioError("the audio has NaN or infinite samples")
+    if np.abs(samples).max() > np.finfo(np.float32).max:
+        raise AudioError("the audio has samples beyond float32's range (floats in [-1, 1])")
+    if len(samples) / given > MAX_SECONDS:
+        raise AudioError(
+            f"the audio lasts {len(samples) / given / 3600:.1f} h at {given} Hz, longer than the "
+            f"limit of {MAX_SECONDS // 3600} h; cut it into parts"
+        )
     if not np.any(samples):
         raise AudioError("the audio is silent (all samples are zero)")
     samples = samples.astype(np.float32)

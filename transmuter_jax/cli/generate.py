@@ -25,6 +25,7 @@ from .options import (
 )
 from .output import CompileNotice, print_json, print_texts, say, write_line
 from .pipelines import text_pipeline, vision_pipeline
+from .types import integer
 
 NAME = "generate"
 GATHERS = True  # whether its positional items may stand among its options (parser.parse)
@@ -40,7 +41,8 @@ def add(commands: Any) -> argparse.ArgumentParser:
     gen.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, "
                      "log-probabilities, finish reason")  # fmt: skip
-    gen.add_argument("--top-logprobs", type=int, metavar="K", default=0, help="with --json, the K "
+    gen.add_argument("--top-logprobs", type=integer(0, 1024), metavar="K", default=0,
+                     help="with --json, the K "
                      "most probable tokens at each step, with their log-probabilities")  # fmt: skip
     add_chat_options(gen)
     add_image_options(gen)

@@ -17,7 +17,14 @@ def read(text: str) -> str:
     """``text``, or stdin's text when it is '-'."""
     if text != "-":
         return text
-    data = sys.stdin.read()
+    raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    try:
+        data = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"standard input is not UTF-8 text: byte 0x{raw[error.start]:02x} at offset "
+            f"{error.start} ({error.reason}); give UTF-8 text"
+        ) from None
     if not data.strip():
         raise ValueError("the prompt read from stdin is empty")
     return data.rstrip("\n")

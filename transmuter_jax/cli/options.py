@@ -8,6 +8,7 @@ from typing import Any
 
 from .constraints import add_constraint_arguments, constraint_options
 from .output import warn
+from .types import integer, nonempty, real
 
 DEFAULTS_NOTE = (
     "Generation options left out take the values of the model's generation_config.json, else "
@@ -29,22 +30,24 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
     every generating command takes goes here, and its option into :func:`generation_options`."""
     group = parser.add_argument_group("generation", DEFAULTS_NOTE)
     add_constraint_arguments(parser)  # --json-schema, --json-object, --regex, --grammar, --choice
-    group.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens to generate "
+    group.add_argument("--max-new-tokens", type=integer(1), metavar="N",
+                       help="most tokens to generate "
                        "(default: generation_config.json's max_new_tokens, or its max_length "
                        "minus the prompt when not 20, else 256)")  # fmt: skip
     group.add_argument("--sample", action="store_true", help="sample instead of greedy decoding "
                        "(default: generation_config.json's do_sample, else greedy)")  # fmt: skip
-    group.add_argument("--temperature", type=float, metavar="T", help="sampling temperature "
+    group.add_argument("--temperature", type=real(0), metavar="T",
+                       help="sampling temperature "
                        "(implies --sample; 0 means greedy decoding; default 1.0)")  # fmt: skip
     group.add_argument(
         "--top-k",
-        type=int,
+        type=integer(0),
         metavar="K",
         help="sample from the K best tokens (implies --sample; default 50)",
     )
     group.add_argument(
         "--top-p",
-        type=float,
+        type=real(0, 1, above=True),
         metavar="P",
         help="nucleus sampling mass (implies --sample; default 1.0)",
     )
@@ -54,16 +57,19 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="sampling seed (default: random; only sampling uses it)",
     )
-    group.add_argument("--num-beams", type=int, metavar="K", help="beam search with K beams "
+    group.add_argument("--num-beams", type=integer(1, 1024), metavar="K",
+                       help="beam search with K beams "
                        "(default 1; transcribe: 5, as transformers' ASR pipeline); the answer "
                        "prints when the search ends")  # fmt: skip
-    group.add_argument("--num-return-sequences", type=int, metavar="N", help="N answers: "
+    group.add_argument("--num-return-sequences", type=integer(1, 1024), metavar="N",
+                       help="N answers: "
                        "samples (with --sample) or the N best beams (N <= --num-beams); printed "
                        "when done, as '[j] text' lines, with --json one object per line "
                        "(default 1)")  # fmt: skip
-    group.add_argument("--repetition-penalty", type=float, metavar="R",
+    group.add_argument("--repetition-penalty", type=real(0, above=True), metavar="R",
                        help="transformers' repetition_penalty (default 1.0)")  # fmt: skip
-    group.add_argument("--stop", action="append", metavar="STR", help="stop when the answer "
+    group.add_argument("--stop", action="append", type=nonempty, metavar="STR",
+                       help="stop when the answer "
                        "reaches STR, which is cut from it (repeatable)")  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from .output import PROG
+from .types import Parser
 
 COMMANDS: list[str] = [
     "transmuter_jax.cli.generate",
@@ -36,14 +37,16 @@ def command_modules() -> dict[str, ModuleType]:
 
 def build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser, and the sub-parser of each command by name."""
-    main = argparse.ArgumentParser(
+    main = Parser(
         prog=PROG,
         description="Run Hugging Face ONNX language models as compiled JAX programs. MODEL is a "
         "folder or a hub id; without it, the default model (SmolLM2-135M-Instruct, prepared "
         "offline on first use). 'default-int4' and 'default-optimum' name its other exports.",
         epilog="Exit status: 0 done, 1 an error, 2 a usage error, 130 interrupted.",
     )
-    commands = main.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = main.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=Parser
+    )
     return main, {name: module.add(commands) for name, module in command_modules().items()}
 
 

@@ -9,6 +9,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .errors import GenerationError
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -27,6 +29,33 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "constraints": (None,),
     "force_words_ids": (None,),
 }
+
+
+MAX_SEQUENCES = 1024
+"""The most num_beams, num_return_sequences and top_logprobs allowed."""
+
+
+def plain(value: Any) -> Any:
+    """``value`` with numpy scalars (and 0-d arrays) as the Python numbers they hold, inside
+    lists, tuples and dicts too, so that they count as those numbers everywhere."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list | tuple):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    return value
+
+
+def seed_value(seed: Any) -> int:
+    """``seed`` as a Python int: an int of any size or a numpy integer; GenerationError for
+    anything else (a float, a string, a bool), which is never truncated."""
+    seed = plain(seed)
+    if not _is_int(seed):
+        raise GenerationError(f"seed must be an integer, got {seed!r}")
+    return seed
 
 
 def _is_int(value: Any) -> bool:
@@ -63,11 +92,13 @@ def _check_kinds(options: Options) -> None:
         if name in _INTS:
             ok = _is_int(value)
         elif name in _FLOATS:
-            ok = (_is_int(value) or isinstance(value, float)) and not math.isnan(value)
+            ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
         else:
             ok = isinstance(value, bool)
         if not ok:
-            kind = "an integer" if name in _INTS else "a number" if name in _FLOATS else "a bool"
+            kind = "a bool"
+            if name in _INTS or name in _FLOATS:
+                kind = "an integer" if name in _INTS else "a finite number"
             raise GenerationError(f"{name} must be {kind}, got {value!r}")
 
 
@@ -240,6 +271,11 @@ class Options:
                 kind = "a non-negative" if zero else "a positive"
                 raise GenerationError(f"{name} must be {kind} integer, got {value!r}")
 
+        for name in ("num_beams", "num_return_sequences", "top_logprobs"):
+            if _is_int(getattr(self, name)) and getattr(self, name) > MAX_SEQUENCES:
+                raise GenerationError(
+                    f"{name} is {getattr(self, name)}, more than the limit of {MAX_SEQUENCES}"
+                )
         positive_int("num_beams", self.num_beams)
         positive_int("decode_steps", self.decode_steps)
         positive_int("top_logprobs", self.top_logprobs, zero=True)
@@ -376,6 +412,20 @@ def _harmless(name: str, value: Any) -> bool:
     return value is None or any(value == v for v in UNSUPPORTED[name])
 
 
+def _check_file(values: Mapping[str, Any], name: str) -> None:
+    """Raises GenerationError naming ``name`` for a value of the file of the wrong type."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        try:
+            Options(**{key: value})
+        except GenerationError as error:
+            if "must be" in str(error) and key in str(error):
+                raise GenerationError(f"{name}: {error}; fix or delete it") from error
+        except TypeError as error:
+            raise GenerationError(f"{name}: {key} is {value!r}: {error}") from error
+
+
 def check_names(options: Mapping[str, Any]) -> None:
     """Raises ValueError naming each unknown option and the nearest valid name."""
     for name in options:
@@ -397,6 +447,8 @@ def merge(repo_config: Mapping, file: Mapping, options: Mapping[str, Any]) -> Op
     the file that generation does not read are ignored.
     """
     check_names(options)
+    options = {k: plain(v) for k, v in options.items()}
+    file = {k: plain(v) for k, v in file.items()}
     for name in UNSUPPORTED:
         if name in file and name not in options and not _harmless(name, file[name]):
             raise GenerationError(
@@ -404,11 +456,13 @@ def merge(repo_config: Mapping, file: Mapping, options: Mapping[str, Any]) -> Op
                 f"pass {name}=None to generate without it"
             )
     options = {k: v for k, v in options.items() if k not in UNSUPPORTED}
+    given = bool(file)
     if not file:
         text = repo_config.get("text_config", {})
         text = text if isinstance(text, Mapping) else {}
         file = {k: repo_config.get(k, text.get(k)) for k in TOKEN_IDS}
     merged = {k: v for k, v in file.items() if k in NAMES and k != "decode_steps"}
+    _check_file(merged, "generation_config.json" if given else "config.json")
     merged.update(options)
     if merged.get("eos_token_id") is None:
         merged["eos_token_id"] = ()

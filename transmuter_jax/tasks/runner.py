@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import default, hub
 from .. import generation as gen
+from ..generation.options import seed_value
 from ..onnx.model import Model
 from ..parallel import load, sharding
 from . import decoding
@@ -204,7 +205,7 @@ class Runner:
         with num_return_sequences n > 1 a list of n per prompt."""
         ctx = self.context(len(prompts), options, processors)
         stop = stop_option({**self.options, **options})[1]
-        base = secrets.randbits(31) if seed is None else int(seed)
+        base = secrets.randbits(31) if seed is None else seed_value(seed)
         seeds = [base + i for i in range(len(prompts))]
         out = decoding.run(ctx, prompts, seeds, inputs, on_token)
         decoding.compiled_shapes(self._shapes, [ctx])
@@ -279,17 +280,43 @@ class Runner:
 
         worker = threading.Thread(target=work, name="transmuter-generate", daemon=True)
         worker.start()
+        return _Stream(pieces, cancel, worker, done)
+
+
+class _Stream(Iterator[str]):
+    """The pieces of a stream as a worker thread puts them on ``pieces``; :meth:`close` may be
+    called from any thread (the reading one then ends its iteration)."""
+
+    def __init__(self, pieces: queue.Queue, cancel: threading.Event, worker, done: object):
+        self._pieces, self._cancel, self._worker, self._done = pieces, cancel, worker, done
+        self._closed = False
+
+    def __next__(self) -> str:
+        if self._closed:
+            raise StopIteration
         try:
-            while True:
-                item = pieces.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
-            worker.join()
+            item = self._pieces.get()
+        except BaseException:  # Ctrl-C while waiting: stop the worker, then let it through
+            self.close()
+            raise
+        if item is self._done:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stops generation after the current step; the iteration ends (from any thread)."""
+        self._closed = True
+        self._cancel.set()
+        self._pieces.put(self._done)  # wakes a reader waiting in another thread
+        if threading.current_thread() is not self._worker:
+            self._worker.join()
+
+    def __del__(self) -> None:
+        self._cancel.set()
 
 
 def _result(ctx: Any, tokenizer: Tokenizer, prompt: list[int], tokens: list, stop) -> Result:
@@ -329,8 +356,25 @@ def load_decoder(files: hub.Files, mesh: Any = None) -> tuple[Model, Model | Non
 
 def mesh_of(mesh: Any, devices: Sequence[Any] | None) -> Any:
     """The mesh of a pipeline's ``mesh=`` or ``devices=`` (all on "model"), or None."""
+    import jax
+
     if mesh is not None and devices is not None:
         raise ValueError("pass mesh= or devices=, not both")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh= must be a jax.sharding.Mesh, not {type(mesh).__name__}")
+    if devices is not None:
+        if isinstance(devices, str | bytes) or not isinstance(devices, Sequence | np.ndarray):
+            raise TypeError(
+                f"devices= must be a sequence of jax devices, not {type(devices).__name__}"
+            )
+        if len(devices) == 0:
+            raise ValueError("devices= is empty: give one jax device or more")
+        for i, device in enumerate(devices):
+            if not isinstance(device, jax.Device):
+                raise TypeError(
+                    f"devices[{i}] must be a jax device (jax.devices()), not "
+                    f"{type(device).__name__}"
+                )
     return sharding.make_mesh(devices) if devices is not None else mesh
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, pre_tokenizers, processors
 
+from .. import hub
 from ..runtime.errors import ModelFileError
 from . import chat
 from .stream import TextStream
@@ -118,21 +119,33 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
-def _read_json(path: pathlib.Path) -> Any:
-    """A JSON object file, or None when there is none; ModelFileError when it is not one."""
-    if not path.is_file():
-        return None
+def check_text(text: str, name: str) -> None:
+    """Raises ValueError when ``text`` is not valid Unicode: a lone surrogate (as Python makes
+    of bytes that are not UTF-8 with surrogateescape, or as "\\ud800" writes it)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise ModelFileError(f"cannot read {path}: {error}") from error
-    if not isinstance(value, dict):
-        raise ModelFileError(
-            f"{path} must hold a JSON object ({{...}}), not a {type(value).__name__}; "
-            "fix or delete it"
-        )
-    return value
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{name} is not valid Unicode text: it holds a lone surrogate "
+            f"U+{ord(text[error.start]):04X} at character {error.start} (bytes that are not "
+            "UTF-8?); give UTF-8 text"
+        ) from None
+
+
+def _read_text(path: pathlib.Path, folder: pathlib.Path | None = None) -> str:
+    """A UTF-8 text file of the folder (a chat template), read with hub's bounds."""
+    try:
+        return hub.read_file(path, folder=None if folder is None else str(folder)).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ModelFileError(f"{str(path)!r} is not UTF-8 text: {error}") from error
+
+
+def _read_json(path: pathlib.Path) -> Any:
+    """A JSON object file, or None when there is none; ModelFileError when it is not one (or
+    not a bounded regular file inside its folder, see :func:`hub.parse_json`)."""
+    if not os.path.lexists(path):
+        return None
+    return hub.parse_json(path)
 
 
 def _added_token(value: Mapping[str, Any], *, special: bool | None = None) -> AddedToken:
@@ -164,12 +177,12 @@ def _class_name(config: Mapping[str, Any], folder: pathlib.Path) -> str:
 def _load_chat_templates(folder: pathlib.Path, config: Mapping[str, Any]) -> dict[str, str]:
     templates: dict[str, str] = {}
     default = folder / "chat_template.jinja"
-    if default.is_file():
-        templates["default"] = default.read_text(encoding="utf-8")
+    if os.path.lexists(default):
+        templates["default"] = _read_text(default)
     extra = folder / "chat_templates"
     if extra.is_dir():
         for path in sorted(extra.glob("*.jinja")):
-            templates[path.stem] = path.read_text(encoding="utf-8")
+            templates[path.stem] = _read_text(path, folder)
     if templates:
         return templates
     value = config.get("chat_template")
@@ -224,12 +237,13 @@ class Tokenizer:
         """
         path = pathlib.Path(folder)
         tokenizer_file = path / "tokenizer.json"
-        if not tokenizer_file.is_file():
+        if not os.path.lexists(tokenizer_file):
             raise ModelFileError(
                 f"{path} has no tokenizer.json; only fast tokenizers (tokenizer.json) are supported"
             )
+        data = hub.read_file(tokenizer_file, hub.MAX_TOKENIZER_BYTES)
         try:
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
         except Exception as error:
             raise ModelFileError(f"cannot load {tokenizer_file}: {error}") from error
         config = _read_json(path / "tokenizer_config.json")
@@ -347,6 +361,7 @@ class Tokenizer:
         """The ids of `text`, as transformers' `tokenizer(text).input_ids`."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        check_text(text, "text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(
@@ -357,6 +372,7 @@ class Tokenizer:
         for index, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"texts[{index}] must be a str, got {type(text).__name__}")
+            check_text(text, f"texts[{index}]")
         encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [encoding.ids for encoding in encodings]
 

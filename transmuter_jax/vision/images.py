@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,28 @@ ImageInput = Any
 
 class ImageError(ValueError):
     """An image that cannot be used: unreadable, corrupt, empty (0 pixels), or of a wrong type."""
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _open(Image: Any, source: Any, where: str, verb: str) -> Any:
+    """The loaded PIL image of a file or stream; ImageError naming ``where`` when Pillow cannot
+    read it, or it has more pixels than Pillow's decompression-bomb limit (kept as set)."""
+    from PIL import UnidentifiedImageError
+
+    try:
+        image = Image.open(source)
+        image.load()
+    except Image.DecompressionBombError as error:
+        raise ImageError(
+            f"{where} {verb} an image of more pixels than Pillow's limit of "
+            f"{Image.MAX_IMAGE_PIXELS:,} (a decompression bomb?): {error}"
+        ) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as error:
+        why = type(error).__name__ if isinstance(error, UnidentifiedImageError) else error
+        raise ImageError(f"{where} {verb} not a readable image file: {why}") from None
+    return image
 
 
 def pil():
@@ -46,25 +69,21 @@ def load_image(image: ImageInput) -> Any:
         TypeError: ``image`` is none of the above.
     """
     Image = pil()
-    from PIL import ImageOps, UnidentifiedImageError
+    from PIL import ImageOps
 
     where = "the image"
     if isinstance(image, str | os.PathLike):
         where = repr(os.fspath(image))
+        if isinstance(image, str) and _URL.match(image):
+            raise ImageError(
+                f"{where} is a URL; images are never fetched: download it and pass the file"
+            )
         if not os.path.isfile(image):
             raise ImageError(f"no image file {where}")
-        try:
-            image = Image.open(image)
-            image.load()
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-            raise ImageError(f"{where} is not a readable image file: {error}") from error
+        image = _open(Image, image, where, "is")
     elif isinstance(image, bytes | bytearray | memoryview):
         where = f"the {len(image)} bytes given"
-        try:
-            image = Image.open(io.BytesIO(bytes(image)))
-            image.load()
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-            raise ImageError(f"{where} are not a readable image file: {error}") from error
+        image = _open(Image, io.BytesIO(bytes(image)), where, "are")
     elif isinstance(image, np.ndarray):
         image = _from_array(image)
     elif not isinstance(image, Image.Image):

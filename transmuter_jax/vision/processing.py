@@ -8,6 +8,7 @@ transformers' names, and a call may override them by the same names.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -86,6 +87,42 @@ def center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     return padded[max(0, top) : min(new_h, top + height), max(0, left) : min(new_w, left + width)]
 
 
+MAX_SIDE = 8192
+"""The largest height or width a processor resizes or crops to."""
+
+
+def check_settings(s: Mapping[str, Any], processor: str) -> None:
+    """Refuses, by name, settings that are zero, huge or degenerate: sizes outside
+    1..:data:`MAX_SIDE`, a non-finite rescale factor, non-finite means, zero or non-finite stds.
+
+    Raises:
+        ValueError: naming the setting and its value.
+    """
+
+    def bad(name: str, value: Any, rule: str) -> ValueError:
+        return ValueError(f"{processor}: {name} is {value!r}; {rule}")
+
+    for name in ("size", "crop_size"):
+        if name not in s or (name == "crop_size" and not s.get("do_center_crop")):
+            continue
+        for side, value in size_dict(s[name], name).items():
+            if not 1 <= value <= MAX_SIDE:
+                raise bad(f"{name}[{side!r}]", value, f"it must be from 1 to {MAX_SIDE}")
+    for name in ("image_mean", "image_std", "rescale_factor"):
+        value = s.get(name)
+        values = value if isinstance(value, list | tuple) else [value]
+        if not values or not all(
+            isinstance(v, int | float | np.number) and not isinstance(v, bool) for v in values
+        ):
+            raise bad(name, value, "it must be a number or a list of numbers")
+        if not all(math.isfinite(v) for v in values):
+            raise bad(name, value, "it must be finite")
+        if name == "image_std" and any(v == 0 for v in values):
+            raise bad(name, value, "a standard deviation of 0 divides by zero")
+    if s.get("resample") not in RESAMPLE:
+        raise bad("resample", s.get("resample"), f"it must be one of {sorted(RESAMPLE)}")
+
+
 class ViTImageProcessor:
     """transformers' ``ViTImageProcessor``: resize to a fixed size, rescale, normalize.
 
@@ -111,6 +148,7 @@ class ViTImageProcessor:
         for k in ("image_mean", "image_std", "size", "crop_size"):
             if k in self.config and self.config[k] is None:
                 self.config[k] = self.DEFAULTS[k]
+        check_settings(self.config, self.NAME)
 
     def settings(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """The settings with ``options`` (transformers' names) in place of the configured ones."""
@@ -119,7 +157,9 @@ class ViTImageProcessor:
             raise TypeError(
                 f"unknown {self.NAME} options {unknown}; known: {sorted(self.DEFAULTS)}"
             )
-        return {**self.config, **{k: v for k, v in options.items() if v is not None}}
+        merged = {**self.config, **{k: v for k, v in options.items() if v is not None}}
+        check_settings(merged, self.NAME)
+        return merged
 
     def _pixels(self, image: ImageInput, s: Mapping[str, Any]) -> np.ndarray:
         """One image's float32 [height, width, 3] after every step."""

@@ -3,13 +3,13 @@ onnxruntime-genai layouts."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import hub
 from ..generation.steps import embed_inputs
 from ..onnx.errors import DynamicShapeError, GraphError, ModelFileError, UnsupportedOpError
 from ..onnx.model import load
@@ -159,8 +159,7 @@ def _genai_section(files, name: str) -> tuple[str, dict[str, Any]]:
     path = os.path.join(os.path.dirname(files.decoder), "genai_config.json")
     if not os.path.exists(path):
         path = os.path.join(files.folder, "genai_config.json")
-    with open(path) as stream:
-        model = json.load(stream).get("model", {})
+    model = hub.parse_json(path).get("model", {})
     section = model.get(name) if isinstance(model, dict) else None
     if not isinstance(section, dict) or not section.get("filename"):
         raise ModelFileError(
