@@ -191,7 +191,7 @@ def test_unknown_and_bad_options_are_refused_by_name(workdir):
         context("llama-optimum", workdir, max_new_tokens=-1)
     with pytest.raises(ValueError, match="repetition_penalty must be a positive"):
         context("llama-optimum", workdir, repetition_penalty=0.0)
-    with pytest.raises(ValueError, match="length_penalty must be a number"):
+    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
         context("llama-optimum", workdir, length_penalty=float("nan"))
     with pytest.raises(AttributeError):  # frozen
         context("llama-optimum", workdir).options.do_sample = True
