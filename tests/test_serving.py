@@ -111,6 +111,8 @@ def guarded(tmp_path_factory):
         "1",
         "--max-queue",
         "1",
+        "--prefix-cache-bytes",
+        "0",
     )
     yield s
     s.stop()
@@ -396,6 +398,16 @@ def test_the_api_key_is_required(guarded):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{guarded.url}/health").status_code == 200
     assert [m.id for m in guarded.client(KEY).models.list().data] == [NAME]
+
+
+def test_the_prefix_cache_can_be_off(guarded):
+    client = guarded.client(KEY)
+    for _ in range(2):
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "system", "content": SYSTEM}, *MESSAGES], max_tokens=2
+        )
+    assert _gauge(guarded, "transmuter_jax_prefix_cache_bytes") == 0
+    assert _gauge(guarded, "transmuter_jax_prefix_cache_hits") == 0
 
 
 def test_a_full_queue_gets_429(guarded):
