@@ -668,3 +668,34 @@ def test_bad_formats_get_openai_errors(server, extra, param):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param, error
+
+
+def test_min_tokens_logit_bias_and_ignore_eos_equal_the_library(server, pipe):
+    """A bias towards eos ends the answer as soon as min_tokens allows; ignore_eos runs on."""
+    bias = {"3": 30.0}  # the fixture's eos
+    for min_tokens in (0, 3):
+        got = server.client().completions.create(
+            model=NAME, prompt="Once upon", max_tokens=8, temperature=0, logit_bias=bias,
+            extra_body={"min_tokens": min_tokens},
+        )  # fmt: skip
+        want = pipe.generate(
+            ["Once upon"], chat=False, do_sample=False, max_new_tokens=8,
+            sequence_bias=[((3,), 30.0)], min_new_tokens=min_tokens,
+        )[0]  # fmt: skip
+        assert len(want.token_ids) == min_tokens and want.finish_reason == "eos"
+        assert got.choices[0].text == want.text and got.choices[0].finish_reason == "stop"
+        assert got.usage.completion_tokens == min_tokens
+    got = server.client().completions.create(
+        model=NAME, prompt="Once upon", max_tokens=5, temperature=0, logit_bias=bias,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 5
+
+
+def test_a_model_the_slots_cannot_run_is_refused_by_name():
+    """serve then batches statically on the pipeline path (its start-up line says why)."""
+    from transmuter_jax.serving.slots import SlotBackend
+
+    grow = text.generation(ROOT / "tests" / "fixtures" / "gemma3-optimum")
+    with pytest.raises(ValueError, match="cannot run slots: its grow cache"):
+        SlotBackend(grow, 2, max_model_len=128)
