@@ -241,7 +241,7 @@ class SlotBackend:
                 continue
             try:
                 prefix = self.prefixes.prefill(run.request)
-            except ValueError as error:  # GenerationError: this request's own fault
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
                 self._fail(run, error)
                 continue
             slot = free[0]
