@@ -1,11 +1,13 @@
 """Continuous batching: the :class:`~.backend.Backend` over the engine's slots.
 
 :class:`SlotBackend` compiles one engine of ``max_batch_size`` slots and runs it on its own
-thread. Between decode chunks of ``decode_steps`` tokens the thread frees the slots of requests
-that ended or whose client went away, then admits waiting requests into the free slots: each
-prompt runs alone (through the prefix cache, :mod:`transmuter_jax.generation.prefixes`) and its
-first token goes out at once; then one chunk of every live slot runs. A request waits at most
-one chunk to join. Each slot carries its request's own options, and rows never read each other,
+thread. Between decode chunks the thread frees the slots of requests that ended or whose client
+went away, then admits waiting requests into the free slots: each prompt runs alone (through the
+prefix cache, :mod:`transmuter_jax.generation.prefixes`) and its first token goes out at once;
+then one chunk of every live slot runs. A chunk is at most ``decode_steps`` steps, and fewer
+where steps are slow: as many as last about :data:`JOIN_WAIT_S` (a power of two, at least one),
+so a request that arrives during a chunk waits about that long to join. The chunk's length
+changes no answer. Each slot carries its request's own options, and rows never read each other,
 so a request's tokens and log-probabilities do not depend on the others in flight.
 
 The rule for what the slots take: a request with a structured-output constraint
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 from .backend import FINISH, Emit, Event, Final, PipelineBackend, Submission, Ticket, _Text
@@ -26,7 +29,16 @@ from .backend import FINISH, Emit, Event, Final, PipelineBackend, Submission, Ti
 log = logging.getLogger("transmuter_jax.serving")
 
 CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
+JOIN_WAIT_S = 0.25  # a decode chunk lasts about this long at most (at least one step)
 TOP_LOGPROBS = 20  # OpenAI's most top_logprobs
+
+
+def _steps(tokens: list) -> int:
+    """How many steps a chunk ran: the most tokens one slot took."""
+    counts: dict[int, int] = {}
+    for t in tokens:
+        counts[t.slot] = counts.get(t.slot, 0) + 1
+    return max(counts.values(), default=0)
 
 
 @dataclasses.dataclass
@@ -72,6 +84,8 @@ class SlotBackend:
 
         self.pipe, self.tokenizer = pipe, pipe.tokenizer
         self.decode_steps = int(decode_steps)
+        self.step_seconds = 0.0  # the measured time of a decode step (a running mean)
+        self._sizes: set[int] = set()  # the chunk sizes that have run
         spec = gen.context(
             pipe.files.folder, pipe.decoder, embed=pipe.embed, tokenizer=pipe.tokenizer,
             **pipe.options,
@@ -210,12 +224,28 @@ class SlotBackend:
                 self._admit()
                 if not self._live():
                     continue
-                self._state, tokens = engine.generate(self._state, self.decode_steps)
+                steps = self._chunk()
+                start = time.perf_counter()
+                self._state, tokens = engine.generate(self._state, steps)
+                if steps in self._sizes:  # a size's first chunk compiles: not a step's time
+                    self._measured((time.perf_counter() - start) / max(_steps(tokens), 1))
+                self._sizes.add(steps)
                 for token in tokens:
                     self._take(token)
             except Exception as error:  # noqa: BLE001 - handed to the requests in flight
                 log.exception("the engine failed")
                 self._fail_all(error)
+
+    def _chunk(self) -> int:
+        """The steps of the next chunk: at most decode_steps, about JOIN_WAIT_S long."""
+        steps = self.decode_steps
+        while steps > 1 and steps * self.step_seconds > JOIN_WAIT_S:
+            steps //= 2
+        return steps
+
+    def _measured(self, seconds: float) -> None:
+        mean = self.step_seconds
+        self.step_seconds = seconds if mean == 0 else 0.8 * mean + 0.2 * seconds
 
     def _live(self) -> bool:
         return bool(self._slots)
