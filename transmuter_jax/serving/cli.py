@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-steps",
         type=int,
         metavar="K",
-        help=f"new tokens per decode chunk: a request waits at most one chunk to join "
-        f"(default {DECODE_STEPS})",
+        help=f"the most new tokens per decode chunk (default {DECODE_STEPS}); a chunk is also "
+        "cut to about 0.25 s: a request waits at most one chunk to join",
     )
     parser.add_argument(
         "--prefix-cache-bytes",
