@@ -206,6 +206,28 @@ def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, zero_points, k, bl
         np.testing.assert_array_equal(_int8_call(x[r : r + 1], b, scales, zp, k, n, block)[0], y[r])
 
 
+@needs_kernels
+@pytest.mark.parametrize(("k", "zero_points"), [(576, None), (1536, None), (96, "packed")])
+def test_matmul_nbits_int8_rows_at_batch_1_8_64(rng, monkeypatch, k, zero_points):
+    """The default model's int4 products (block 32): each row of batches of 8 and 64 is bit for
+    bit its solo run, and the SIMD code equals the portable code at every batch."""
+    n, block = 70, 32
+    b, scales, zp = _nbits(rng, k, n, block, zero_points)
+    x = (rng.standard_normal((64, k)) * 3).astype(np.float32)
+    solo = {r: _int8_call(x[r : r + 1], b, scales, zp, k, n, block)[0] for r in (0, 7, 63)}
+    for m in (8, 64):
+        got = _int8_call(x[:m], b, scales, zp, k, n, block)
+        for r in (r for r in solo if r < m):
+            np.testing.assert_array_equal(got[r], solo[r])
+        monkeypatch.setenv(kernels.PORTABLE_ENV, "1")
+        np.testing.assert_array_equal(_int8_call(x[:m], b, scales, zp, k, n, block), got)
+        monkeypatch.setenv(kernels.PORTABLE_ENV, "0")
+    want = np.asarray(
+        jax.jit(int8_product, static_argnums=(4, 5, 6))(x, b, scales, zp, k, n, block)
+    )
+    _close(_int8_call(x, b, scales, zp, k, n, block), want, k)
+
+
 def test_int8_product_rows_are_independent(rng):
     """The pure-JAX int8 path: a row's result does not depend on the other rows, bit for bit."""
     k, n, block = 576, 50, 32

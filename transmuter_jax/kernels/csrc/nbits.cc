@@ -17,6 +17,7 @@
 
 #include "common.h"
 #include "nbits_int8.h"
+#include "nbits_lanes.h"
 #include "nbits_vnni.h"
 #include "pool.h"
 
@@ -235,6 +236,49 @@ static void int8_chunk(void* ctx, int64_t chunk) {
   }
 }
 
+// int8 activations, block sizes that are multiples of 32, integer zero points (nbits_lanes.h):
+// chunks of columns; per column, rows in groups of at most 4 held in registers.
+struct LanesJob {
+  const NbitsJob* job;
+  Int8Rows xs;
+  LaneSums sums;
+  bool portable;
+  int64_t cols_per_chunk;
+};
+
+static void lanes_chunk(void* ctx, int64_t chunk) {
+  const LanesJob& w = *static_cast<const LanesJob*>(ctx);
+  const NbitsJob& job = *w.job;
+  const int64_t blocks = job.blocks, row_bytes = job.groups * 16;
+  const int64_t n0 = chunk * w.cols_per_chunk, n1 = std::min(job.n, n0 + w.cols_per_chunk);
+  thread_local std::vector<int32_t> zp;
+  zp.resize(static_cast<size_t>(blocks));
+  for (int64_t col = n0; col < n1; ++col) {
+    const uint8_t* bytes = job.b + col * row_bytes;
+    const float* sw = job.scales + col * blocks;
+    const int32_t* z = nullptr;
+    if (job.zp_kind == kPacked) {
+      for (int64_t b = 0; b < blocks; ++b) zp[b] = static_cast<int32_t>(zero_point(job, col, b));
+      z = zp.data();
+    }
+    float* y = job.y + col;
+#ifdef TJ_HAVE_LANES_AVX2
+    if (!w.portable) {
+      using Fn = void (*)(const Int8Rows&, const LaneSums&, int64_t, const uint8_t*,
+                          const float*, const int32_t*, float*, int64_t);
+      static constexpr Fn kRows[5] = {nullptr, lanes_column<1>, lanes_column<2>,
+                                      lanes_column<3>, lanes_column<4>};
+      for (int64_t r0 = 0; r0 < job.m; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, job.m - r0);
+        kRows[rows](w.xs, w.sums, r0, bytes, sw, z, y + r0 * job.n, job.n);
+      }
+      continue;
+    }
+#endif
+    lanes_column_portable(w.xs, w.sums, 0, job.m, bytes, sw, z, y, job.n);
+  }
+}
+
 static void direct_chunk(void* ctx, int64_t chunk) {
   const NbitsJob& job = *static_cast<const NbitsJob*>(ctx);
   const int64_t n0 = chunk * job.rows_per_chunk;
@@ -344,6 +388,13 @@ static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   const int64_t target = 8 * static_cast<int64_t>(pool.threads());
   job.rows_per_chunk = std::max<int64_t>(4, (n + target - 1) / target);
   const int64_t chunks = (job.n + job.rows_per_chunk - 1) / job.rows_per_chunk;
+  if (int8 && kind != kFloat && block_size % 32 == 0) {
+    LanesJob w{&job, {}, {}, portable, std::max<int64_t>(4, (n + target - 1) / target)};
+    int8_quantize(xin, m, k, block_size, blocks, &w.xs);
+    lane_sums(w.xs, m, &w.sums);
+    pool.run((n + w.cols_per_chunk - 1) / w.cols_per_chunk, lanes_chunk, &w);
+    return ffi::Error::Success();
+  }
   if (int8) {
     Int8Job w{&job, {}, portable, 8 * ((job.rows_per_chunk + 7) / 8)};
     int8_quantize(xin, m, k, block_size, blocks, &w.xs);
