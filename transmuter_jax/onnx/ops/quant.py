@@ -215,7 +215,7 @@ def MatMulNBits(
 
 def int8_quantize(x, block_size):
     """x [..., K] quantized per row and block of K as onnxruntime's CompInt8 does: with
-    s = max|x| / 127 per block, q = round_half_even(x * (1 / s)) (0 where s is 0).
+    s = max|x| / 127 per block, q = round_half_even(x * (127 / max|x|)) (0 where s is 0).
 
     Returns:
         q [..., blocks, block_size] (int8 values in float32, zero past K) and s [..., blocks].
@@ -224,9 +224,10 @@ def int8_quantize(x, block_size):
     blocks = -(-k // block_size)
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block_size - k)])
     v = padded.reshape(*x.shape[:-1], blocks, block_size)
-    scale = jnp.max(jnp.abs(v), axis=-1) / jnp.float32(127.0)
-    safe = jnp.where(scale != 0, scale, jnp.float32(1.0))
-    inv = jnp.where(scale != 0, jnp.float32(1.0) / safe, jnp.float32(0.0))
+    amax = jnp.max(jnp.abs(v), axis=-1)
+    scale = amax / jnp.float32(127.0)
+    safe = jnp.where(amax != 0, amax, jnp.float32(1.0))
+    inv = jnp.where(amax != 0, jnp.float32(127.0) / safe, jnp.float32(0.0))
     q = jnp.clip(jnp.round(v * inv[..., None]), -127.0, 127.0)
     return q, scale
 
