@@ -249,6 +249,8 @@ class Model:
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original
         # (not for weights kept on the host to be split over a mesh: packed strips do not split).
         packings = prepack.plan(graph) if kernels.enabled() and not host else {}
+        nbits = prepack.plan_nbits(graph) if kernels.enabled() and not host else {}
+        packings = {**packings, **nbits}
         for tensor in graph.initializer:
             array = in_place.pop(tensor.name, None)
             if array is None:
@@ -263,7 +265,8 @@ class Model:
                 constants[tensor.name] = np.array(array)
         # Weights now live on the device (or in params on the host): drop them from the graph.
         del graph.initializer[:]
-        prepack.rewrite(graph, packings)
+        prepack.rewrite(graph, {k: v for k, v in packings.items() if k not in nbits})
+        prepack.rewrite_nbits(graph, nbits)
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]

@@ -3,14 +3,13 @@ the com.microsoft block-quantized MatMulNBits and GatherBlockQuantized."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ... import kernels
 from ...runtime import switch
+from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ._util import onnx_dtype, precision, xp
 
@@ -20,10 +19,7 @@ MS = "com.microsoft"
 INT8_ENV = switch.INT8_ENV
 
 
-def int8_activations(accuracy_level: int) -> bool:
-    """Whether a MatMulNBits node of ``accuracy_level`` quantizes its input to int8: at level 4,
-    unless ``TRANSMUTER_JAX_NBITS_INT8=0``."""
-    return accuracy_level == 4 and os.environ.get(INT8_ENV, "").strip() != "0"
+int8_activations = switch.int8_activations
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -181,6 +177,37 @@ def MatMulNBits(
     """
     if weight_prepacked:
         raise NotImplementedError("MatMulNBits with weight_prepacked")
+    return _matmul_nbits(
+        a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, False
+    )
+
+
+@op("PackedMatMulNBits", domain=PACKED, fold=False)
+def PackedMatMulNBits(
+    a,
+    b,
+    scales,
+    zero_points=None,
+    g_idx=None,
+    bias=None,
+    *,
+    K,
+    N,
+    block_size,
+    bits=4,
+    accuracy_level=0,
+    weight_prepacked=0,
+):
+    """MatMulNBits whose weight was rearranged at load for the int4 kernel
+    (:func:`transmuter_jax.kernels.nbits_pack`; see :mod:`transmuter_jax.onnx.prepack`)."""
+    return _matmul_nbits(
+        a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, True
+    )
+
+
+def _matmul_nbits(
+    a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, packed
+):
     a = jnp.asarray(a)
     # onnxruntime quantizes the input only with 4 bits and integer zero points (or none).
     int8 = (
@@ -201,13 +228,22 @@ def MatMulNBits(
     if (
         np.size(b)
         and (int8 or rows <= kernels.NBITS_MAX_ROWS)
+        and (int8 or not packed)
         and kernels.nbits_supported(bits, block_size, K, g_idx, scales, zero_points)
     ):
         y = kernels.matmul_nbits(
-            x, b, scales, zero_points, n=N, block_size=block_size, reference=reference, int8=int8
+            x,
+            b,
+            scales,
+            zero_points,
+            n=N,
+            block_size=block_size,
+            reference=reference,
+            int8=int8,
+            packed=packed,
         )
-    else:
-        y = reference(x, b, scales, zero_points)
+    else:  # the layout as stored (the switches changed since the weight was packed)
+        y = reference(x, kernels.nbits_unpack(b) if packed else b, scales, zero_points)
     if bias is not None:
         y = y + jnp.asarray(bias).astype(jnp.float32)
     return y.astype(a.dtype)
