@@ -1,14 +1,16 @@
 """MatMulNBits micro-benchmark: transmuter_jax's int4 kernel against onnxruntime's (MLAS).
 
 Usage: python benchmarks/nbits.py [--rows 1 8 64] [--repeats 200] [--shapes K,N ...]
-           [--json out.json]
+           [--stored] [--json out.json]
 
 The default model's int4 product shapes (K, N; block size 32, accuracy_level 4: int8
 activations, no zero points) with random weights, at 1, 8 and 64 rows. onnxruntime runs a
 one-node ONNX model (MatMulNBits) with as many intra-op threads as this process has cores;
-transmuter_jax runs ``kernels.matmul_nbits`` jitted. Both are timed per call (median of
+transmuter_jax runs ``kernels.matmul_nbits`` jitted, on the weights rearranged as the model loads
+them (``kernels.nbits_pack``; ``--stored``: as stored). Both are timed per call (median of
 ``--repeats`` calls after a warm-up), in the same run, and the ratio is onnxruntime's time over
-ours (above 1: we are faster). Also prints the CPU's vector extensions and the weight read rate.
+ours (above 1: we are faster). Also prints the CPU's vector extensions, the weight read rate and
+the fraction of outputs equal to onnxruntime's bit for bit.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--shapes", nargs="+", help="K,N pairs (default: the model's)")
+    parser.add_argument("--stored", action="store_true", help="weights as stored, not packed")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -113,6 +116,7 @@ def main() -> None:
     print(f"CPU: {cpu_features()}; {threads} cores; kernels {kernels.available()}")
     rng = np.random.default_rng(0)
     rows_out = []
+    packed = not args.stored
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES
     for k, n in shapes:
         b, scales = weights(rng, k, n)
@@ -120,16 +124,18 @@ def main() -> None:
         ref = lambda x, b, s, z, k=k, n=n: int8_product(x, b, s, z, k, n, BLOCK)  # noqa: E731
         fn = jax.jit(
             lambda x, b, s, k=k, n=n, ref=ref: kernels.matmul_nbits(
-                x, b, s, None, n=n, block_size=BLOCK, reference=ref, int8=True
+                x, b, s, None, n=n, block_size=BLOCK, reference=ref, int8=True, packed=packed
             )
         )
-        bj, sj = jax.device_put(b), jax.device_put(scales)
+        bj = jax.device_put(kernels.nbits_pack(b) if packed else b)
+        sj = jax.device_put(scales)
         for m in args.rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
             xj = jax.device_put(x)
             ours = np.asarray(fn(xj, bj, sj))
             theirs = session.run(None, {"a": x})[0]
             diff = float(np.abs(ours - theirs).max() / (np.abs(theirs).max() + 1e-30))
+            equal = float((ours == theirs).mean())
             t_ours = timed(
                 lambda fn=fn, xj=xj, bj=bj, sj=sj: fn(xj, bj, sj).block_until_ready(), args.repeats
             )
@@ -144,17 +150,19 @@ def main() -> None:
                 ratio=t_ort / t_ours,
                 weight_gbps=rate,
                 max_rel_diff=diff,
+                bit_equal=equal,
             )
             rows_out.append(row)
             print(
                 f"K={k:5d} N={n:6d} rows={m:3d}: ours {t_ours * 1e6:8.1f} us, onnxruntime "
                 f"{t_ort * 1e6:8.1f} us, ratio {t_ort / t_ours:5.2f}x, weights {rate:5.1f} GB/s, "
-                f"max rel diff {diff:.1e}",
+                f"max rel diff {diff:.1e}, bit-equal {equal:.3f}",
                 flush=True,
             )
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(dict(cpu=cpu_features(), threads=threads, results=rows_out), handle, indent=1)
+            record = dict(cpu=cpu_features(), threads=threads, load=os.getloadavg(), packed=packed)
+            json.dump(dict(record, results=rows_out), handle, indent=1)
 
 
 if __name__ == "__main__":
