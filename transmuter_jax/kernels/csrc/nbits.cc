@@ -305,15 +305,27 @@ static void b32_chunk(void* ctx, int64_t chunk) {
   for (int64_t s0 = n0; s0 < n1; s0 += kB32Slice) {
     const int64_t s1 = std::min(n1, s0 + kB32Slice), cols = s1 - s0;
     for (int64_t col = s0; col < s1; ++col) {
-      const uint8_t* bytes = job.b + col * row_bytes;
       const float* sw = job.scales + col * blocks;
-      float* y = job.y + col;
-      const bool last = col >= tail;
       for (int64_t b = 0; b < blocks; ++b) {
         const float zp = job.zp_kind == kPacked ? zero_point(job, col, b) : 8.0f;
         z[b * cols + (col - s0)] = -(sw[b] * zp);
       }
+    }
+    for (int64_t col = s0; col < s1; ++col) {
+      const uint8_t* bytes = job.b + col * row_bytes;
+      const float* sw = job.scales + col * blocks;
+      float* y = job.y + col;
+      const bool last = col >= tail;
 #ifdef TJ_B32_AVX2
+      if (!w.portable && w.packed && m == 1 && col + 4 <= std::min(s1, tail)) {
+        // one row: 4 columns at a time, the row's values loaded once for the 4
+        const B32Weights<true> ws[4] = {{bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes},
+                                        {bytes + 3 * row_bytes}};
+        const float* sws[4] = {sw, sw + blocks, sw + 2 * blocks, sw + 3 * blocks};
+        b32_row4<true>(w.xs, 0, ws, sws, y);
+        col += 3;
+        continue;
+      }
       if (!w.portable) {
         if (w.packed && m <= 4) {  // few rows: unpacked in registers
           using Fn = void (*)(const B32Rows&, int64_t, B32Weights<true>, const float*, bool,
@@ -463,7 +475,7 @@ static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
         "tj_matmul_nbits: packed weights need int8, block_size 32 and integer zero points");
   }
   if (block32) {
-    const int64_t cols = std::max<int64_t>(4, (n + target - 1) / target);
+    const int64_t cols = 4 * std::max<int64_t>(1, (n + 4 * target - 1) / (4 * target));
     B32Job w{&job, {}, portable, packed, cols};
     b32_quantize(xin, m, k, &w.xs);
     pool.run((n + cols - 1) / cols, b32_chunk, &w);

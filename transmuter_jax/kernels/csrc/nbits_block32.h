@@ -312,6 +312,92 @@ inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Packed> w, const 
     y[r * ldy] = b32_fold(lanes, tail);
   }
 }
+
+// The 8 lanes of 4 columns folded as b32_fold (not tail): y[c] for c < 4.
+inline void b32_fold4(const __m256 a[4], float* y) {
+  const __m256 t01lo = _mm256_unpacklo_ps(a[0], a[1]), t01hi = _mm256_unpackhi_ps(a[0], a[1]);
+  const __m256 t23lo = _mm256_unpacklo_ps(a[2], a[3]), t23hi = _mm256_unpackhi_ps(a[2], a[3]);
+  auto pick = [](__m256 x, __m256 y, bool high) {
+    const __m256d xd = _mm256_castps_pd(x), yd = _mm256_castps_pd(y);
+    return _mm256_castpd_ps(high ? _mm256_unpackhi_pd(xd, yd) : _mm256_unpacklo_pd(xd, yd));
+  };
+  // lane c of the low half: value i of column c; of the high half: value 4 + i
+  __m256 sum = _mm256_add_ps(pick(t01lo, t23lo, false), pick(t01lo, t23lo, true));
+  sum = _mm256_add_ps(sum, pick(t01hi, t23hi, false));
+  sum = _mm256_add_ps(sum, pick(t01hi, t23hi, true));
+  _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1)));
+}
+
+// main (above) for one row r and 4 columns (weights w[c], scales sw[c]), none of them among the
+// last N % 4 columns: y[c] = main of column c. The row's values are loaded once for the 4.
+template <bool Packed>
+inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Packed> w[4],
+                     const float* const sw[4], float* y) {
+  const int64_t blocks = xs.blocks, groups = blocks / 4;
+  const int8_t* q = xs.q.data() + r * blocks * kB32;
+  const float* sx = xs.scale.data() + r * blocks;
+  __m256 a[4];
+#ifdef TJ_B32_512
+  __m512 acc[4];
+  for (int c = 0; c < 4; ++c) acc[c] = _mm512_setzero_ps();
+  const __m512i pattern = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i qa = _mm512_loadu_si512(q + 4 * g * kB32);
+    const __m512i qb = _mm512_loadu_si512(q + 4 * g * kB32 + 64);
+    const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo, hi;
+      w[c].group512(g, &lo, &hi);
+      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa);
+      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
+      const __m512i parts =
+          _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
+      const __m128 s4 = _mm_mul_ps(_mm_loadu_ps(sw[c] + 4 * g), sxg);
+      const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s4));
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[c]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    a[c] = _mm256_add_ps(_mm512_castps512_ps256(acc[c]), _mm512_extractf32x8_ps(acc[c], 1));
+  }
+#else
+  __m256 lo_acc[4], hi_acc[4];
+  for (int c = 0; c < 4; ++c) lo_acc[c] = hi_acc[c] = _mm256_setzero_ps();
+  const __m256i pattern_lo = _mm256_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2);
+  const __m256i pattern_hi = _mm256_setr_epi32(1, 1, 3, 3, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* qg = q + 4 * g * kB32;
+    const __m256i q0 = b32_load(qg), q1 = b32_load(qg + 32);
+    const __m256i q2 = b32_load(qg + 64), q3 = b32_load(qg + 96);
+    const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
+    for (int c = 0; c < 4; ++c) {
+      __m256i wb[4];
+      w[c].group(g, wb);
+      const __m256i zero = _mm256_setzero_si256();
+      const __m256i d0 = b32_dot(zero, wb[0], q0), d1 = b32_dot(zero, wb[1], q1);
+      const __m256i d2 = b32_dot(zero, wb[2], q2), d3 = b32_dot(zero, wb[3], q3);
+      const __m256i p02 =
+          _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
+      const __m256i p13 =
+          _mm256_add_epi32(_mm256_unpacklo_epi64(d1, d3), _mm256_unpackhi_epi64(d1, d3));
+      const __m256 s = _mm256_castps128_ps256(_mm_mul_ps(_mm_loadu_ps(sw[c] + 4 * g), sxg));
+      lo_acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p02),
+                                  _mm256_permutevar8x32_ps(s, pattern_lo), lo_acc[c]);
+      hi_acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p13),
+                                  _mm256_permutevar8x32_ps(s, pattern_hi), hi_acc[c]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) a[c] = _mm256_add_ps(lo_acc[c], hi_acc[c]);
+#endif
+  for (int64_t b = groups * 4; b < blocks; ++b) {
+    const __m256i qv = b32_load(q + b * kB32);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i d = b32_dot(_mm256_setzero_si256(), w[c].block(b), qv);
+      a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx[b] * sw[c][b]), a[c]);
+    }
+  }
+  b32_fold4(a, y);
+}
 #endif
 
 // y[r, c] += the zero-point term c (above) for rows [0, m) and columns [0, cols): t [m, blocks]
