@@ -317,33 +317,41 @@ static void b32_chunk(void* ctx, int64_t chunk) {
       float* y = job.y + col;
       const bool last = col >= tail;
 #ifdef TJ_B32_AVX2
-      if (!w.portable && w.packed && m == 1 && col + 4 <= std::min(s1, tail)) {
+      if (!w.portable && m == 1 && col + 4 <= std::min(s1, tail)) {
         // one row: 4 columns at a time, the row's values loaded once for the 4
-        const B32Weights<true> ws[4] = {{bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes},
-                                        {bytes + 3 * row_bytes}};
         const float* sws[4] = {sw, sw + blocks, sw + 2 * blocks, sw + 3 * blocks};
-        b32_row4<true>(w.xs, 0, ws, sws, y);
+        if (w.packed) {
+          const B32Weights<kB32Packed> ws[4] = {
+              {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
+          b32_row4<kB32Packed>(w.xs, 0, ws, sws, y);
+        } else {
+          const B32Weights<kB32Stored> ws[4] = {
+              {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
+          b32_row4<kB32Stored>(w.xs, 0, ws, sws, y);
+        }
         col += 3;
         continue;
       }
       if (!w.portable) {
         if (w.packed && m <= 4) {  // few rows: unpacked in registers
-          using Fn = void (*)(const B32Rows&, int64_t, B32Weights<true>, const float*, bool,
-                              float*, int64_t);
-          static constexpr Fn kRows[5] = {nullptr, b32_main<1, true>, b32_main<2, true>,
-                                          b32_main<3, true>, b32_main<4, true>};
-          kRows[m](w.xs, 0, B32Weights<true>{bytes}, sw, last, y, job.n);
+          using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Packed>, const float*,
+                              bool, float*, int64_t);
+          static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32Packed>,
+                                          b32_main<2, kB32Packed>, b32_main<3, kB32Packed>,
+                                          b32_main<4, kB32Packed>};
+          kRows[m](w.xs, 0, B32Weights<kB32Packed>{bytes}, sw, last, y, job.n);
           continue;
         }
         b32_values(bytes, blocks, w.packed, values.data());
-        using Fn = void (*)(const B32Rows&, int64_t, B32Weights<false>, const float*, bool,
+        using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Values>, const float*, bool,
                             float*, int64_t);
-        static constexpr Fn kRows[5] = {nullptr, b32_main<1, false>, b32_main<2, false>,
-                                        b32_main<3, false>, b32_main<4, false>};
+        static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32Values>,
+                                        b32_main<2, kB32Values>, b32_main<3, kB32Values>,
+                                        b32_main<4, kB32Values>};
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
           const int64_t rows = std::min<int64_t>(4, m - r0);
-          kRows[rows](w.xs, r0, B32Weights<false>{values.data()}, sw, last, y + r0 * job.n,
-                      job.n);
+          kRows[rows](w.xs, r0, B32Weights<kB32Values>{values.data()}, sw, last,
+                      y + r0 * job.n, job.n);
         }
         continue;
       }

@@ -195,39 +195,60 @@ inline __m256i b32_load(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// The weights of group g (blocks 4g .. 4g + 3, in order) and of a block left over, from the
-// packed layout (Packed) or from values in order.
-template <bool Packed>
+// Where a column's weights come from: the packed layout, values in order (32 bytes a block), or
+// the stored layout (byte j of a block holding values 2j and 2j + 1).
+enum B32Source { kB32Packed, kB32Values, kB32Stored };
+
+// Values 0-15 and 16-31 of the stored block at p, in order.
+inline __m256i b32_stored_block(const uint8_t* p) {
+  const __m128i low = _mm_set1_epi8(15);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+  return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+}
+
+// The weights of group g (blocks 4g .. 4g + 3, in order) and of a block left over.
+template <B32Source Source>
 struct B32Weights {
   const uint8_t* p;
   inline void group(int64_t g, __m256i wb[4]) const {
-    if constexpr (Packed) {
+    if constexpr (Source == kB32Packed) {
       const __m256i low = _mm256_set1_epi8(15);
       const __m256i v0 = b32_load(p + g * 64), v1 = b32_load(p + g * 64 + 32);
       wb[0] = _mm256_and_si256(v0, low);
       wb[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
       wb[1] = _mm256_and_si256(v1, low);
       wb[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+    } else if constexpr (Source == kB32Stored) {
+      for (int i = 0; i < 4; ++i) wb[i] = b32_stored_block(p + (4 * g + i) * 16);
     } else {
       for (int i = 0; i < 4; ++i) wb[i] = b32_load(p + (4 * g + i) * 32);
     }
   }
   inline __m256i block(int64_t b) const {
-    if constexpr (Packed) {
+    if constexpr (Source == kB32Packed) {
       const __m128i low = _mm_set1_epi8(15);
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * 16));
       return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    } else if constexpr (Source == kB32Stored) {
+      return b32_stored_block(p + b * 16);
     } else {
       return b32_load(p + b * 32);
     }
   }
 #ifdef TJ_B32_512
   inline void group512(int64_t g, __m512i* lo, __m512i* hi) const {
-    if constexpr (Packed) {
+    if constexpr (Source == kB32Packed) {
       const __m512i low = _mm512_set1_epi8(15);
       const __m512i v = _mm512_loadu_si512(p + g * 64);
       *lo = _mm512_and_si512(v, low);
       *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    } else if constexpr (Source == kB32Stored) {
+      const uint8_t* q = p + g * 64;
+      *lo = _mm512_inserti64x4(_mm512_castsi256_si512(b32_stored_block(q)),
+                               b32_stored_block(q + 16), 1);
+      *hi = _mm512_inserti64x4(_mm512_castsi256_si512(b32_stored_block(q + 32)),
+                               b32_stored_block(q + 48), 1);
     } else {
       *lo = _mm512_loadu_si512(p + g * 128);
       *hi = _mm512_loadu_si512(p + g * 128 + 64);
@@ -237,8 +258,8 @@ struct B32Weights {
 };
 
 // main (above) for R rows from r0 and one column; y[r * ldy] = main.
-template <int R, bool Packed>
-inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Packed> w, const float* sw,
+template <int R, B32Source Source>
+inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const float* sw,
                      bool tail, float* y, int64_t ldy) {
   const int64_t blocks = xs.blocks, groups = blocks / 4;
   const int8_t* q0 = xs.q.data() + r0 * blocks * kB32;
@@ -330,8 +351,8 @@ inline void b32_fold4(const __m256 a[4], float* y) {
 
 // main (above) for one row r and 4 columns (weights w[c], scales sw[c]), none of them among the
 // last N % 4 columns: y[c] = main of column c. The row's values are loaded once for the 4.
-template <bool Packed>
-inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Packed> w[4],
+template <B32Source Source>
+inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4],
                      const float* const sw[4], float* y) {
   const int64_t blocks = xs.blocks, groups = blocks / 4;
   const int8_t* q = xs.q.data() + r * blocks * kB32;
