@@ -30,6 +30,7 @@ from ..runtime.switch import TRACE_ENVIRONMENT, trace_environment  # noqa: F401
 from . import (
     inline,
     ops,  # noqa: F401  (registers the op implementations)
+    packed_store,
     prepack,
 )
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
@@ -257,7 +258,8 @@ class Model:
                 array = _tensor_array(tensor, folder, path)
             if tensor.name in packings:
                 # device_put may keep the packed array without copying it (CPU, aligned).
-                params[tensor.name] = jax.device_put(packings[tensor.name].pack(array))
+                packed = packed_store.packed(packings[tensor.name], tensor, folder, array)
+                params[tensor.name] = jax.device_put(packed)
             elif _is_weight(array):
                 array = to_device_dtype(np.asarray(array))  # a view of a memmap when it fits
                 params[tensor.name] = array if host else jnp.asarray(array)

@@ -37,11 +37,18 @@ class Packing:
     transposed: bool
     k: int
     n: int
+    dtype = np.float32
 
     def pack(self, array: np.ndarray) -> np.ndarray:
         from ..kernels import pack
 
         return pack(np.asarray(array).T if self.transposed else array)
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the packed array (strips of the kernels' width)."""
+        from ..kernels import STRIP
+
+        return (-(-self.n // STRIP), self.k, STRIP)
 
 
 @dataclass(frozen=True)
@@ -49,11 +56,16 @@ class NBitsPacking:
     """A MatMulNBits weight ``uint8 [N, blocks, 16]`` rearranged for the int4 kernel."""
 
     name: str
+    dtype = np.uint8
 
     def pack(self, array: np.ndarray) -> np.ndarray:
         from ..kernels import nbits_pack
 
         return nbits_pack(array)
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the packed array: the stored one."""
+        return tuple(shape)
 
 
 @dataclass(frozen=True)
