@@ -317,18 +317,13 @@ static void b32_chunk(void* ctx, int64_t chunk) {
       float* y = job.y + col;
       const bool last = col >= tail;
 #ifdef TJ_B32_AVX2
-      if (!w.portable && m == 1 && col + 4 <= std::min(s1, tail)) {
-        // one row: 4 columns at a time, the row's values loaded once for the 4
+      if (!w.portable && !w.packed && m == 1 && col + 4 <= std::min(s1, tail)) {
+        // one row, weights as stored: 4 columns at a time, unpacked in registers, the row's
+        // values loaded once for the 4 (packed weights: one column at a time was faster)
         const float* sws[4] = {sw, sw + blocks, sw + 2 * blocks, sw + 3 * blocks};
-        if (w.packed) {
-          const B32Weights<kB32Packed> ws[4] = {
-              {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
-          b32_row4<kB32Packed>(w.xs, 0, ws, sws, y);
-        } else {
-          const B32Weights<kB32Stored> ws[4] = {
-              {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
-          b32_row4<kB32Stored>(w.xs, 0, ws, sws, y);
-        }
+        const B32Weights<kB32Stored> ws[4] = {
+            {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
+        b32_row4<kB32Stored>(w.xs, 0, ws, sws, y);
         col += 3;
         continue;
       }
