@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import warnings
 
@@ -320,6 +321,54 @@ def _nbits_session(k, n, b, scales, zp):
     )
     proto.ir_version = 10
     return proto
+
+
+def _avx2_fma_cpu() -> bool:
+    try:
+        line = next(
+            line
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(line.split())
+
+
+@needs_kernels
+@pytest.mark.parametrize("op", ["SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"])
+@pytest.mark.parametrize("k", [64, 576, 100])
+def test_rms_norms_follow_onnxruntime(rng, op, k):
+    """onnxruntime's two RMS norms, with its float steps: bit for bit on CPUs with AVX2 and FMA
+    (where onnxruntime runs its vector code), within float32 rounding elsewhere."""
+    skip = op.startswith("Skip")
+    names = ["x", "s", "g"] if skip else ["x", "g"]
+    node = helper.make_node(op, names, ["y"], domain="com.microsoft" if skip else "", epsilon=1e-6)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, k])]
+    if skip:
+        inputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [3, 5, k]))
+    gamma = (rng.standard_normal(k) * 0.5 + 1).astype(np.float32)
+    graph = helper.make_graph(
+        [node],
+        "norm",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(gamma, "g")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    feeds = {"x": (rng.standard_normal((3, 5, k)) * 3).astype(np.float32)}
+    if skip:
+        feeds["s"] = rng.standard_normal((3, 5, k)).astype(np.float32)
+    want = _ort(proto, feeds)["y"]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.onnx")
+        onnx.save(proto, path)
+        got = np.asarray(tj.load(path)(feeds)["y"])
+    if _avx2_fma_cpu() and (skip or k % 8 == 0):  # other lengths: XLA's own steps
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("blocks", [1, 3, 4, 5, 8, 18, 48])

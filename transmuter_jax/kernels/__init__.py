@@ -187,6 +187,36 @@ def matmul_nbits(
     return fn(jnp.asarray(x, jnp.float32), jnp.asarray(b), jnp.asarray(scales), zp)
 
 
+# ---------------------------------------------------------------- RMS norms
+
+
+RMS_SIMPLIFIED, RMS_SKIP = 0, 1  # the float steps of onnxruntime's two RMS norm ops
+
+
+def rms_norm(
+    x: jax.Array, gamma: jax.Array, epsilon: float, mode: int, reference: Callable
+) -> jax.Array:
+    """``x / rms(x) * gamma`` over the last axis in float32, with the float steps of
+    onnxruntime's SimplifiedLayerNormalization (``mode`` :data:`RMS_SIMPLIFIED`: 8 FMA partial
+    sums) or SkipSimplifiedLayerNormalization (:data:`RMS_SKIP`: squares summed in order).
+
+    ``reference(x, gamma)`` computes the same in pure JAX: without the kernels, for gradients and
+    vmap over gamma. ``gamma`` has shape ``[K]``.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    gamma = jnp.asarray(gamma, jnp.float32)
+    if not enabled() or x.shape[-1] == 0 or gamma.shape != x.shape[-1:]:
+        return reference(x, gamma)
+
+    def kernel(x, gamma):
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        return jax.ffi.ffi_call("tj_rms_norm", out)(
+            x, gamma, epsilon=np.float32(epsilon), mode=np.int64(mode)
+        )
+
+    return _wrapped(kernel, reference)(x, gamma)
+
+
 def _nbits_order(blocks: int) -> np.ndarray:
     """For the packed layout of one column (:func:`nbits_pack`), which stored byte and nibble
     each packed nibble holds: index ``2 * byte + high`` of the stored column, for the packed
