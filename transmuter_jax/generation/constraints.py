@@ -17,6 +17,7 @@ Eos is allowed only where the constraint may end; once it is complete only eos i
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import functools
 import json
@@ -100,6 +101,28 @@ def from_options(options: Any) -> Constraint | None:
     if options.choice is not None:
         return Constraint("choice", json.dumps(list(options.choice)))
     return None
+
+
+def of(value: Any) -> Constraint | None:
+    """A request's constraint: a :class:`Constraint`, or a mapping of one structured-output
+    option (``{"regex": "[0-9]+"}``, ``{"choice": [...]}``, ``{"json_schema": {...}}``, with
+    ``json_whitespace`` if wanted), checked as the options check it; None: none.
+
+    Raises:
+        GenerationError: naming what is wrong.
+    """
+    if value is None or isinstance(value, Constraint):
+        return value
+    if not isinstance(value, collections.abc.Mapping):
+        raise GenerationError(
+            f"a constraint is a Constraint or a mapping such as {{'regex': ...}}, got {value!r:.80}"
+        )
+    from .options import Options
+
+    wrong = set(value) - {*KINDS, "json_whitespace"}
+    if wrong:
+        raise GenerationError(f"not a constraint option: {', '.join(sorted(wrong))}")
+    return from_options(Options().replace(**value))
 
 
 def _llg():
@@ -235,7 +258,6 @@ class HostMatcher:
 
 def _process(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return apply_mask(logits, mask)
-
 
 
 # -- the device path -----------------------------------------------------------------------
