@@ -378,6 +378,9 @@ def test_slots_refuse_bad_and_host_only_constraints(model):
         engine.prefill(gen.Request([1, 2], constraint={"regex": "(ab"}))
     with pytest.raises(GenerationError, match="needs llguidance on the host"):
         engine.prefill(gen.Request([1, 2], constraint={"grammar": GRAMMAR}))
+    constrained = gen.context(str(FIXTURE), model, max_new_tokens=8, regex="[0-9]+")
+    with pytest.raises(GenerationError, match="slots take one per request"):
+        gen.compile(constrained, 2).init_state()
 
 
 def test_pack_and_allowed_round_trip():

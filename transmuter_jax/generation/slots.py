@@ -250,6 +250,11 @@ def check(engine: Engine) -> None:
     options = spec.options
     if options.num_beams > 1:
         raise GenerationError("beam search needs a program of its own: use generate()")
+    if spec.constraint:
+        raise GenerationError(
+            "the specification's constraint (json_schema, regex, choice, ...) is generate()'s; "
+            "slots take one per request: Request(constraint=...)"
+        )
     if any(not isinstance(p, str) for p in spec.processors):
         raise GenerationError("a task's own processors need a program of their own: generate()")
     if spec.given or spec.embed is not None or spec.image_token is not None:
