@@ -28,21 +28,36 @@ SCHEMA = {
     },
     "required": ["name", "age", "member"],
 }
+CLOSED = {  # closed objects of booleans, enums and integers: a device table
+    "type": "object",
+    "properties": {
+        "member": {"type": "boolean"},
+        "kind": {"enum": ["person", "company", "other"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "age": {"type": "integer"},
+    },
+    "required": ["member", "kind", "age"],
+    "additionalProperties": False,
+}
 CONSTRAINTS = {
     "json_schema": {"json_schema": SCHEMA},
+    "json_schema_closed": {"json_schema": CLOSED},
     "regex": {"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3} (apples|pears)"},
     "choice": {"choice": ["positive", "negative", "neutral"]},
 }
 PROMPT = "Describe a person as JSON with a name, an age, tags and membership."
 
 
-def _rate(pipe, batch: int, new: int, options: dict) -> dict:
+def _rate(pipe, batch: int, new: int, options: dict, warm: bool = False) -> dict:
     """Decode tokens/s: the new tokens after each row's first over the time from the first
-    token's event to the last (the prompts' prefill left out)."""
+    token's event to the last (the prompts' prefill left out); and batch steps/s (the same
+    time over the steps, whatever rows still run: the per-step cost, apart from how many rows
+    end early)."""
     prompts = [pipe.prompt_ids(f"{PROMPT} ({i})") for i in range(batch)]
     options = {"max_new_tokens": new, **options}
     runner = pipe._runner
-    runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
+    if warm:
+        runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
     times, counts = [], []
 
     def on_token(event) -> None:
@@ -52,7 +67,41 @@ def _rate(pipe, batch: int, new: int, options: dict) -> dict:
     runner.run(pipe.tokenizer, prompts, options, on_token=on_token)
     tokens = sum(counts[1:])  # the first event's tokens come with the prefill
     seconds = times[-1] - times[0]
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+    return {"tokens": tokens, "steps": len(times) - 1, "seconds": seconds}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _rates(pipe, batch: int, new: int, rounds: int) -> dict:
+    """Each configuration's median tok/s and steps/s over ``rounds`` interleaved rounds, and the
+    median of each round's ratio to the free run of that round."""
+    configs = {"free": {}, **CONSTRAINTS}
+    for options in configs.values():
+        _rate(pipe, batch, new, options, warm=True)
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, options in configs.items():
+            runs[name].append(_rate(pipe, batch, new, options))
+    out = {}
+    for name, got in runs.items():
+        row = {
+            "tokens": got[0]["tokens"],
+            "steps": got[0]["steps"],
+            "tok_s": round(_median([g["tokens"] / g["seconds"] for g in got]), 1),
+            "steps_s": round(_median([g["steps"] / g["seconds"] for g in got]), 2),
+        }
+        if name != "free":
+            free = runs["free"]
+            for unit, key in (("tokens", "ratio"), ("steps", "step_ratio")):
+                ratios = [
+                    (g[unit] / g["seconds"]) / (f[unit] / f["seconds"])
+                    for g, f in zip(got, free, strict=True)
+                ]
+                row[key] = round(_median(ratios), 2)
+        out[name] = row
+    return out
 
 
 def _device_step(vocab: int, batch: int, path: str, eos: tuple[int, ...]) -> dict:
@@ -93,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repo", default="default")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from transmuter_jax import text
     from transmuter_jax.generation import constraints as cs
@@ -129,13 +179,9 @@ def main() -> None:
         mask = cs.processor(constraint, path, vocab, eos)
         row["path"] = "device" if isinstance(mask, cs.DeviceMask) else "host"
         report["compile"][name] = row
+    report["rounds"] = args.rounds
     for batch in (1, 8):
-        free = _rate(pipe, batch, args.new, {})
-        rows = {"free": free}
-        for name, options in CONSTRAINTS.items():
-            rows[name] = _rate(pipe, batch, args.new, options)
-            rows[name]["ratio"] = round(rows[name]["tok_s"] / free["tok_s"], 2)
-        report[f"batch_{batch}"] = rows
+        report[f"batch_{batch}"] = _rates(pipe, batch, args.new, args.rounds)
         report[f"device_step_batch_{batch}"] = _device_step(vocab, batch, path, eos)
     print(json.dumps(report, indent=1))
 

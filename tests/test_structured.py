@@ -280,6 +280,11 @@ def test_which_constraints_take_the_device_path():
     assert not device(cs.Constraint("json_schema", json.dumps(closed)))
     with pytest.raises(cs.NotExact):
         cs.token_table(cs.Constraint("json_schema", json.dumps(closed)), TOKENIZER, VOCAB, EOS)
+    closed["additionalProperties"] = False  # closed, of booleans, enums and integers: exact
+    closed["properties"] |= {"color": {"enum": ["red", 7]}, "n": {"type": "integer"}}
+    assert device(cs.Constraint("json_schema", json.dumps(closed)))
+    closed["properties"]["name"] = {"type": "string"}  # strings: llguidance's escapes differ
+    assert not device(cs.Constraint("json_schema", json.dumps(closed)))
 
 
 @pytest.fixture(scope="module")

@@ -547,13 +547,41 @@ def processor(constraint: Constraint, path: str, vocab: int, eos: Sequence[int])
     llguidance's masks (a regex or choice, or a schema whose regex does), else the host path's
     ``(state, process)`` of a :class:`HostMatcher`."""
     path, eos = os.fspath(path), tuple(int(e) for e in eos)
-    if constraint.finite and eos:
+    if constraint.finite and eos and _plain(constraint):
         try:
             token_table(constraint, path, vocab, eos)
             return DeviceMask(constraint, path, int(vocab), eos)
         except NotExact:
             pass
     return HostMatcher(constraint, path, vocab, eos).processor
+
+
+def _plain(constraint: Constraint) -> bool:
+    """Whether a table may equal llguidance's masks, before building it: a regex or a choice,
+    or a schema of closed objects (additionalProperties false), arrays, enums, consts,
+    booleans, nulls and unbounded integers. outlines-core's regex of strings, numbers and
+    bounded integers differs from llguidance's JSON (escapes, exponents, bounds): building
+    their table only to drop it would cost up to seconds."""
+    if constraint.kind != "json_schema":
+        return True
+    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+    def walk(node: Any) -> bool:
+        if isinstance(node, list):
+            return all(walk(n) for n in node)
+        if not isinstance(node, dict):
+            return True
+        if "enum" in node or "const" in node:
+            return True
+        kinds = node.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if "string" in kinds or "number" in kinds or any(b in node for b in bounds):
+            return False
+        if "object" in kinds and node.get("additionalProperties") is not False:
+            return False
+        return all(walk(v) for k, v in node.items() if k not in ("required", "type"))
+
+    return walk(json.loads(constraint.text))
 
 
 def restrict(scores: jax.Array, table: TokenTable | None, state: jax.Array) -> jax.Array:
