@@ -775,7 +775,7 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
     for t in [h.table for _, h in live] + [own]:
         if not any(t is u for u in tables):
             tables.append(t)
-    starts = list(np.cumsum([0] + [t.states for t in tables[:-1]]))
+    starts = [sum(t.states for t in tables[:i]) for i in range(len(tables))]
     total = starts[-1] + tables[-1].states
     size = max(constraints.MIN_STATES, 1 << (int(total) - 1).bit_length())
     nexts = [jnp.where(t.next >= 0, t.next + o, -1) for t, o in zip(tables, starts, strict=True)]
@@ -786,7 +786,7 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
     table = constraints.TokenTable(jnp.concatenate(masks), jnp.concatenate(nexts))
 
     def start(t) -> int:
-        return int(next(o for u, o in zip(tables, starts, strict=True) if u is t))
+        return next(o for u, o in zip(tables, starts, strict=True) if u is t)
 
     delta, keep, new_hosts = np.zeros(len(hosts), np.int32), np.zeros(len(hosts), bool), [*hosts]
     for i, h in live:
