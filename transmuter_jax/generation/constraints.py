@@ -351,10 +351,11 @@ def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, .
     texts = dict(_texts(path, vocab, eos))
     sentinel = 1 << 30  # a token id past every vocabulary
     texts[SENTINEL.encode()] = [sentinel]
+    start_matcher = compile_matcher(constraint, path, vocab, eos)  # llguidance's check first
     try:
         index = Index(f"(?:{pattern_of(constraint)}){SENTINEL}", Vocabulary(eos[0], texts))
-    except (ValueError, RuntimeError) as error:
-        raise GenerationError(f"invalid {constraint.kind}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - llguidance takes it, outlines-core does not
+        raise NotExact(f"outlines-core cannot index it: {error}") from None
     transitions = index.get_transitions()
     start, finals = index.get_initial_state(), set(index.get_final_states())
     names = {start: 0}
@@ -380,7 +381,6 @@ def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, .
         table[row, tokens[keep]] = dense[after[keep]]
         if sentinel in moves:
             table[row, eos_ids] = row
-    start_matcher = compile_matcher(constraint, path, vocab, eos)
     _as_llguidance(table, start_matcher, vocab, eos)
     _check_walks(table, start_matcher, vocab, eos)
     return table
@@ -547,7 +547,8 @@ def processor(constraint: Constraint, path: str, vocab: int, eos: Sequence[int])
     llguidance's masks (a regex or choice, or a schema whose regex does), else the host path's
     ``(state, process)`` of a :class:`HostMatcher`."""
     path, eos = os.fspath(path), tuple(int(e) for e in eos)
-    if constraint.finite and eos and _plain(constraint):
+    compile_matcher(constraint, path, vocab, eos)  # a bad constraint is refused by its name
+    if constraint.finite and _plain(constraint):
         try:
             token_table(constraint, path, vocab, eos)
             return DeviceMask(constraint, path, int(vocab), eos)
