@@ -149,11 +149,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repo", default="default")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from transmuter_jax import text
     from transmuter_jax.generation import constraints as cs
 
+    from transmuter_jax.tasks import runner as runners
+
+    # every configuration's compiled context kept: the rounds measure decode, not recompiles
+    runners.KEEP_CONTEXTS = max(runners.KEEP_CONTEXTS, 2 * len(CONSTRAINTS) + 2)
     pipe = text.generation(args.repo)
     folder = pipe.files.folder
     path = os.path.join(folder, "tokenizer.json")

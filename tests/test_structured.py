@@ -321,6 +321,34 @@ def test_generate_runs_the_table_in_the_decode_chunk_as_the_host_path(model, opt
     assert device == gen.generate(host_engine, PROMPTS, seeds)
 
 
+CLOSED = {  # closed objects of booleans, enums and integers: the device path
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", 7]},
+        "n": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["ok", "color", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_closed_schema_runs_on_the_device_and_validates(model, sample):
+    options = {"max_new_tokens": 60, "do_sample": sample, "eos_token_id": list(EOS)}
+    spec = gen.context(str(FIXTURE), model, json_schema=CLOSED, **options)
+    engine = gen.compile(spec, 4)
+    assert isinstance(engine.compiled.decoder.mask, cs.DeviceMask)
+    decode = llguidance.LLTokenizer(TOKENIZER, n_vocab=VOCAB).decode_str
+    ended = 0
+    for tokens in gen.generate(engine, PROMPTS, [1, 2, 3, 4]):
+        if len(tokens) < 60:  # ended by eos: a complete document
+            ended += 1
+            jsonschema.validate(json.loads(decode(tokens)), CLOSED)
+    assert ended >= 2
+
+
 def _drain(engine, state, out):
     while state.live_slots:
         state, tokens = engine.generate(state, 4)

@@ -264,8 +264,8 @@ def _process(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 SENTINEL = "\x00"  # ends the pattern in outlines-core's index: where it may follow, eos may
 MIN_STATES = 16  # a device table's states are padded to a power of two, at least this
-CHECK_WALKS = 24  # random token walks that check a table against llguidance when it is built
-CHECK_STEPS = 48
+CHECK_WALKS = 16  # random token walks that check a table against llguidance when it is built
+CHECK_STEPS = 32
 
 
 @jax.tree_util.register_dataclass
