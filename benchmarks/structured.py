@@ -153,7 +153,6 @@ def main() -> None:
     args = parser.parse_args()
     from transmuter_jax import text
     from transmuter_jax.generation import constraints as cs
-
     from transmuter_jax.tasks import runner as runners
 
     # every configuration's compiled context kept: the rounds measure decode, not recompiles
