@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from ..onnx.model import Model
-from . import slots
+from . import slots, speculative
 from .cache import CacheLayout, Mode
 from .context import Context
 from .options import Options
@@ -96,8 +96,9 @@ class Engine:
         self, state: slots.SlotState, steps: int
     ) -> tuple[slots.SlotState, list[slots.Token]]:
         """Up to ``steps`` decode steps of every live slot in one compiled loop: the state after
-        them (``state`` is donated) and the new tokens, step by step."""
-        return slots.generate(self, state, steps)
+        them (``state`` is donated) and the new tokens, step by step (a slot that speculates,
+        docs/speculative.md, may take several tokens a step)."""
+        return speculative.generate(self, state, steps)
 
     def free(self, state: slots.SlotState, slot: int) -> slots.SlotState:
         """``state`` with slot ``slot`` empty."""

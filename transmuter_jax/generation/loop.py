@@ -23,7 +23,7 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.qkv import split_qkv
 from ..parallel import sharding
 from . import cache as cache_modes
-from . import slots
+from . import slots, speculative
 from .beam import BeamPrompt
 from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
@@ -220,6 +220,10 @@ def generate(
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
     _validate(ctx, prompts, seeds, inputs)
+    if ctx.options.speculative:  # on the slots' step (docs/speculative.md)
+        speculative.check(ctx, inputs)
+        rows = _rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)]
+        return speculative.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
     run = _Run.start(ctx, prompts, seeds, inputs, on_token, clamp)
     for group in run.groups():
         state = run.prefill(group)

@@ -23,9 +23,11 @@ import numpy as np
 
 from ..runtime.jit import jit_options
 from ..runtime.stored import storable
+from . import drafts as drafting
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
 from .errors import GenerationError
+from .options import MAX_DRAFT, MAX_NGRAM, NGRAM_DEFAULT
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
 from .stops import StopStrings
@@ -54,6 +56,8 @@ class Request:
         stop_strings: strings that end it (as transformers' StopStringCriteria).
         logprobs: give each token's log-probability.
         top_logprobs: give the k most probable tokens of each step (k at most the state's).
+        prompt_lookup_num_tokens, max_matching_ngram_size: speculative decoding by prompt
+            lookup (docs/speculative.md); 0 switches off the specification's.
     """
 
     prompt: tuple[int, ...]
@@ -70,6 +74,8 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -121,7 +127,8 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     take no more tokens (empty ones too). eos [B, E]: eos ids, -1 padding. sample: sampling
     rows. temperature, top_k (the vocabulary when off), top_p_drop (1 - top_p, computed in
     float64), top_p_on, min_p, repetition, presence: the warpers' and penalties' values.
-    cache: the cache arrays by input name [B, heads, rows, head_size].
+    cache: the cache arrays by input name [B, heads, rows, head_size]. drafts: speculative
+    decoding's per-slot state (:class:`.drafts.Drafts`).
     """
 
     token: jax.Array
@@ -142,6 +149,7 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     repetition: jax.Array
     presence: jax.Array
     cache: dict[str, jax.Array]
+    drafts: drafting.Drafts
 
 
 DecodeRows = Rows_
@@ -506,6 +514,7 @@ def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
         repetition=f(1.0),
         presence=f(0.0),
         cache=engine.cache.empty(batch, capacity),
+        drafts=drafting.empty(batch),
     )
 
 
@@ -534,7 +543,17 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
         )
     if repetition <= 0:
         raise GenerationError(f"repetition_penalty must be positive, got {repetition}")
+    lookup = pick(request.prompt_lookup_num_tokens, o.prompt_lookup_num_tokens) or 0
+    ngram = pick(request.max_matching_ngram_size, o.max_matching_ngram_size)
+    ngram = NGRAM_DEFAULT if ngram is None else ngram
+    if not (0 <= lookup <= MAX_DRAFT and 1 <= ngram <= MAX_NGRAM):
+        raise GenerationError(
+            f"prompt_lookup_num_tokens must be in [0, {MAX_DRAFT}] and max_matching_ngram_size "
+            f"in [1, {MAX_NGRAM}], got {lookup} and {ngram}"
+        )
     return dict(
+        lookup=int(lookup),
+        ngram=int(ngram),
         max_new=int(max_new),
         eos=tuple(eos),
         sample=sample,
@@ -628,6 +647,7 @@ def prefill(engine: Engine, request: Request) -> Prefix:
         repetition=one(r["repetition"], np.float32),
         presence=one(float(request.presence_penalty), np.float32),
         cache=cache,
+        drafts=drafting.empty(1, r["lookup"], r["ngram"]),
     )
     if r["max_new"] == 0:
         logits.delete()
