@@ -1,0 +1,228 @@
+"""Speculative decoding by prompt lookup: greedy with drafts gives plain greedy's tokens on every
+fixture family and cache mode, wherever a row ends (eos, max_new_tokens, a stop string) inside an
+accepted run; sampled, plain sampling's tokens for the seed; slots that speculate and slots that
+do not share a batch; bad options and grow caches are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from generation_cases import FIXTURES, case, context
+
+from transmuter_jax import generation
+from transmuter_jax.generation import Request, speculative
+
+IN_PLACE = ["llama-genai-fp32", "qwen2-genai-fp32", "gemma3-genai-fp32", "llama-genai-int4",
+            "qwen2-genai-int4", "gemma3-genai-int4", "granite-genai-fp32", "mistral-genai-fp32",
+            "mistral-window-genai-fp32", "phi3-genai-fp32", "qwen3-genai-fp32"]  # fmt: skip
+APPEND = ["llama-optimum", "qwen2-optimum", "gpt2-optimum", "cohere-optimum", "falcon-optimum",
+          "gpt-neox-optimum", "granite-optimum", "mistral-optimum", "olmo2-optimum",
+          "opt-optimum", "qwen3-optimum", "smollm3-optimum", "stablelm-optimum"]  # fmt: skip
+GROW = ["bloom-optimum", "gemma2-optimum", "gemma3-optimum", "mistral-window-optimum",
+        "phi3-optimum"]  # fmt: skip
+FAST = ["llama-optimum", "llama-genai-fp32"]  # one of each mode in the quick tier
+NEW = 20
+LOOKUP = 4
+
+
+def _tiered(names):
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("speculative")
+
+
+def _prompts(name):
+    """The batch case's prompts, each also followed by a copy of itself (drafts that hit)."""
+    prompts = [list(p) for p in case(name, "batch")["prompts"]]
+    return [prompts[0], prompts[0] + prompts[0], prompts[-1] + prompts[-1][:3] + prompts[-1]]
+
+
+@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND))
+def test_generate_with_prompt_lookup_equals_plain_greedy(name, workdir):
+    prompts = _prompts(name)
+    options = dict(max_new_tokens=NEW, token_logprobs=True)
+    plain = generation.compile(context(name, workdir, **options), len(prompts))
+    spec = generation.compile(
+        context(name, workdir, prompt_lookup_num_tokens=LOOKUP, max_matching_ngram_size=3,
+                **options),
+        len(prompts),
+    )  # fmt: skip
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    got = generation.generate(spec, prompts, [0] * len(prompts))
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose([p for _, p in a], [p for _, p in b], rtol=1e-4, atol=1e-4)
+    rows = [(p, NEW, 0) for p in prompts]
+    _, stats = speculative.run(spec, rows)
+    assert stats.accepted > 0 and stats.drafted >= stats.accepted  # drafts were kept
+    assert stats.steps + stats.accepted == stats.tokens
+
+
+# -- the slots: cuts inside accepted runs -------------------------------------------------------
+
+_ENGINES: dict = {}
+
+
+def _engine(name, workdir, **options):
+    key = (name, tuple(sorted(options.items())))
+    if key not in _ENGINES:
+        spec = context(name, workdir, max_new_tokens=NEW, **options)
+        _ENGINES[key] = generation.compile(spec, 3, capacity=128, top_logprobs=2)
+    return _ENGINES[key]
+
+
+def _solo(eng, request, steps=3):
+    state = eng.init_state()
+    prefix = eng.prefill(request)
+    state = eng.insert(prefix, state, 1)
+    tokens = [prefix.first] if prefix.first is not None else []
+    while state.live_slots:
+        state, more = eng.generate(state, steps)
+        tokens += more
+    return [(t.token, t.eos, t.done, t.finish_reason) for t in tokens], tokens, state
+
+
+def _lookup(request, k=LOOKUP, n=2):
+    return Request(**{**request.__dict__, "prompt_lookup_num_tokens": k,
+                      "max_matching_ngram_size": n})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", _tiered(IN_PLACE[:3] + APPEND[:3]))
+def test_every_cut_inside_accepted_runs_equals_plain(name, workdir):
+    eng = _engine(name, workdir)
+    prompt = _prompts(name)[1]
+    plain, _, _ = _solo(eng, Request(prompt, max_new_tokens=NEW))
+    ran, _, state = _solo(eng, _lookup(Request(prompt, max_new_tokens=NEW)))
+    assert ran == plain
+    assert speculative.stats(state, 1).accepted > 0
+    tokens = [t for t, *_ in plain]
+    for m in range(1, NEW + 1):  # max_new_tokens reached at every position
+        request = Request(prompt, max_new_tokens=m)
+        assert _solo(eng, _lookup(request))[0] == _solo(eng, request)[0], m
+    for e, token in enumerate(tokens):  # an eos id at every position where it first occurs
+        if token in tokens[:e]:
+            continue
+        request = Request(prompt, max_new_tokens=NEW, eos_token_id=(token,))
+        got = _solo(eng, _lookup(request))[0]
+        assert got == _solo(eng, request)[0] and got[-1] == (token, True, True, "stop"), e
+
+
+def test_drafts_hit_at_the_first_step_and_k_adapts(workdir):
+    name = "llama-optimum"
+    eng = _engine(name, workdir)
+    # a prompt that ends inside a greedy run, where its last token and the first new one occur
+    # before, first followed by the next greedy token: the first step's draft hits
+    for prompt in [list(p) for p in case(name, "batch")["prompts"]] + _prompts(name):
+        row = prompt + [t for t, *_ in _solo(eng, Request(prompt, max_new_tokens=NEW))[0]]
+        cuts = [j for j in range(len(prompt) + 1, len(row) - 2) if _hit(row, j)]
+        if cuts:
+            cut = cuts[0]
+            break
+    request = _lookup(Request(row[:cut], max_new_tokens=NEW), k=8)
+    state = eng.init_state()
+    state = eng.insert(eng.prefill(request), state, 0)
+    state, got = eng.generate(state, 1)
+    first = speculative.stats(state, 0)
+    assert first.steps == 1 and first.accepted > 0 and len(got) == first.accepted + 1
+    assert [t.token for t in got] == row[cut + 1 : cut + 1 + len(got)]
+    k = np.asarray(state.rows.drafts.k)[0]
+    assert (k == 8) == (first.accepted == first.drafted)  # all kept: k grew (capped at 8)
+
+
+def _hit(row, j):
+    """Whether prompt lookup's first 2-gram match of row[j - 1 : j + 1] before j drafts row[j + 1]."""
+    first = next((i for i in range(j - 1) if row[i : i + 2] == row[j - 1 : j + 1]), None)
+    return first is not None and row[first + 2] == row[j + 1]
+
+
+def test_stop_strings_inside_accepted_runs_equal_plain(workdir):
+    from transmuter_jax.generation.context import folder_texts
+
+    name = "llama-optimum"
+    texts = folder_texts(FIXTURES / name)
+    spec = generation.context(FIXTURES / name, context(name, workdir).model,
+                              max_new_tokens=NEW, tokenizer=_Texts(texts))  # fmt: skip
+    eng = generation.compile(spec, 2, capacity=128)
+    prompt = _prompts(name)[1]
+    plain, _, _ = _solo(eng, Request(prompt, max_new_tokens=NEW))
+    tokens = [t for t, *_ in plain]
+    tried = 0
+    for e in range(1, len(tokens)):
+        stop = (texts[tokens[e - 1]] or "") + (texts[tokens[e]] or "")
+        if not stop.strip():
+            continue
+        request = Request(prompt, max_new_tokens=NEW, stop_strings=(stop,))
+        want = _solo(eng, request)[0]
+        assert _solo(eng, _lookup(request))[0] == want, e
+        tried += want[-1][3] == "stop"
+    assert tried
+
+
+class _Texts:
+    def __init__(self, texts):
+        self.token_texts = texts
+
+
+@pytest.mark.parametrize("name", _tiered(["llama-optimum", "llama-genai-fp32"]))
+def test_speculating_and_plain_slots_share_a_batch(name, workdir):
+    eng = _engine(name, workdir)
+    prompts = _prompts(name)
+    sampled = dict(do_sample=True, temperature=0.8, top_k=20, seed=5, logprobs=True)
+    requests = [
+        _lookup(Request(prompts[1], max_new_tokens=NEW, logprobs=True, top_logprobs=2)),
+        Request(prompts[2], max_new_tokens=NEW - 3, repetition_penalty=1.3),
+        _lookup(Request(prompts[2], max_new_tokens=NEW, **sampled), k=6, n=1),
+    ]
+    alone = []
+    for r in requests:  # the plain run of each request, alone
+        plain = Request(**{**r.__dict__, "prompt_lookup_num_tokens": 0})
+        alone.append(_solo(eng, plain)[1])
+    state = eng.init_state()
+    got: dict = {}
+    for slot, r in enumerate(requests):
+        prefix = eng.prefill(r)
+        got[slot] = [prefix.first]
+        state = eng.insert(prefix, state, slot)
+    while state.live_slots:
+        state, tokens = eng.generate(state, 2)
+        for t in tokens:
+            got[t.slot].append(t)
+    for slot, want in enumerate(alone):
+        assert [t.token for t in got[slot]] == [t.token for t in want], slot
+        assert [t.finish_reason for t in got[slot]] == [t.finish_reason for t in want]
+        np.testing.assert_allclose(
+            [t.logprob for t in got[slot]], [t.logprob for t in want], rtol=1e-4, atol=1e-4
+        )
+    assert speculative.stats(state, 0).drafted > 0 and speculative.stats(state, 1).drafted == 0
+
+
+def test_sampling_with_prompt_lookup_is_reproducible_and_plain_sampling(workdir):
+    name = "llama-genai-fp32"
+    eng = _engine(name, workdir)
+    prompt = _prompts(name)[1]
+    for seed in (1, 2, 3):
+        request = Request(prompt, max_new_tokens=NEW, do_sample=True, temperature=1.3, seed=seed)
+        want = _solo(eng, request)[0]
+        assert _solo(eng, _lookup(request, k=5, n=1))[0] == want
+        assert _solo(eng, _lookup(request, k=5, n=1), steps=1)[0] == want
+
+
+def test_bad_options_and_grow_caches_are_refused(workdir):
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be in"):
+        generation.Options(prompt_lookup_num_tokens=-1)
+    with pytest.raises(ValueError, match="max_matching_ngram_size must be in"):
+        generation.Options(prompt_lookup_num_tokens=3, max_matching_ngram_size=0)
+    with pytest.raises(ValueError, match="does not run with beam search"):
+        generation.Options(prompt_lookup_num_tokens=3, num_beams=2)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an integer"):
+        generation.Options(prompt_lookup_num_tokens=2.5)
+    eng = _engine("llama-optimum", workdir)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be in"):
+        eng.prefill(Request([1, 2], prompt_lookup_num_tokens=-2))
+    for name in GROW[:1]:
+        spec = generation.compile(context(name, workdir, prompt_lookup_num_tokens=3), 1)
+        with pytest.raises(ValueError, match="needs a cache whose rejected rows a mask hides"):
+            generation.generate(spec, [[1, 2, 3]], [0])
