@@ -133,7 +133,7 @@ def test_drafts_hit_at_the_first_step_and_k_adapts(workdir):
 
 
 def _hit(row, j):
-    """Whether prompt lookup's first 2-gram match of row[j - 1 : j + 1] before j drafts row[j + 1]."""
+    """Whether the first earlier match of row[j - 1 : j + 1] drafts row[j + 1] (prompt lookup)."""
     first = next((i for i in range(j - 1) if row[i : i + 2] == row[j - 1 : j + 1]), None)
     return first is not None and row[first + 2] == row[j + 1]
 

@@ -110,9 +110,7 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
                 jnp.broadcast_to(positions, (3, batch, length)) if axes == 3 else positions
             )
         last = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
-        logits, cache = step(
-            params, {}, rows.cache, feed, rows.lengths, last
-        )  # logits [B, L, V]
+        logits, cache = step(params, {}, rows.cache, feed, rows.lengths, last)  # logits [B, L, V]
         # position j selects after the slot's tokens and the first j drafts
         have = rows.prompt + rows.count  # [B]
         at = have[:, None] + jnp.arange(drafted)[None, :]
@@ -146,8 +144,10 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
             out_done.append(ended | ~live)
             out_ends.append(ends)
         lengths = mode.advance(rows.lengths, jnp.where(live, accepted + 1, 0), length)
-        pad_to = lambda a, fill: jnp.concatenate(  # noqa: E731
-            [a, jnp.full((batch, width + 1 - length) + a.shape[2:], fill, a.dtype)], axis=1
+        pad_to = (
+            lambda a, fill: jnp.concatenate(  # noqa: E731
+                [a, jnp.full((batch, width + 1 - length) + a.shape[2:], fill, a.dtype)], axis=1
+            )
         )
         out = slots.StepOut(
             pad_to(jnp.stack(out_token, axis=1), -1),
@@ -305,8 +305,7 @@ def check(engine: Engine, inputs: dict[str, Any]) -> None:
     extra = sorted(set(inputs) - {"encoder_input_ids"})
     if extra:
         raise GenerationError(
-            f"prompt_lookup_num_tokens (speculative decoding) takes token prompts only, not "
-            f"{extra}"
+            f"prompt_lookup_num_tokens (speculative decoding) takes token prompts only, not {extra}"
         )
 
 
