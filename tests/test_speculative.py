@@ -61,6 +61,22 @@ def test_generate_with_prompt_lookup_equals_plain_greedy(name, workdir):
     assert stats.steps + stats.accepted == stats.tokens
 
 
+@pytest.mark.parametrize("name", _tiered(["llama-genai-fp32", "qwen2-optimum"]))
+def test_processors_apply_at_every_verified_position(name, workdir):
+    prompts = _prompts(name)
+    options = dict(max_new_tokens=NEW, repetition_penalty=1.2, no_repeat_ngram_size=4,
+                   min_new_tokens=6, sequence_bias=[[[prompts[1][-1]], 2.0]])  # fmt: skip
+    plain = generation.compile(context(name, workdir, **options), len(prompts))
+    spec = generation.compile(
+        context(name, workdir, prompt_lookup_num_tokens=6, max_matching_ngram_size=1, **options),
+        len(prompts),
+    )
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    assert generation.generate(spec, prompts, [0] * len(prompts)) == want
+    _, stats = speculative.run(spec, [(p, NEW, 0) for p in prompts])
+    assert stats.drafted > 0
+
+
 # -- the slots: cuts inside accepted runs -------------------------------------------------------
 
 _ENGINES: dict = {}

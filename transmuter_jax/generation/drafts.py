@@ -22,10 +22,13 @@ from ..runtime.stored import storable
 class Drafts:
     """Each slot's speculation, on the device ([B] int32).
 
-    lookup: the most drafted tokens (prompt_lookup_num_tokens; 0: the slot does not speculate).
-    ngram: the longest n-gram matched (max_matching_ngram_size). k: the drafted tokens of the
-    next step (adaptive, 1 to lookup). drafted, accepted: tokens drafted and accepted so far.
-    steps: verification steps so far.
+    lookup: the most drafted tokens (prompt_lookup_num_tokens or num_assistant_tokens; 0: the
+    slot does not speculate). ngram: the longest n-gram matched (max_matching_ngram_size).
+    model: [B] bool the assistant model drafts (else prompt lookup). adaptive: [B] bool k
+    follows the heuristic schedule. k: the drafted tokens of the next step (1 to lookup).
+    drafted, accepted: tokens drafted and accepted so far. steps: verification steps so far.
+    cache: the assistant model's cache by input name (empty without one), its valid rows the
+    slot's (the same tokens as the target's).
     """
 
     lookup: jax.Array
@@ -34,12 +37,25 @@ class Drafts:
     drafted: jax.Array
     accepted: jax.Array
     steps: jax.Array
+    model: jax.Array
+    adaptive: jax.Array
+    cache: dict[str, jax.Array]
 
 
-def empty(batch: int, lookup: int = 0, ngram: int = 0) -> Drafts:
-    """Drafts of ``batch`` slots that draft up to ``lookup`` tokens from ``ngram``-grams."""
+def empty(
+    batch: int,
+    lookup: int = 0,
+    ngram: int = 0,
+    model: bool = False,
+    adaptive: bool = True,
+    cache: dict[str, jax.Array] | None = None,
+) -> Drafts:
+    """Drafts of ``batch`` slots that draft up to ``lookup`` tokens (from ``ngram``-grams, or
+    with the assistant model whose cache is ``cache``)."""
     full = lambda v: jnp.full((batch,), v, jnp.int32)  # noqa: E731
-    return Drafts(full(lookup), full(ngram), full(lookup), full(0), full(0), full(0))
+    flag = lambda v: jnp.full((batch,), v, bool)  # noqa: E731
+    return Drafts(full(lookup), full(ngram), full(lookup), full(0), full(0), full(0),
+                  flag(model), flag(adaptive), dict(cache or {}))  # fmt: skip
 
 
 def propose(history, length, drafts: Drafts, limit, width: int, longest: int):
@@ -85,7 +101,7 @@ def adapted(drafts: Drafts, count, accepted, live) -> Drafts:
     tried = live & (count > 0)
     grown = jnp.minimum(drafts.k + 2, drafts.lookup)
     shrunk = jnp.maximum(drafts.k - 1, 1)
-    k = jnp.where(tried, jnp.where(accepted == count, grown, shrunk), drafts.k)
+    k = jnp.where(tried & drafts.adaptive, jnp.where(accepted == count, grown, shrunk), drafts.k)
     return dataclasses.replace(
         drafts,
         k=k.astype(jnp.int32),

@@ -66,6 +66,8 @@ class Engine:
         placement: with a mesh, where the weights and cache live
             (:class:`~transmuter_jax.generation.sharding.Placement`), else None.
         compiled: the programs (:class:`Compiled`).
+        assistant: the draft model's engine (speculative decoding, docs/speculative.md), or
+            None.
     """
 
     spec: Context
@@ -77,6 +79,7 @@ class Engine:
     compiled: Compiled | None = None
     slot_capacity: int = slots.CAPACITY
     slot_top_logprobs: int = 5
+    assistant: Engine | None = None
 
     # -- slots (see :mod:`.slots` and docs/engine.md) -----------------------------------------
 

@@ -113,7 +113,11 @@ def compile(  # noqa: A001
     steps = Steps(engine, mode, padding)
     decoder = _decoder(engine, steps, select, options)
     compiled = Compiled(steps, select, reorder, runs, reason, decoder)
-    return dataclasses.replace(engine, compiled=compiled)
+    assistant = None
+    if ctx.assistant is not None:  # the draft model: slots of the same capacity
+        assistant = compile(ctx.assistant, batch_size, capacity=capacity, top_logprobs=0,
+                            mesh=mesh, **jit_options)  # fmt: skip
+    return dataclasses.replace(engine, compiled=compiled, assistant=assistant)
 
 
 def _selection(ctx: Context, jit_options: Mapping[str, Any]):
@@ -220,7 +224,7 @@ def generate(
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
     _validate(ctx, prompts, seeds, inputs)
-    if ctx.options.speculative:  # on the slots' step (docs/speculative.md)
+    if ctx.options.speculative or ctx.assistant is not None:  # docs/speculative.md
         speculative.check(ctx, inputs)
         rows = _rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)]
         return speculative.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]

@@ -85,7 +85,7 @@ _INTS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_be
          "num_return_sequences", "top_k", "no_repeat_ngram_size", "forced_bos_token_id",
          "bos_token_id", "pad_token_id", "decoder_start_token_id", "top_logprobs",
          "decode_steps", "encoder_no_repeat_ngram_size", "prompt_lookup_num_tokens",
-         "max_matching_ngram_size")  # fmt: skip
+         "max_matching_ngram_size", "num_assistant_tokens")  # fmt: skip
 _FLOATS = ("length_penalty", "temperature", "top_p", "repetition_penalty", "min_p", "typical_p",
            "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty")  # fmt: skip
 _BOOLS = ("do_sample", "renormalize_logits", "remove_invalid_values", "token_logprobs")
@@ -240,6 +240,8 @@ class Options:
     # speculative decoding (docs/speculative.md): prompt lookup drafts this many tokens
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int = 20  # with an assistant model (context(assistant=))
+    num_assistant_tokens_schedule: str = "constant"
     # structured output (docs/structured-output.md): at most one of the five constraints
     json_schema: str | None = None  # a dict or JSON text, stored as JSON text
     json_object: bool = False
@@ -358,9 +360,16 @@ class Options:
         for name, value, limit in (
             ("prompt_lookup_num_tokens", draft, MAX_DRAFT),
             ("max_matching_ngram_size", ngram, MAX_NGRAM),
+            ("num_assistant_tokens", self.num_assistant_tokens, MAX_DRAFT),
         ):
             if value is not None and not 1 <= value <= limit:
                 raise GenerationError(f"{name} must be in [1, {limit}] (or None), got {value!r}")
+        schedules = ("constant", "heuristic")
+        if self.num_assistant_tokens_schedule not in schedules:
+            raise GenerationError(
+                f"num_assistant_tokens_schedule must be one of {schedules}, got "
+                f"{self.num_assistant_tokens_schedule!r}"
+            )
         if draft is None:
             return
         if self.num_beams > 1:

@@ -58,6 +58,8 @@ class Request:
         top_logprobs: give the k most probable tokens of each step (k at most the state's).
         prompt_lookup_num_tokens, max_matching_ngram_size: speculative decoding by prompt
             lookup (docs/speculative.md); 0 switches off the specification's.
+        num_assistant_tokens: with an engine of an assistant model, its drafted tokens (0: the
+            request does not speculate).
     """
 
     prompt: tuple[int, ...]
@@ -76,6 +78,7 @@ class Request:
     top_logprobs: int = 0
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int | None = None
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -249,6 +252,11 @@ def check(engine: Engine) -> None:
             raise GenerationError(f"{name} is not a per-slot option: use generate()")
     if engine.placement is not None:
         raise GenerationError("slots run without a mesh for now: use generate()")
+    if engine.assistant is not None:
+        refusal = engine.assistant.cache_mode.slot_refusal()
+        if refusal:
+            path = engine.assistant.spec.model.path
+            raise GenerationError(f"the assistant model {path!r} cannot draft: {refusal}")
 
 
 # -- the per-slot selection --------------------------------------------------------------------
@@ -514,8 +522,13 @@ def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
         repetition=f(1.0),
         presence=f(0.0),
         cache=engine.cache.empty(batch, capacity),
-        drafts=drafting.empty(batch),
+        drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity)),
     )
+
+
+def _assistant_cache(engine: Engine, batch: int, capacity: int) -> dict[str, jax.Array]:
+    assistant = engine.assistant
+    return {} if assistant is None else assistant.cache.empty(batch, capacity)
 
 
 def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
@@ -544,15 +557,20 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
     if repetition <= 0:
         raise GenerationError(f"repetition_penalty must be positive, got {repetition}")
     lookup = pick(request.prompt_lookup_num_tokens, o.prompt_lookup_num_tokens) or 0
+    assisted = engine.assistant is not None and not lookup
+    if assisted:
+        lookup = pick(request.num_assistant_tokens, o.num_assistant_tokens)
     ngram = pick(request.max_matching_ngram_size, o.max_matching_ngram_size)
     ngram = NGRAM_DEFAULT if ngram is None else ngram
     if not (0 <= lookup <= MAX_DRAFT and 1 <= ngram <= MAX_NGRAM):
         raise GenerationError(
-            f"prompt_lookup_num_tokens must be in [0, {MAX_DRAFT}] and max_matching_ngram_size "
-            f"in [1, {MAX_NGRAM}], got {lookup} and {ngram}"
+            f"prompt_lookup_num_tokens and num_assistant_tokens must be in [0, {MAX_DRAFT}] and "
+            f"max_matching_ngram_size in [1, {MAX_NGRAM}], got {lookup} and {ngram}"
         )
     return dict(
         lookup=int(lookup),
+        assisted=bool(assisted and lookup),
+        adaptive=not assisted or o.num_assistant_tokens_schedule == "heuristic",
         ngram=int(ngram),
         max_new=int(max_new),
         eos=tuple(eos),
@@ -574,7 +592,7 @@ def prefill(engine: Engine, request: Request) -> Prefix:
     check(engine)
     if not isinstance(request, Request):
         raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
-    spec, mode, capacity = engine.spec, engine.cache_mode, engine.slot_capacity
+    spec, capacity = engine.spec, engine.slot_capacity
     r = _resolved(engine, request)
     prompt = list(request.prompt)
     vocab = engine.vocab_size or 2**31
@@ -598,30 +616,11 @@ def prefill(engine: Engine, request: Request) -> Prefix:
         if spec.token_texts is None:
             raise GenerationError("stop strings need token texts: context(tokenizer=...)")
         stops = StopStrings(request.stop_strings, spec.token_texts)
-    rows = _empty(engine, 1, capacity)
-    cache, lengths, fed = rows.cache, np.zeros(1, np.int32), 0
-    axes = _axes(engine)
-    names = {i.name for i in engine.model.inputs}
-    logits = None
-    while fed < len(prompt):
-        size = mode.prompt_step(len(prompt) - fed, spec.prefill)
-        part = prompt[fed : fed + size]
-        tokens = np.full((1, size), _pad_token(engine), np.int32)
-        tokens[0, : len(part)] = part
-        feed: dict[str, Any] = {"tokens": tokens}
-        if "attention_mask" in names:
-            feed["attention_mask"] = mode.mask(lengths, size, capacity)
-        if axes:
-            positions = (np.arange(size) + fed)[None, :].astype(np.int32)
-            feed["position_ids"] = (
-                np.broadcast_to(positions, (3, 1, size)) if axes == 3 else positions
-            )
-        last = np.array([len(part) - 1], np.int32)
-        if logits is not None:
-            logits.delete()
-        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
-        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
-        fed += len(part)
+    logits, cache, lengths = _prompt(engine, prompt, capacity)
+    drafted = {}
+    if engine.assistant is not None:
+        last, drafted, _ = _prompt(engine.assistant, prompt, capacity)
+        last.delete()
     history = np.full((1, capacity), -1, np.int32)
     history[0, : len(prompt)] = prompt
     eos = np.full((1, EOS_WIDTH), -1, np.int32)
@@ -647,7 +646,9 @@ def prefill(engine: Engine, request: Request) -> Prefix:
         repetition=one(r["repetition"], np.float32),
         presence=one(float(request.presence_penalty), np.float32),
         cache=cache,
-        drafts=drafting.empty(1, r["lookup"], r["ngram"]),
+        drafts=drafting.empty(
+            1, r["lookup"], r["ngram"], r["assisted"], r["adaptive"], cache=drafted
+        ),
     )
     if r["max_new"] == 0:
         logits.delete()
@@ -661,6 +662,36 @@ def prefill(engine: Engine, request: Request) -> Prefix:
             token = dataclasses.replace(token, done=True, finish_reason="stop")
             rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
     return Prefix(request, rows, token)
+
+
+def _prompt(engine: Engine, prompt: list[int], capacity: int) -> tuple[Any, dict, Any]:
+    """(the last token's logits, the cache, its lengths) of ``prompt`` alone, in steps of the
+    engine's prefill rule into a cache of ``capacity`` rows."""
+    spec, mode = engine.spec, engine.cache_mode
+    cache = engine.cache.empty(1, capacity)
+    lengths, fed, logits = np.zeros(1, np.int32), 0, None
+    axes = _axes(engine)
+    names = {i.name for i in engine.model.inputs}
+    while fed < len(prompt):
+        size = mode.prompt_step(len(prompt) - fed, spec.prefill)
+        part = prompt[fed : fed + size]
+        tokens = np.full((1, size), _pad_token(engine), np.int32)
+        tokens[0, : len(part)] = part
+        feed: dict[str, Any] = {"tokens": tokens}
+        if "attention_mask" in names:
+            feed["attention_mask"] = mode.mask(lengths, size, capacity)
+        if axes:
+            positions = (np.arange(size) + fed)[None, :].astype(np.int32)
+            feed["position_ids"] = (
+                np.broadcast_to(positions, (3, 1, size)) if axes == 3 else positions
+            )
+        last = np.array([len(part) - 1], np.int32)
+        if logits is not None:
+            logits.delete()
+        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
+        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
+        fed += len(part)
+    return logits, cache, lengths
 
 
 def _chunks_end(length: int) -> int:

@@ -172,9 +172,51 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
     return verify
 
 
+def _draft_function(engine: Engine, capacity: int, width: int):
+    """The pure ``draft(params, rows, feeds) -> (tokens [B, width], cache)``: the assistant
+    model's greedy tokens after each slot's last token, ``feeds`` steps of one token into its
+    cache from the slot's length (so that the cache holds the tokens the target verifies)."""
+    assistant = engine.assistant
+    step = assistant.compiled.steps.function(True, None)
+    mode = assistant.cache_mode
+    names = {i.name for i in assistant.model.inputs}
+    axes, pad = slots._axes(assistant), slots._pad_token(assistant)
+
+    def draft(params, rows: slots.Rows_, feeds):
+        batch = rows.token.shape[0]
+        live = ~rows.done & rows.drafts.model
+
+        def body(carry):
+            i, token, cache, tokens = carry
+            at = (rows.lengths + i).astype(jnp.int32)
+            feed = {"tokens": jnp.where(live, token, pad)[:, None].astype(jnp.int32)}
+            if "attention_mask" in names:
+                feed["attention_mask"] = mode.mask(at, 1, capacity, xp=jnp)
+            if axes:
+                feed["position_ids"] = (
+                    jnp.broadcast_to(at[:, None], (3, batch, 1)) if axes == 3 else at[:, None]
+                )
+            logits, cache = step(params, {}, cache, feed, at, jnp.zeros(batch, jnp.int32))
+            chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tokens = tokens.at[:, i].set(chosen, mode="drop")  # the last feed's token: dropped
+            return i + 1, chosen, cache, tokens
+
+        start = (jnp.int32(0), rows.token, rows.drafts.cache, jnp.zeros((batch, width), jnp.int32))
+        _, _, cache, tokens = jax.lax.while_loop(lambda c: c[0] < feeds, body, start)
+        return tokens, cache
+
+    return draft
+
+
+def _assistant_key(engine: Engine) -> tuple | None:
+    helper = engine.assistant
+    return None if helper is None else helper.compiled.steps.key("slots", True, None)
+
+
 def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest: int):
-    """The jitted ``(params, rows, limit) -> (rows, StepOut [size, B, width + 1], drafted
-    [size, B])``: up to ``limit`` speculative steps in a ``lax.while_loop``, the cache donated."""
+    """The jitted ``(params, assistant params, rows, limit) -> (rows, StepOut [size, B,
+    width + 1], drafted [size, B])``: up to ``limit`` speculative steps in a
+    ``lax.while_loop``, the cache donated."""
     lengths = lengths_of(width)
     key = (
         "slots-speculative",
@@ -187,13 +229,15 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
         width,
         longest,
         engine.compiled.steps.local(),
+        _assistant_key(engine),
     )
 
     def make():
         branches = [_verify_function(engine, capacity, k, n, width) for n in lengths]
         sizes = jnp.asarray(lengths, jnp.int32)
+        draft = None if engine.assistant is None else _draft_function(engine, capacity, width)
 
-        def run(params, rows: slots.Rows_, limit):
+        def run(params, helper, rows: slots.Rows_, limit):
             batch, w = rows.token.shape[0], width + 1
             out = slots.StepOut(
                 jnp.full((size, batch, w), -1, jnp.int32),
@@ -217,6 +261,15 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
                 most = jnp.where(live & (r.drafts.lookup > 0), jnp.maximum(most, 0), 0)
                 have = r.prompt + r.count
                 tokens, count = drafting.propose(r.history, have, r.drafts, most, width, longest)
+                if draft is not None:  # the assistant model's slots
+                    model = live & r.drafts.model
+                    wanted = jnp.minimum(jnp.minimum(r.drafts.k, r.drafts.lookup), most)
+                    wanted = jnp.where(model, wanted, 0)
+                    feeds = jnp.where(jnp.any(model), jnp.max(wanted) + 1, 0)
+                    drafted_by, cache = draft(helper, r, feeds)
+                    r = dataclasses.replace(r, drafts=dataclasses.replace(r.drafts, cache=cache))
+                    tokens = jnp.where(model[:, None], drafted_by, tokens)
+                    count = jnp.where(model, wanted, count)
                 want = jnp.max(count) + 1
                 fits = jnp.min(jnp.where(live, room, capacity))
                 shortest = jnp.sum(sizes < want)  # the shortest length that holds every draft
@@ -230,7 +283,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
             _, rows, out, drafted = jax.lax.while_loop(more, body, start)
             return rows, out, drafted
 
-        return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
+        return jax.jit(run, donate_argnums=(2,), **jit_options(dict(engine.jit_options)))
 
     return program(key, make, engine.compiled.steps.held)
 
@@ -252,7 +305,8 @@ def generate(
     live = state.live_slots
     size = 1 << (steps - 1).bit_length()
     run = _chunk(engine, state.capacity, state.top_logprobs, size, width, longest)
-    rows, out, _ = run(engine.model.params, state.rows, np.int32(steps))
+    helper = {} if engine.assistant is None else engine.assistant.model.params
+    rows, out, _ = run(engine.model.params, helper, state.rows, np.int32(steps))
     out = jax.device_get(out)
     # [size, B, W, ...] -> [size * W, B, ...]: the positions of a step one after another
     out = jax.tree.map(lambda a: np.swapaxes(a, 1, 2).reshape((-1,) + a.shape[1:2] + a.shape[3:]),
