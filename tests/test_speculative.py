@@ -236,9 +236,80 @@ def test_bad_options_and_grow_caches_are_refused(workdir):
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an integer"):
         generation.Options(prompt_lookup_num_tokens=2.5)
     eng = _engine("llama-optimum", workdir)
-    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be in"):
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens and num_assistant_tokens"):
         eng.prefill(Request([1, 2], prompt_lookup_num_tokens=-2))
     for name in GROW[:1]:
         spec = generation.compile(context(name, workdir, prompt_lookup_num_tokens=3), 1)
         with pytest.raises(ValueError, match="needs a cache whose rejected rows a mask hides"):
             generation.generate(spec, [[1, 2, 3]], [0])
+
+
+# -- an assistant model -------------------------------------------------------------------------
+
+
+def test_an_assistant_model_drafts_and_greedy_and_sampling_equal_plain(workdir):
+    name, helper = "llama-optimum", "llama-genai-int4"  # one tokenizer, other weights
+    prompts = _prompts(name)
+    plain = generation.compile(context(name, workdir, max_new_tokens=NEW), len(prompts))
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    spec = context(name, workdir, max_new_tokens=NEW, num_assistant_tokens=4,
+                   num_assistant_tokens_schedule="heuristic",
+                   assistant=context(helper, workdir))  # fmt: skip
+    eng = generation.compile(spec, len(prompts), capacity=128)
+    assert generation.generate(eng, prompts, [0] * len(prompts)) == want
+    _, stats = speculative.run(eng, [(p, NEW, 0) for p in prompts])
+    assert stats.accepted > 0 and stats.steps < stats.tokens
+    # sampled: plain sampling's tokens for the seed, beside a slot that does not speculate
+    sampled = Request(prompts[1], max_new_tokens=NEW, do_sample=True, temperature=1.2, seed=4)
+    alone = _solo(eng, Request(**{**sampled.__dict__, "num_assistant_tokens": 0}))[0]
+    state = eng.init_state()
+    state = eng.insert(eng.prefill(sampled), state, 0)
+    state = eng.insert(eng.prefill(Request(prompts[0], num_assistant_tokens=0)), state, 2)
+    got = []
+    while state.live_slots:
+        state, tokens = eng.generate(state, 2)
+        got += [(t.token, t.eos, t.done, t.finish_reason) for t in tokens if t.slot == 0]
+    assert alone[1:] == got
+    assert speculative.stats(state, 0).drafted > 0 and speculative.stats(state, 2).drafted == 0
+
+
+def _other_tokenizer(folder, into):
+    """A copy of ``folder``'s json files whose tokenizer swaps the ids of two tokens."""
+    import json
+    import shutil
+
+    into.mkdir(exist_ok=True)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, into / name)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (into / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return into
+
+
+def test_an_assistant_of_another_vocabulary_is_refused(workdir):
+    from generation_cases import decoder
+
+    other = _other_tokenizer(FIXTURES / "gpt2-optimum", workdir / "other-tokenizer")
+    helper = generation.context(other, decoder("gpt2-optimum"))
+    with pytest.raises(ValueError, match="a draft model must share the target's tokenizer"):
+        context("llama-optimum", workdir, assistant=helper)
+    with pytest.raises(ValueError, match="not with beam search"):
+        context("llama-optimum", workdir, num_beams=2,
+                assistant=context("llama-genai-int4", workdir))  # fmt: skip
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule must be one of"):
+        generation.Options(num_assistant_tokens_schedule="fast")
+
+
+def test_the_pipeline_takes_prompt_lookup_and_an_assistant_model():
+    from transmuter_jax import text
+
+    pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=12)
+    prompt = "hello hello world hello world"
+    want = pipe(prompt, chat=False)
+    assert pipe(prompt, chat=False, prompt_lookup_num_tokens=3) == want
+    helped = text.generation(FIXTURES / "llama-optimum", max_new_tokens=12,
+                             assistant_model=FIXTURES / "llama-genai-int4")  # fmt: skip
+    assert helped(prompt, chat=False, num_assistant_tokens=3) == want

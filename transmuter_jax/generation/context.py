@@ -255,6 +255,12 @@ def _assistant(ctx: Context, assistant: Any) -> Context:
             f"{assistant.vocab_size} tokens and {ctx.model.path!r} one of {ctx.vocab_size}: a "
             "draft model must share the target's tokenizer"
         )
+    if _texts(ctx) != _texts(assistant):
+        raise GenerationError(
+            f"the assistant model {assistant.model.path!r} has other token texts than "
+            f"{ctx.model.path!r} (another tokenizer.json): a draft model must share the target's "
+            "tokenizer"
+        )
     if ctx.options.num_beams > 1 or ctx.options.num_return_sequences > 1:
         raise GenerationError(
             "an assistant model (speculative decoding) gives one sequence per prompt: not with "
@@ -263,6 +269,16 @@ def _assistant(ctx: Context, assistant: Any) -> Context:
     if ctx.options.prompt_lookup_num_tokens is not None:
         raise GenerationError("set an assistant model or prompt_lookup_num_tokens, not both")
     return assistant
+
+
+def _texts(ctx: Context) -> tuple[str | None, ...] | None:
+    """The token texts of ``ctx``: its own, else its folder's tokenizer.json's, else None."""
+    if ctx.token_texts is not None:
+        return ctx.token_texts
+    try:
+        return folder_texts(ctx.repo)
+    except (OSError, ModelFileError):
+        return None
 
 
 def _constraint(options: Options, repo: str, vocab: int | None) -> tuple[Any, ...]:

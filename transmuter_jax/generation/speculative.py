@@ -308,9 +308,7 @@ def generate(
     helper = {} if engine.assistant is None else engine.assistant.model.params
     rows, out, _ = run(engine.model.params, helper, state.rows, np.int32(steps))
     out = jax.device_get(out)
-    # [size, B, W, ...] -> [size * W, B, ...]: the positions of a step one after another
-    out = jax.tree.map(lambda a: np.swapaxes(a, 1, 2).reshape((-1,) + a.shape[1:2] + a.shape[3:]),
-                       out)  # fmt: skip
+    out = jax.tree.map(_positions_in_order, out)
     hosts, tokens, ended = list(state.hosts), [], []
     for i in range(out.token.shape[0]):
         taking = [s for s in live if out.token[i, s] >= 0 and not hosts[s].done]
@@ -327,6 +325,11 @@ def generate(
     if ended:
         rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(ended)].set(True))
     return dataclasses.replace(state, rows=rows, hosts=tuple(hosts)), tokens
+
+
+def _positions_in_order(a: np.ndarray) -> np.ndarray:
+    """[size, B, W, ...] -> [size * W, B, ...]: the positions of a step one after another."""
+    return np.swapaxes(a, 1, 2).reshape((a.shape[0] * a.shape[2], a.shape[1]) + a.shape[3:])
 
 
 def stats(state: slots.SlotState, slot: int) -> Stats:
@@ -383,8 +386,10 @@ def run(
     limit = engine.position_limit
     if limit is not None:
         capacity = min(capacity, bucket(limit))
-    top = max(engine.slot_top_logprobs, options.top_logprobs)
-    engine = dataclasses.replace(engine, slot_capacity=capacity, slot_top_logprobs=top)
+    # the top_logprobs the options ask for, no more: top k of every position costs
+    engine = dataclasses.replace(
+        engine, slot_capacity=capacity, slot_top_logprobs=options.top_logprobs
+    )
     state = slots.init(engine)
     n = len(rows)
     kept: list[list[Any]] = [[] for _ in rows]
