@@ -313,3 +313,21 @@ def test_the_pipeline_takes_prompt_lookup_and_an_assistant_model():
     helped = text.generation(FIXTURES / "llama-optimum", max_new_tokens=12,
                              assistant_model=FIXTURES / "llama-genai-int4")  # fmt: skip
     assert helped(prompt, chat=False, num_assistant_tokens=3) == want
+
+
+def test_the_server_fields_switch_prompt_lookup_on():
+    from types import SimpleNamespace
+
+    from transmuter_jax.serving import app, protocol
+
+    served = SimpleNamespace(max_model_len=100, pipe=None, generation_config=False,
+                             vocab_size=512, decode_steps=0)  # fmt: skip
+    for field in ("prompt_lookup_num_tokens", "num_speculative_tokens"):
+        body = protocol.CompletionRequest(model="m", prompt="x", temperature=0, **{field: 4})
+        options = dict(app._submission(served, body, [1, 2, 3], 5, None, "prompt").options)
+        assert options["prompt_lookup_num_tokens"] == 4
+    body = protocol.CompletionRequest(model="m", prompt="x", n=2, prompt_lookup_num_tokens=4)
+    with pytest.raises(protocol.ApiError, match="speculative decoding takes n=1"):
+        app._submission(served, body, [1, 2, 3], 5, None, "prompt")
+    with pytest.raises(ValueError):
+        protocol.CompletionRequest(model="m", prompt="x", prompt_lookup_num_tokens=0)
