@@ -476,3 +476,27 @@ def test_cli_choice_end_to_end(capsys):
     assert cli.main(args) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["text"] in ("red", "blue") and record["finish_reason"] == "eos"
+
+
+def test_a_speculating_slot_beside_a_constrained_one_equals_its_solo_run(model):
+    """A live constrained slot pauses speculation (plain steps): both requests get their solo
+    tokens, the constrained one still valid."""
+    spec = gen.context(str(FIXTURE), model, max_new_tokens=20)
+    engine = gen.compile(spec, 2, capacity=128, top_logprobs=0)
+    pattern = r"[0-9]{2,5}(-[a-z]{1,4}){1,3}"
+    requests = [
+        gen.Request(PROMPTS[0], constraint={"regex": pattern}),
+        gen.Request(PROMPTS[1], max_new_tokens=16, prompt_lookup_num_tokens=3),
+    ]
+    state, out = engine.init_state(), {}
+    for slot, request in enumerate(requests):
+        prefix = engine.prefill(request)
+        state = engine.insert(prefix, state, slot)
+        out[slot] = [prefix.first]
+    _drain(engine, state, out)
+    for slot, request in enumerate(requests):
+        solo = {0: [engine.prefill(request).first]}
+        _drain(engine, engine.insert(engine.prefill(request), engine.init_state(), 0), solo)
+        assert [t.token for t in solo[0]] == [t.token for t in out[slot]], slot
+    decode = llguidance.LLTokenizer(TOKENIZER, n_vocab=VOCAB).decode_str
+    assert re.fullmatch(pattern, decode([t.token for t in out[0] if not t.eos]))

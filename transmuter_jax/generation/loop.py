@@ -23,7 +23,7 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.qkv import split_qkv
 from ..parallel import sharding
 from . import cache as cache_modes
-from . import constraints, slots
+from . import constraints, slots, speculative
 from .beam import BeamPrompt
 from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
@@ -113,7 +113,11 @@ def compile(  # noqa: A001
     steps = Steps(engine, mode, padding)
     decoder = _decoder(engine, steps, select, options)
     compiled = Compiled(steps, select, reorder, runs, reason, decoder)
-    return dataclasses.replace(engine, compiled=compiled)
+    assistant = None
+    if ctx.assistant is not None:  # the draft model: slots of the same capacity
+        assistant = compile(ctx.assistant, batch_size, capacity=capacity, top_logprobs=0,
+                            mesh=mesh, **jit_options)  # fmt: skip
+    return dataclasses.replace(engine, compiled=compiled, assistant=assistant)
 
 
 def _selection(ctx: Context, jit_options: Mapping[str, Any]):
@@ -222,6 +226,10 @@ def generate(
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
     _validate(ctx, prompts, seeds, inputs)
+    if ctx.options.speculative or ctx.assistant is not None:  # docs/speculative.md
+        speculative.check(ctx, inputs)
+        rows = _rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)]
+        return speculative.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
     run = _Run.start(ctx, prompts, seeds, inputs, on_token, clamp)
     for group in run.groups():
         state = run.prefill(group)

@@ -26,9 +26,11 @@ from .. import hub
 from ..runtime.jit import jit_options
 from ..runtime.stored import storable
 from . import constraints
+from . import drafts as drafting
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
 from .errors import GenerationError
+from .options import MAX_DRAFT, MAX_NGRAM, NGRAM_DEFAULT
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
 from .stops import StopStrings
@@ -58,6 +60,10 @@ class Request:
         stop_strings: strings that end it (as transformers' StopStringCriteria).
         logprobs: give each token's log-probability.
         top_logprobs: give the k most probable tokens of each step (k at most the state's).
+        prompt_lookup_num_tokens, max_matching_ngram_size: speculative decoding by prompt
+            lookup (docs/speculative.md); 0 switches off the specification's.
+        num_assistant_tokens: with an engine of an assistant model, its drafted tokens (0: the
+            request does not speculate).
         frequency_penalty: subtracted from the score of every token, times its count among the
             generated tokens (OpenAI's meaning).
         logit_bias: (token id, bias) pairs added to the scores first (as a one-token
@@ -83,6 +89,9 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int | None = None
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_new_tokens: int = 0
@@ -147,9 +156,9 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     float64), top_p_on, min_p, repetition, presence: the warpers' and penalties' values.
     cache: the cache arrays by input name [B, heads, rows, head_size]. frequency: OpenAI's
     frequency penalty. bias_ids, bias_values [B, BIAS_WIDTH]: logit_bias (ids -1 after them).
-    min_new: eos ids are masked before this many new tokens.
-    cache: the cache arrays by input name [B, heads, rows, head_size]. constraint: the state
-    in the slots' constraint table (-1: no constraint).
+    min_new: eos ids are masked before this many new tokens. constraint: the state in the
+    slots' constraint table (-1: no constraint). drafts: speculative decoding's per-slot state
+    (:class:`.drafts.Drafts`).
     """
 
     token: jax.Array
@@ -175,6 +184,7 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     bias_values: jax.Array
     min_new: jax.Array
     constraint: jax.Array
+    drafts: drafting.Drafts
 
 
 DecodeRows = Rows_
@@ -289,6 +299,11 @@ def check(engine: Engine) -> None:
             raise GenerationError(f"{name} is not a per-slot option: use generate()")
     if engine.placement is not None:
         raise GenerationError("slots run without a mesh for now: use generate()")
+    if engine.assistant is not None:
+        refusal = engine.assistant.cache_mode.slot_refusal()
+        if refusal:
+            path = engine.assistant.spec.model.path
+            raise GenerationError(f"the assistant model {path!r} cannot draft: {refusal}")
 
 
 # -- the per-slot selection --------------------------------------------------------------------
@@ -588,7 +603,13 @@ def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
         bias_values=jnp.zeros((batch, BIAS_WIDTH), jnp.float32),
         min_new=i(0),
         constraint=i(-1),
+        drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity)),
     )
+
+
+def _assistant_cache(engine: Engine, batch: int, capacity: int) -> dict[str, jax.Array]:
+    assistant = engine.assistant
+    return {} if assistant is None else assistant.cache.empty(batch, capacity)
 
 
 def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
@@ -616,7 +637,22 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
         )
     if repetition <= 0:
         raise GenerationError(f"repetition_penalty must be positive, got {repetition}")
+    lookup = pick(request.prompt_lookup_num_tokens, o.prompt_lookup_num_tokens) or 0
+    assisted = engine.assistant is not None and not lookup
+    if assisted:
+        lookup = pick(request.num_assistant_tokens, o.num_assistant_tokens)
+    ngram = pick(request.max_matching_ngram_size, o.max_matching_ngram_size)
+    ngram = NGRAM_DEFAULT if ngram is None else ngram
+    if not (0 <= lookup <= MAX_DRAFT and 1 <= ngram <= MAX_NGRAM):
+        raise GenerationError(
+            f"prompt_lookup_num_tokens and num_assistant_tokens must be in [0, {MAX_DRAFT}] and "
+            f"max_matching_ngram_size in [1, {MAX_NGRAM}], got {lookup} and {ngram}"
+        )
     return dict(
+        lookup=int(lookup),
+        assisted=bool(assisted and lookup),
+        adaptive=not assisted or o.num_assistant_tokens_schedule == "heuristic",
+        ngram=int(ngram),
         max_new=int(max_new),
         eos=tuple(eos),
         sample=sample,
@@ -642,7 +678,7 @@ def prefill(
     check(engine)
     if not isinstance(request, Request):
         raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
-    spec, mode, capacity = engine.spec, engine.cache_mode, engine.slot_capacity
+    spec, capacity = engine.spec, engine.slot_capacity
     r = _resolved(engine, request)
     prompt = list(request.prompt)
     vocab = engine.vocab_size or 2**31
@@ -669,30 +705,12 @@ def prefill(
         if spec.token_texts is None:
             raise GenerationError("stop strings need token texts: context(tokenizer=...)")
         stops = StopStrings(request.stop_strings, spec.token_texts)
-    cache = engine.cache.empty(1, capacity) if past is None else past[0]
-    lengths, fed = np.full(1, start, np.int32), start
-    axes = _axes(engine)
-    names = {i.name for i in engine.model.inputs}
-    logits = None
-    while fed < len(prompt):
-        size = mode.prompt_step(len(prompt) - fed, spec.prefill)
-        part = prompt[fed : fed + size]
-        tokens = np.full((1, size), _pad_token(engine), np.int32)
-        tokens[0, : len(part)] = part
-        feed: dict[str, Any] = {"tokens": tokens}
-        if "attention_mask" in names:
-            feed["attention_mask"] = mode.mask(lengths, size, capacity)
-        if axes:
-            positions = (np.arange(size) + fed)[None, :].astype(np.int32)
-            feed["position_ids"] = (
-                np.broadcast_to(positions, (3, 1, size)) if axes == 3 else positions
-            )
-        last = np.array([len(part) - 1], np.int32)
-        if logits is not None:
-            logits.delete()
-        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
-        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
-        fed += len(part)
+    cache = None if past is None else past[0]
+    logits, cache, lengths = _prompt(engine, prompt, capacity, cache, start)
+    drafted = {}
+    if engine.assistant is not None:  # the draft model's cache of the whole prompt
+        last, drafted, _ = _prompt(engine.assistant, prompt, capacity)
+        last.delete()
     history = np.full((1, capacity), -1, np.int32)
     history[0, : len(prompt)] = prompt
     eos = np.full((1, EOS_WIDTH), -1, np.int32)
@@ -729,6 +747,9 @@ def prefill(
         bias_values=jnp.asarray(bias_values),
         min_new=one(int(request.min_new_tokens), np.int32),
         constraint=one(-1 if table is None else 0, np.int32),
+        drafts=drafting.empty(
+            1, r["lookup"], r["ngram"], r["assisted"], r["adaptive"], cache=drafted
+        ),
     )
     if r["max_new"] == 0:
         logits.delete()
@@ -749,6 +770,39 @@ def written(start: int, length: int) -> int:
     cached (its steps padded)."""
     rest = length - start
     return start + (bucket(rest) if rest <= PREFILL_CAP else _chunks_end(rest))
+
+
+def _prompt(
+    engine: Engine, prompt: list[int], capacity: int, cache: Any = None, start: int = 0
+) -> tuple[Any, dict, Any]:
+    """(the last token's logits, the cache, its lengths) of ``prompt`` alone, in steps of the
+    engine's prefill rule into a cache of ``capacity`` rows (``cache``: one whose first
+    ``start`` rows hold the prompt's first tokens)."""
+    spec, mode = engine.spec, engine.cache_mode
+    cache = engine.cache.empty(1, capacity) if cache is None else cache
+    lengths, fed, logits = np.full(1, start, np.int32), start, None
+    axes = _axes(engine)
+    names = {i.name for i in engine.model.inputs}
+    while fed < len(prompt):
+        size = mode.prompt_step(len(prompt) - fed, spec.prefill)
+        part = prompt[fed : fed + size]
+        tokens = np.full((1, size), _pad_token(engine), np.int32)
+        tokens[0, : len(part)] = part
+        feed: dict[str, Any] = {"tokens": tokens}
+        if "attention_mask" in names:
+            feed["attention_mask"] = mode.mask(lengths, size, capacity)
+        if axes:
+            positions = (np.arange(size) + fed)[None, :].astype(np.int32)
+            feed["position_ids"] = (
+                np.broadcast_to(positions, (3, 1, size)) if axes == 3 else positions
+            )
+        last = np.array([len(part) - 1], np.int32)
+        if logits is not None:
+            logits.delete()
+        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
+        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
+        fed += len(part)
+    return logits, cache, lengths
 
 
 def _chunks_end(length: int) -> int:

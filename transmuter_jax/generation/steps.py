@@ -108,7 +108,8 @@ class Steps:
             feed: "tokens" [B, S] int32, attention_mask, position_ids, the given inputs, and for
                 image features "image_features" [B, S, H] with "image_mask" [B, S].
             lengths: [B] int32 valid cached tokens of each row before the step.
-            last: [B] int32 index in the step of each row's last real token.
+            last: [B] int32 index in the step of each row's last real token (or [B, P]: the
+                logits of P tokens of each row, [B, P, V], as speculative decoding verifies).
             rows: in grow on a padded cache, its rows after the step.
 
         Returns:
@@ -216,8 +217,8 @@ def _step_function(
         with switch.off_over_mesh(placed):
             outputs = model.trace(static, params, inputs)  # a mesh: no custom calls
         logits = outputs["logits"]  # [B, S, V]
-        index = jnp.arange(logits.shape[0])
-        last_logits = logits[index, last].astype(jnp.float32)  # [B, V]
+        index = jnp.arange(logits.shape[0]).reshape((-1,) + (1,) * (jnp.ndim(last) - 1))
+        last_logits = logits[index, last].astype(jnp.float32)  # [B, V] ([B, P, V]: last [B, P])
         new = mode.write(layout, cache, outputs, lengths, rows)
         if ctx.placement is not None:  # the next cache keeps the input's shardings (donation)
             new = ctx.placement.constrain_cache(new)
