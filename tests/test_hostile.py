@@ -1352,3 +1352,75 @@ def test_a_megabyte_prompt_gets_a_result_or_one_error_line():
     lines = [line for line in err.strip().splitlines() if not line.startswith("warning")]
     assert done.returncode in (1, 2) and "Traceback" not in err, err
     assert lines[-1].startswith("transmuter-jax: error: "), err
+
+
+# -- round 2: two layouts at once --------------------------------------------------------------
+
+
+def _copy(source: Path, folder: Path, names=None) -> None:
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and (names is None or path.name in names):
+            shutil.copy(path, folder / path.name)
+
+
+_TWO_LAYOUTS = {
+    # optimum at the top and transformers.js under onnx/ (both fp32)
+    "optimum+transformers.js": [("llama-optimum", ""), ("llama-optimum", "onnx")],
+    # the genai builder's folder at the top and an optimum decoder beside it
+    "genai+optimum": [("llama-genai-fp32", ""), ("marian-optimum", "")],
+    # genai at the top and transformers.js under onnx/
+    "genai+transformers.js": [("llama-genai-fp32", ""), ("llama-optimum", "onnx")],
+    # an fp32 genai subfolder beside an optimum decoder at the top
+    "optimum+genai subfolder": [("llama-optimum", ""), ("qwen2-genai-fp32", "cpu-fp32")],
+}
+
+
+def _two_layouts(tmp_path: Path, kind: str) -> Path:
+    folder = tmp_path / "model"
+    for fixture, sub in _TWO_LAYOUTS[kind]:
+        names = None
+        if fixture == "marian-optimum":
+            names = {"decoder_model_merged.onnx", "encoder_model.onnx"}
+        elif sub == "onnx":
+            names = {"model.onnx"}
+        _copy(FIXTURES / fixture, folder / sub if sub else folder, names)
+    return folder
+
+
+@pytest.mark.parametrize("kind", sorted(_TWO_LAYOUTS))
+def test_a_folder_of_two_layouts_is_refused_naming_both_and_the_way_out(tmp_path, kind):
+    folder = _two_layouts(tmp_path, kind)
+    with pytest.raises(tj.ModelFileError, match="several layouts at once") as error:
+        hub.files(folder)
+    message = str(error.value)
+    assert "pass file= (--file)" in message
+    families = {"optimum": "optimum ", "genai": "genai ", "transformers.js": "transformers.js "}
+    for family in kind.replace(" subfolder", "").split("+"):
+        assert families[family] in message, message
+    done = _cli(["generate", str(folder), "hi", "--max-new-tokens", "2"])
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr.decode()
+    assert lines[0].startswith("transmuter-jax: error: ") and "several layouts" in lines[0]
+
+
+def test_naming_the_decoder_of_a_two_layout_folder_gives_that_model(tmp_path):
+    from transmuter_jax import text
+
+    folder = _two_layouts(tmp_path, "optimum+transformers.js")
+    reference = text.generation(FIXTURES / "llama-optimum", max_new_tokens=4)
+    expected = reference("Hello there", chat=False)
+    for file in ("model.onnx", "onnx/model.onnx"):
+        pipe = text.generation(folder, file=file, max_new_tokens=4)
+        assert pipe("Hello there", chat=False) == expected
+    assert hub.files(folder, dtype="fp32", file="onnx/model.onnx").family == "transformers.js"
+
+
+def test_one_layout_beside_other_dtypes_is_not_two_layouts(tmp_path):
+    """Variants of other dtypes are no second layout: the request picks one of them."""
+    folder = _two_layouts(tmp_path, "optimum+genai subfolder")
+    (folder / "cpu-fp32").rename(folder / "cpu-int4")  # the subfolder's name tells its precision
+    assert hub.files(folder).family == "optimum"
+    assert hub.files(folder, dtype="int4").family == "genai"

@@ -505,7 +505,11 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
     incomplete: list[str] = []
     unmerged: list[str] = []
     if "genai_config.json" in configs:
-        variants.append(_genai(repo, root, "genai_config.json", 0, None))
+        genai = _genai(repo, root, "genai_config.json", 0, None)
+        variants.append(genai)
+        # optimum's names at the top beside the genai config's own files: a second layout
+        others = [n for n in names if n not in genai.paths]
+        variants += _optimum(repo, "", "optimum", 1, others)[0]
     else:
         found, notes, split = _optimum(repo, "", "optimum", 1, names)
         variants += found
@@ -540,9 +544,7 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
     if incomplete:
         available += f"; incomplete: {'; '.join(incomplete)}"
     if dtype is None:
-        if variants[0].rank == 0:
-            return variants[0]
-        matches = [v for v in variants if v.dtype == "fp32"]
+        matches = [v for v in variants if v.rank == 0 or v.dtype == "fp32"]
         if not matches and len(variants) == 1 and variants[0].family == "genai":
             matches = variants
         if not matches:
@@ -560,6 +562,9 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
             raise ModelFileError(
                 f"{repo!r} has no decoder of dtype {dtype!r}; its variants: {available}{hint}"
             )
+    layouts = sorted({v.rank for v in matches})
+    if len(layouts) > 1:
+        _refuse_layouts(repo, [v for v in matches if v.rank in layouts], dtype)
     best = [v for v in matches if v.rank == matches[0].rank]
     if len(best) > 1:
         raise ModelFileError(
@@ -567,6 +572,22 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
             f"{', '.join(v.decoder for v in best)}; pass file= to name one"
         )
     return best[0]
+
+
+_PLACES = {0: "at the top", 1: "at the top", 2: "under onnx/", 3: "in a subfolder"}
+
+
+def _refuse_layouts(repo: str, matches: Sequence[_Variant], dtype: str | None) -> None:
+    """Refuses a folder that holds decoders of ``dtype`` in more than one exporter's layout:
+    their config and tokenizer files may belong to different models, and no rule can tell
+    which one the caller means."""
+    found = "; ".join(f"{v.family} {_PLACES[v.rank]} ({v.decoder})" for v in matches)
+    wanted = f"of dtype {dtype!r}" if dtype else "of the default choice (genai, else fp32)"
+    raise ModelFileError(
+        f"{repo!r} holds several layouts at once, each with a decoder {wanted}: {found}. Its "
+        "config and tokenizer files may belong to only one of them; pass file= (--file) to name "
+        "the decoder to use, or keep one layout per folder"
+    )
 
 
 def _explicit(repo: str, root: str, names: Sequence[str], file: str, dtype: str | None) -> _Variant:
