@@ -1424,3 +1424,54 @@ def test_one_layout_beside_other_dtypes_is_not_two_layouts(tmp_path):
     (folder / "cpu-fp32").rename(folder / "cpu-int4")  # the subfolder's name tells its precision
     assert hub.files(folder).family == "optimum"
     assert hub.files(folder, dtype="int4").family == "genai"
+
+
+# -- round 2: vocab_size 0 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -5, "512", 2.5, True, 1 << 40, [512]])
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_vocab_size_that_is_no_vocabulary_is_refused_by_name(value, nested):
+    config = {"text_config": {"vocab_size": value}} if nested else {"vocab_size": value}
+    where = "text_config.vocab_size" if nested else "vocab_size"
+    with pytest.raises(tj.ModelFileError, match=rf"has {where} .*whole number from 1 to"):
+        hub.vocab_size(config)
+    assert hub.vocab_size({"vocab_size": None}) is None and hub.vocab_size({}) is None
+
+
+def _vocab_zero_folder(tmp_path: Path, symbolic: bool) -> Path:
+    """llama-optimum with config.json's vocab_size 0; with ``symbolic``, the logits' last axis
+    unnamed in the graph, so only the config could tell the vocabulary."""
+    folder = tmp_path / "model"
+    _copy(FIXTURES / "llama-optimum", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 0}))
+    if symbolic:
+        model = onnx.load(str(folder / "model.onnx"))
+        logits = next(o for o in model.graph.output if o.name == "logits")
+        logits.type.tensor_type.shape.dim[2].dim_param = "vocab"  # clears dim_value
+        onnx.save(model, str(folder / "model.onnx"))
+    return folder
+
+
+def test_vocab_size_0_is_refused_where_the_config_must_tell_the_vocabulary(tmp_path):
+    from transmuter_jax import text
+
+    folder = _vocab_zero_folder(tmp_path, symbolic=True)
+    with pytest.raises(tj.ModelFileError, match="has vocab_size 0; it must be a whole number"):
+        text.generation(folder, max_new_tokens=2)("Hello", chat=False)
+    done = _cli(["generate", str(folder), "Hello", "--max-new-tokens", "2"])
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr.decode()
+    assert "vocab_size 0" in lines[0] and lines[0].startswith("transmuter-jax: error: ")
+
+
+def test_vocab_size_0_beside_a_graph_that_tells_the_vocabulary_gives_the_right_tokens(tmp_path):
+    from transmuter_jax import text
+
+    folder = _vocab_zero_folder(tmp_path, symbolic=False)
+    expected = text.generation(FIXTURES / "llama-optimum", max_new_tokens=4).generate(
+        ["Hello there"], chat=False
+    )
+    got = text.generation(folder, max_new_tokens=4).generate(["Hello there"], chat=False)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]

@@ -271,6 +271,36 @@ def genai_equivalent(genai: Mapping[str, Any], name: str) -> dict[str, Any]:
     return {**config, **ids}
 
 
+MAX_VOCAB = (1 << 31) - 1
+"""The largest vocabulary a config may declare (token ids are int32 on the device)."""
+
+
+def vocab_size(config: Mapping[str, Any]) -> int | None:
+    """The ``vocab_size`` of a model's config (its ``text_config``'s first), or None when it
+    declares none (absent or null).
+
+    Raises:
+        ModelFileError: the value is not a whole number from 1 to :data:`MAX_VOCAB` (0, negative,
+            a string, a fraction, a bool), naming it.
+    """
+    text = config.get("text_config")
+    sources = [text, config] if isinstance(text, Mapping) else [config]
+    for source in sources:
+        value = source.get("vocab_size")
+        if value is None:
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not whole or not 1 <= value <= MAX_VOCAB:
+            where = "text_config.vocab_size" if source is text else "vocab_size"
+            raise ModelFileError(
+                f"the model's config (config.json, or genai_config.json's model.vocab_size) has "
+                f"{where} {value!r}; it must be a whole number from 1 to {MAX_VOCAB:,} (the "
+                "size of the vocabulary): fix the file"
+            )
+        return value
+    return None
+
+
 def files(repo: str | os.PathLike, *, dtype: str | None = None, file: str | None = None) -> Files:
     """The ONNX files of ``repo``: its decoder, and its encoder or embeddings model if any.
 
