@@ -1475,3 +1475,131 @@ def test_vocab_size_0_beside_a_graph_that_tells_the_vocabulary_gives_the_right_t
     )
     got = text.generation(folder, max_new_tokens=4).generate(["Hello there"], chat=False)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+
+
+# -- round 2: hours of audio in bounded memory -------------------------------------------------
+
+_MEMORY_CHILD = """
+import importlib, json, resource, sys
+import numpy as np
+
+def data_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+
+load = importlib.import_module("transmuter_jax.audio.load")
+speech = importlib.import_module("transmuter_jax.audio.speech_to_text")
+args = json.loads(sys.argv[1])
+pipe = None
+if args.get("model"):
+    pipe = speech.speech_to_text(args["model"], num_beams=1, max_new_tokens=2)
+    warm = np.sin(np.arange(16000 * 40) / 9.0).astype(np.float32) * 0.1
+    pipe.generate([warm], sampling_rate=16000)  # the programs compiled before the limit
+budget = args["budget_mb"] << 20
+if args.get("samples_s"):  # the caller's array is allocated before the limit
+    given = (np.random.default_rng(0).standard_normal(int(args["samples_s"] * 16000)) * 0.05)
+    given = given.astype(np.float32)
+resource.setrlimit(resource.RLIMIT_DATA, (data_bytes() + budget, resource.RLIM_INFINITY))
+try:
+    if pipe is None:
+        out = {"samples": int(len(load.load(args["path"], 16000)))}
+    else:
+        options = {k: args[k] for k in ("chunk_length_s",) if k in args}
+        result = pipe.generate([given], sampling_rate=16000, **options)[0]
+        out = {"tokens": len(result.token_ids)}
+except MemoryError:
+    out = {"memory_error": True}
+except Exception as error:  # noqa: BLE001
+    out = {"error": f"{type(error).__name__}: {error}"}
+print(json.dumps(out))
+"""
+
+
+def _memory_child(tmp_path: Path, **args) -> dict:
+    code = _MEMORY_CHILD.replace("sys.argv[1]", repr(json.dumps(args)))
+    return _python(code, tmp_path)
+
+
+def _long_wav(path: Path, minutes: float, rate: int = 48000, channels: int = 2) -> int:
+    """Writes ``minutes`` of quiet noise as a 16-bit wav; returns its frames."""
+    import soundfile
+
+    rng = np.random.default_rng(3)
+    frames = int(minutes * 60 * rate)
+    with soundfile.SoundFile(path, "w", rate, channels, "PCM_16") as sound:
+        for start in range(0, frames, rate * 10):
+            n = min(rate * 10, frames - start)
+            sound.write((rng.standard_normal((n, channels)) * 0.05).astype(np.float32))
+    return frames
+
+
+def test_a_long_file_loads_in_memory_for_its_samples_at_the_models_rate(tmp_path):
+    """6 minutes at 48 kHz in stereo (69 MB of 16-bit samples, 138 MB as float32 at its rate
+    and channels) load as 16 kHz mono (23 MB) within 40 MB: read, mixed and resampled a block
+    at a time."""
+    pytest.importorskip("soundfile")
+    frames = _long_wav(tmp_path / "long.wav", 6)
+    out = _memory_child(tmp_path, path=str(tmp_path / "long.wav"), budget_mb=40)
+    assert out.get("samples") == frames // 3, out
+
+
+@pytest.mark.slow
+def test_hours_of_audio_load_in_memory_for_their_samples_at_the_models_rate(tmp_path):
+    pytest.importorskip("soundfile")
+    frames = _long_wav(tmp_path / "long.wav", 120, rate=44100)
+    out = _memory_child(tmp_path, path=str(tmp_path / "long.wav"), budget_mb=500)  # 460 MB
+    assert abs(out.get("samples", 0) - frames * 16000 / 44100) < 2, out
+
+
+def test_chunks_of_long_audio_are_decoded_in_bounded_groups_with_the_same_tokens(monkeypatch):
+    """A long input's chunks are encoded and decoded a group at a time (so memory holds one
+    group's features, encoder outputs and cache), and give the tokens of one batch."""
+    import importlib
+
+    from transmuter_jax import audio
+
+    module = importlib.import_module("transmuter_jax.audio.speech_to_text")
+    pipe = audio.speech_to_text(
+        FIXTURES / "whisper-speech-optimum", num_beams=1, max_new_tokens=3
+    )
+    long = np.sin(np.arange(16000 * 150) / 5.0).astype(np.float32) * 0.2
+    long *= np.random.default_rng(4).random(len(long)).astype(np.float32)
+    whole = pipe.generate([long, long[:16000 * 5]], sampling_rate=16000, seed=3)
+    sizes = []
+    features = type(pipe.features).__call__
+
+    def spy(self, batch):
+        sizes.append(len(batch))
+        return features(self, batch)
+
+    monkeypatch.setattr(module, "ROW_GROUP", 3)
+    monkeypatch.setattr(type(pipe.features), "__call__", spy)
+    grouped = pipe.generate([long, long[:16000 * 5]], sampling_rate=16000, seed=3)
+    assert max(sizes) == 3 and sum(sizes) > 3
+    assert [r.token_ids for r in grouped] == [r.token_ids for r in whole]
+    assert [r.text for r in grouped] == [r.text for r in whole]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_length_s", [None, 10.0])
+def test_hours_of_audio_transcribe_in_bounded_memory(tmp_path, chunk_length_s):
+    """Two hours (360 chunks of 30 s, or 900 of 10 s) within 900 MB beyond the samples: the
+    features, encoder outputs and cache of one group of chunks at a time."""
+    args = {} if chunk_length_s is None else {"chunk_length_s": chunk_length_s}
+    out = _memory_child(
+        tmp_path, model=str(FIXTURES / "whisper-speech-optimum"), samples_s=7200,
+        budget_mb=900, **args,
+    )  # fmt: skip
+    assert out.get("tokens", 0) > 0, out
+
+
+def test_hours_of_audio_without_chunking_are_refused_by_name():
+    """chunk_length_s=0 asks for no chunking, which audio longer than the 30 s window cannot
+    have (transformers' sequential long-form decoding is not supported): a clear error."""
+    from transmuter_jax import audio
+
+    pipe = audio.speech_to_text(FIXTURES / "whisper-speech-optimum", num_beams=1)
+    hours = np.full(16000 * 3600 * 2, 0.01, np.float32)
+    with pytest.raises(ValueError, match="7200 s is longer than the 30 s window and chunk_len"):
+        pipe.generate([hours], sampling_rate=16000, chunk_length_s=0)
