@@ -1560,12 +1560,10 @@ def test_chunks_of_long_audio_are_decoded_in_bounded_groups_with_the_same_tokens
     from transmuter_jax import audio
 
     module = importlib.import_module("transmuter_jax.audio.speech_to_text")
-    pipe = audio.speech_to_text(
-        FIXTURES / "whisper-speech-optimum", num_beams=1, max_new_tokens=3
-    )
+    pipe = audio.speech_to_text(FIXTURES / "whisper-speech-optimum", num_beams=1, max_new_tokens=3)
     long = np.sin(np.arange(16000 * 150) / 5.0).astype(np.float32) * 0.2
     long *= np.random.default_rng(4).random(len(long)).astype(np.float32)
-    whole = pipe.generate([long, long[:16000 * 5]], sampling_rate=16000, seed=3)
+    whole = pipe.generate([long, long[: 16000 * 5]], sampling_rate=16000, seed=3)
     sizes = []
     features = type(pipe.features).__call__
 
@@ -1575,7 +1573,7 @@ def test_chunks_of_long_audio_are_decoded_in_bounded_groups_with_the_same_tokens
 
     monkeypatch.setattr(module, "ROW_GROUP", 3)
     monkeypatch.setattr(type(pipe.features), "__call__", spy)
-    grouped = pipe.generate([long, long[:16000 * 5]], sampling_rate=16000, seed=3)
+    grouped = pipe.generate([long, long[: 16000 * 5]], sampling_rate=16000, seed=3)
     assert max(sizes) == 3 and sum(sizes) > 3
     assert [r.token_ids for r in grouped] == [r.token_ids for r in whole]
     assert [r.text for r in grouped] == [r.text for r in whole]
