@@ -1601,3 +1601,103 @@ def test_hours_of_audio_without_chunking_are_refused_by_name():
     hours = np.full(16000 * 3600 * 2, 0.01, np.float32)
     with pytest.raises(ValueError, match="7200 s is longer than the 30 s window and chunk_len"):
         pipe.generate([hours], sampling_rate=16000, chunk_length_s=0)
+
+
+# -- round 2: Idefics3 and Qwen2-VL preprocessor values ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"size": {"longest_edge": 0}}, r"size\['longest_edge'\] is 0; it must be from 1 to 8,192"),
+        ({"size": {"longest_edge": 10**9}}, r"size\['longest_edge'\] is 1000000000"),
+        ({"size": {"height": 4}}, r"size\['width'\] is None; it must be a whole number"),
+        ({"size": {"shortest_edge": 4}}, r"size is .*it must be \{'longest_edge': N\} or"),
+        ({"size": 364}, r"size is 364; it must be"),
+        ({"max_image_size": {"longest_edge": 0}}, r"max_image_size\['longest_edge'\] is 0"),
+        (
+            {"max_image_size": {"longest_edge": 2.5}},
+            r"max_image_size\['longest_edge'\] is 2.5; it must be a whole number",
+        ),
+        (
+            {"max_image_size": {"longest_edge": float("inf")}},
+            r"max_image_size\['longest_edge'\] is inf; it must be a whole",
+        ),
+        ({"max_image_size": {}}, r"max_image_size is \{\}; it must be \{'longest_edge': N\}$"),
+        ({"image_std": [0.5, 0.0, 0.5]}, "image_std is .*a standard deviation of 0"),
+        ({"image_mean": [float("nan")] * 3}, "image_mean is .*it must be finite"),
+        ({"rescale_factor": "1/255"}, "rescale_factor is '1/255'; it must be a number"),
+        ({"resample": 42}, "resample is 42; it must be one of"),
+    ],
+)
+def test_degenerate_idefics3_processor_values_are_refused_by_name(config, words):
+    from transmuter_jax.vision.idefics3 import Idefics3ImageProcessor
+
+    with pytest.raises(ValueError, match="Idefics3ImageProcessor: " + words):
+        Idefics3ImageProcessor(config)
+    with pytest.raises(ValueError, match="Idefics3ImageProcessor: " + words):
+        Idefics3ImageProcessor({}).settings(config)  # a call's options too
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"patch_size": 0}, "patch_size is 0; it must be from 1 to 8,192"),
+        ({"patch_size": 10**6}, "patch_size is 1000000; it must be from 1"),
+        ({"merge_size": 0}, "merge_size is 0; it must be from 1"),
+        ({"patch_size": 1024, "merge_size": 16}, "merge_size is 16; it must be from 1 to 8$"),
+        ({"temporal_patch_size": -2}, "temporal_patch_size is -2"),
+        ({"min_pixels": 0}, "min_pixels is 0; it must be from 1 to 67,108,864"),
+        ({"min_pixels": 10**12}, "min_pixels is 1000000000000"),
+        ({"max_pixels": 10**12}, "max_pixels is 1000000000000"),
+        ({"max_pixels": float("nan")}, "max_pixels is nan; it must be a whole number"),
+        ({"min_pixels": 5000, "max_pixels": 4000}, "min_pixels is 5,000, more than max_pixels"),
+        ({"image_std": 0}, "image_std is 0; a standard deviation of 0"),
+        ({"rescale_factor": float("inf")}, "rescale_factor is inf; it must be finite"),
+    ],
+)
+def test_degenerate_qwen2vl_processor_values_are_refused_by_name(config, words):
+    from transmuter_jax.vision.qwen2vl import Qwen2VLImageProcessor
+
+    with pytest.raises(ValueError, match="Qwen2VLImageProcessor: " + words):
+        Qwen2VLImageProcessor(config)
+    with pytest.raises(ValueError, match="Qwen2VLImageProcessor: " + words):
+        Qwen2VLImageProcessor({}).settings(config)
+
+
+@pytest.mark.parametrize(
+    ("files", "words"),
+    [
+        ({"processor_config.json": {"image_seq_len": 0}}, "image_seq_len is 0; it must be from"),
+        ({"processor_config.json": {"image_seq_len": 10**9}}, "image_seq_len is 1000000000"),
+        ({"processor_config.json": {"image_seq_len": "64"}}, "image_seq_len is '64'"),
+        ({"config.json": {"vision_config": {"patch_size": 0}}}, "config.json: patch_size is 0"),
+        ({"config.json": {"scale_factor": 0}}, "config.json: scale_factor is 0"),
+        ({"config.json": {"vision_config": {"image_size": -1}}}, "image_size is -1"),
+    ],
+)
+def test_degenerate_idefics3_prompt_values_are_refused_by_name(tmp_path, files, words):
+    from transmuter_jax.vision.idefics3 import Idefics3Processor
+
+    source = FIXTURES / "smolvlm-community"
+    _copy(source, tmp_path, {"preprocessor_config.json", "config.json"})
+    (tmp_path / "processor_config.json").write_text("{}")
+    for name, change in files.items():
+        current = json.loads((tmp_path / name).read_text())
+        for key, value in change.items():
+            if isinstance(value, dict):
+                current[key] = {**current.get(key, {}), **value}
+            else:
+                current[key] = value
+        (tmp_path / name).write_text(json.dumps(current))
+    with pytest.raises(ValueError, match=words):
+        Idefics3Processor(tmp_path, tokenizer=None)
+
+
+def test_a_qwen2vl_config_with_a_merge_size_of_0_is_refused_by_name():
+    from transmuter_jax.vision.qwen2vl import RopeConfig
+
+    config = json.loads((FIXTURES / "qwen2vl-community" / "config.json").read_text())
+    config["vision_config"]["spatial_merge_size"] = 0
+    with pytest.raises(ValueError, match="config.json: vision_config.spatial_merge_size is 0"):
+        RopeConfig.from_config(config)
