@@ -32,7 +32,7 @@ LLAMA = FIXTURES / "llama-genai-fp32"
 VOCAB = 512  # vocab_size of LLAMA's config.json
 
 
-def _python(code: str, tmp_path: Path, **env: str) -> dict:
+def _python(code: str, tmp_path: Path, timeout: int = 300, **env: str) -> dict:
     """Runs ``code`` in a fresh process; returns the JSON object of its last line."""
     environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **env)
     out = subprocess.run(
@@ -41,7 +41,7 @@ def _python(code: str, tmp_path: Path, **env: str) -> dict:
         text=True,
         env=environment,
         cwd=ROOT,
-        timeout=300,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -1518,7 +1518,7 @@ print(json.dumps(out))
 
 def _memory_child(tmp_path: Path, **args) -> dict:
     code = _MEMORY_CHILD.replace("sys.argv[1]", repr(json.dumps(args)))
-    return _python(code, tmp_path)
+    return _python(code, tmp_path, timeout=1800)
 
 
 def _long_wav(path: Path, minutes: float, rate: int = 48000, channels: int = 2) -> int:
@@ -1580,14 +1580,15 @@ def test_chunks_of_long_audio_are_decoded_in_bounded_groups_with_the_same_tokens
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk_length_s", [None, 10.0])
-def test_hours_of_audio_transcribe_in_bounded_memory(tmp_path, chunk_length_s):
-    """Two hours (360 chunks of 30 s, or 900 of 10 s) within 900 MB beyond the samples: the
-    features, encoder outputs and cache of one group of chunks at a time."""
+@pytest.mark.parametrize(("seconds", "chunk_length_s"), [(3600, None), (1800, 10.0)])
+def test_hours_of_audio_transcribe_in_bounded_memory(tmp_path, seconds, chunk_length_s):
+    """An hour (180 chunks of 30 s), or half an hour in 270 chunks of 10 s, within 700 MB beyond
+    the caller's samples: their copy at the model's rate (230 MB an hour) and the features,
+    encoder outputs and cache of one group of chunks at a time."""
     args = {} if chunk_length_s is None else {"chunk_length_s": chunk_length_s}
     out = _memory_child(
-        tmp_path, model=str(FIXTURES / "whisper-speech-optimum"), samples_s=7200,
-        budget_mb=900, **args,
+        tmp_path, model=str(FIXTURES / "whisper-speech-optimum"), samples_s=seconds,
+        budget_mb=700, **args,
     )  # fmt: skip
     assert out.get("tokens", 0) > 0, out
 
@@ -1701,3 +1702,49 @@ def test_a_qwen2vl_config_with_a_merge_size_of_0_is_refused_by_name():
     config["vision_config"]["spatial_merge_size"] = 0
     with pytest.raises(ValueError, match="config.json: vision_config.spatial_merge_size is 0"):
         RopeConfig.from_config(config)
+
+
+# -- round 2: streaming equals generate ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speech_pipe():
+    from transmuter_jax import audio
+
+    return audio.speech_to_text(FIXTURES / "whisper-speech-optimum", max_new_tokens=10)
+
+
+def _noise(seconds: float, seed: int = 1) -> np.ndarray:
+    n = int(seconds * 16000)
+    tone = np.sin(np.arange(n) / 5.0).astype(np.float32) * 0.3
+    return tone * np.random.default_rng(seed).random(n).astype(np.float32)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("seconds", [8, 70])  # one window, and chunks merged
+def test_a_stream_with_timestamps_joins_to_the_text_of_generate(speech_pipe, num_beams, seconds):
+    x = _noise(seconds)
+    options = dict(return_timestamps=True, num_beams=num_beams, sampling_rate=16000, seed=2)
+    expected = speech_pipe.generate([x], **options)[0]
+    pieces = list(speech_pipe.stream(x, **options))
+    assert "".join(pieces) == expected.text
+    if num_beams > 1 or seconds > 30:  # final only when the search (or the merge) ends
+        assert len(pieces) <= 1
+
+
+def test_a_stream_of_several_sequences_is_refused_by_name_before_any_step(speech_pipe):
+    from transmuter_jax import text
+
+    pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=3)
+    options = dict(num_return_sequences=2, do_sample=True, seed=1)
+    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
+        next(iter(pipe.stream("Hello", chat=False, **options)))
+    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
+        next(iter(speech_pipe.stream(_noise(3), sampling_rate=16000, num_beams=1, **options)))
+    # the command line gives the n sequences without streaming
+    done = _cli(["generate", str(FIXTURES / "llama-optimum"), "Hello", "--no-chat-template",
+                 "--max-new-tokens", "3", "--num-return-sequences", "2", "--sample", "--seed",
+                 "1"])  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+    texts = [r.text for r in pipe.generate(["Hello"], chat=False, **options)[0]]
+    assert done.stdout.decode().count("\n") >= 2 and all(t in done.stdout.decode() for t in texts)
