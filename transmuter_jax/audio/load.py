@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime.paths import not_a_file
+
 Audio = str | os.PathLike | bytes | np.ndarray
 
 RATES = (100, 1_000_000)
@@ -46,8 +48,9 @@ def _open(source: str | os.PathLike | bytes) -> Any:
 
     what = "the audio bytes" if isinstance(source, bytes) else repr(os.fspath(source))
     handle = io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
-    if not isinstance(source, bytes) and not os.path.isfile(handle):
-        raise AudioError(f"no audio file {what}")
+    why = None if isinstance(source, bytes) else not_a_file(handle, "an audio")
+    if why is not None:
+        raise AudioError(why)
     try:
         return soundfile.SoundFile(handle)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
