@@ -18,6 +18,8 @@ import numpy as np
 
 from ..runtime.jit import jit_options
 from ..runtime.stored import StoredJit, storable
+from . import constraints
+from .constraints import advance, table_bitmask
 from .processors import Rows
 from .programs import program
 from .steps import Steps
@@ -43,6 +45,7 @@ class DecodeState:
         done: [B] bool rows that take no more tokens (padding rows, other groups, finished).
         cache: the cache arrays by input name, [B, heads, rows, head_size].
         encoder: [B, E] int32 the encoder's input ids (see :class:`.processors.Rows`) or None.
+        constraint: [B] int32 each row's state of a finite constraint's table, or None.
     """
 
     token: jax.Array
@@ -56,6 +59,7 @@ class DecodeState:
     done: jax.Array
     cache: dict[str, jax.Array]
     encoder: jax.Array | None = None
+    constraint: jax.Array | None = None
 
 
 def end_of_row(chosen, live, eos, count, max_new):
@@ -86,6 +90,7 @@ class Decoder:
     size: int  # decode_steps: the most steps of one chunk
     width: int  # columns of the selection's output (1: the token only)
     axes: int  # position_ids axes: 0 (none), 1, or 3 (M-RoPE)
+    mask: Any = None  # a finite constraint's constraints.DeviceMask: its table runs on device
 
     def __call__(
         self, state: DecodeState, given: dict[str, Any], limit: int, rows: int | None
@@ -105,7 +110,7 @@ class Decoder:
             branch,
             rows,
             ctx.options.program_key,
-            tuple(ctx.processors),
+            constraints.program_names(ctx.processors),
             self.pad,
             self.axes,
             tuple(sorted(given)),
@@ -125,7 +130,9 @@ class Decoder:
             None if state.encoder is None else np.shape(state.encoder),
         )
         limit = np.int32(min(limit, self.size))
-        state, out = fn(signature, ctx.model.params, embed_params, state, given, limit)
+        table = self.mask.table if self.mask is not None else None
+        signature += (None if table is None else table.next.shape,)
+        state, out = fn(signature, ctx.model.params, embed_params, state, given, limit, table)
         return state, np.asarray(out)
 
     def _chunk_function(self, branch: bool, rows: int | None):
@@ -136,7 +143,7 @@ class Decoder:
         size, pad, axes, width = self.size, self.pad, self.axes, self.width
         ctx = self.steps.ctx
 
-        def run(params, embed_params, state: DecodeState, given, limit):
+        def run(params, embed_params, state: DecodeState, given, limit, table):
             batch = state.token.shape[0]
             cache_rows = rows if rows is not None else _self_rows(ctx, state.cache)
             out = jnp.full((size, batch, width + 1), NOT_RUN, jnp.int32)
@@ -163,7 +170,8 @@ class Decoder:
                 views = Rows(
                     s.history, s.prompt, s.prompt + s.count, s.prompt + s.max_new, s.encoder
                 )
-                chosen = select(logits, s.seeds, s.count, views, ())  # [B] or [B, width]
+                masks = () if table is None else (table_bitmask(table, s.constraint),)
+                chosen = select(logits, s.seeds, s.count, views, masks)  # [B] or [B, width]
                 more = chosen[:, 1:] if width > 1 else None
                 chosen = chosen[:, 0] if width > 1 else chosen
                 ends, kept, count, finished = end_of_row(chosen, live, eos, s.count, s.max_new)
@@ -185,6 +193,7 @@ class Decoder:
                     count=count,
                     done=done,
                     cache=cache,
+                    constraint=advance(table, s.constraint, chosen, kept),
                 )
                 return i + 1, s, out
 

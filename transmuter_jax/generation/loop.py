@@ -23,7 +23,7 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.qkv import split_qkv
 from ..parallel import sharding
 from . import cache as cache_modes
-from . import slots
+from . import constraints, slots
 from .beam import BeamPrompt
 from .context import Context
 from .decode import NOT_RUN, Decoder, DecodeState
@@ -126,21 +126,23 @@ def _selection(ctx: Context, jit_options: Mapping[str, Any]):
         masks = static_masks(options, ctx.vocab_size or 0)  # once, not every step
         return make(options, tuple(ctx.processors), masks, **jit_options)
 
-    if any(not isinstance(p, str) for p in ctx.processors):
+    names = constraints.program_names(ctx.processors)  # a device constraint's table is input
+    if any(not isinstance(p, str) for p in names):
         return build()
-    key = ("select", make.__name__, options.program_key, ctx.processors, ctx.vocab_size)
+    key = ("select", make.__name__, options.program_key, names, ctx.vocab_size)
     return program(key + (jit_key(jit_options),), build)
 
 
 def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
     """The decode chunks, or None where decode runs step by step on the host."""
-    custom = any(not isinstance(p, str) for p in ctx.processors)
+    custom = any(not isinstance(p, str) for p in constraints.program_names(ctx.processors))
     if options.decode_steps < 2 or options.num_beams > 1 or custom or not steps.mode.on_device:
         return None
     axes = _position_axes(ctx)
     width = 1 + options.logprobs + 2 * options.top_logprobs  # the selection's columns
+    mask = constraints.device_mask(ctx.processors)  # a finite constraint: its table on device
     return Decoder(steps, select, options.eos_token_id, _pad(ctx), options.decode_steps,
-                   width, axes)  # fmt: skip
+                   width, axes, mask)  # fmt: skip
 
 
 def on_device(ctx: Engine) -> bool:
@@ -469,6 +471,9 @@ class _Run:
             cache=state.arrays,
             encoder=_encoder(rows, self.ctx),
         )
+        if decoder.mask is not None:  # each row's state of the constraint's table
+            walk = decoder.mask.walk
+            device.constraint = np.array([walk(r.generated) for r in rows], np.int32)
         state.arrays = None  # donated
         result, out = decoder(device, self.given, room, state.capacity)
         state.arrays = result.cache

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import hub
 from ..runtime.jit import jit_options
 from ..runtime.stored import storable
+from . import constraints
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
 from .errors import GenerationError
@@ -60,6 +63,10 @@ class Request:
         logit_bias: (token id, bias) pairs added to the scores first (as a one-token
             sequence_bias; at most :data:`BIAS_WIDTH`).
         min_new_tokens: the eos ids are masked until this many new tokens.
+        constraint: structured output (docs/structured-output.md): a
+            :class:`~.constraints.Constraint` or a mapping of one option (``{"regex": ...}``,
+            ``{"choice": [...]}``, ``{"json_schema": ...}``); a finite one whose device table
+            equals llguidance's masks (a regex, a choice), or None.
     """
 
     prompt: tuple[int, ...]
@@ -79,9 +86,11 @@ class Request:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_new_tokens: int = 0
+    constraint: Any = None
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        fix("constraint", constraints.of(self.constraint))
         fix("prompt", tuple(int(t) for t in self.prompt))
         if self.eos_token_id is not None:
             eos = self.eos_token_id
@@ -139,6 +148,8 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     cache: the cache arrays by input name [B, heads, rows, head_size]. frequency: OpenAI's
     frequency penalty. bias_ids, bias_values [B, BIAS_WIDTH]: logit_bias (ids -1 after them).
     min_new: eos ids are masked before this many new tokens.
+    cache: the cache arrays by input name [B, heads, rows, head_size]. constraint: the state
+    in the slots' constraint table (-1: no constraint).
     """
 
     token: jax.Array
@@ -163,6 +174,7 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     bias_ids: jax.Array
     bias_values: jax.Array
     min_new: jax.Array
+    constraint: jax.Array
 
 
 DecodeRows = Rows_
@@ -194,6 +206,8 @@ class _Host:
     tail: tuple[int, ...]
     stops: StopStrings | None
     done: bool = False
+    table: constraints.TokenTable | None = None  # the request's own constraint table
+    offset: int = 0  # where it starts in the slots' table
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -209,6 +223,7 @@ class Prefix:
     request: Request
     rows: Rows_
     first: Token | None
+    table: constraints.TokenTable | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -226,6 +241,13 @@ class SlotState:
     hosts: tuple[_Host | None, ...]
     capacity: int
     top_logprobs: int
+    table: constraints.TokenTable | None = None  # the live slots' constraint tables, joined
+
+    @property
+    def live_table(self) -> constraints.TokenTable | None:
+        """The table a step reads: None when no live slot has a constraint."""
+        live = [h for h in self.hosts if h is not None and not h.done and h.table is not None]
+        return self.table if live else None
 
     @property
     def free_slots(self) -> list[int]:
@@ -250,6 +272,11 @@ def check(engine: Engine) -> None:
     options = spec.options
     if options.num_beams > 1:
         raise GenerationError("beam search needs a program of its own: use generate()")
+    if spec.constraint:
+        raise GenerationError(
+            "the specification's constraint (json_schema, regex, choice, ...) is generate()'s; "
+            "slots take one per request: Request(constraint=...)"
+        )
     if any(not isinstance(p, str) for p in spec.processors):
         raise GenerationError("a task's own processors need a program of their own: generate()")
     if spec.given or spec.embed is not None or spec.image_token is not None:
@@ -267,9 +294,10 @@ def check(engine: Engine) -> None:
 # -- the per-slot selection --------------------------------------------------------------------
 
 
-def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
+def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -> tuple:
     """Each slot's token, log-probability and top k, from logits [B, V] (the processors, then
-    the per-slot penalties and warpers, as transformers orders them)."""
+    the per-slot penalties, the constraint's mask and the warpers, as transformers orders
+    them)."""
     options = spec.options
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
@@ -296,6 +324,7 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
         scores,
     )
     scores = jnp.maximum(scores, LOWEST)
+    scores = constraints.restrict(scores, table, rows.constraint)
     warped = _warp(scores, rows)
     scores = jnp.where(rows.sample[:, None], warped, scores)
     if options.renormalize_logits:
@@ -382,7 +411,7 @@ def _step_function(engine: Engine, capacity: int, k: int):
     axes = _axes(engine)
     pad = _pad_token(engine)
 
-    def one(params, rows: Rows_):
+    def one(params, rows: Rows_, table=None):
         batch = rows.token.shape[0]
         live = ~rows.done
         feed = {"tokens": jnp.where(live, rows.token, pad)[:, None].astype(jnp.int32)}
@@ -399,7 +428,7 @@ def _step_function(engine: Engine, capacity: int, k: int):
         views = Rows(
             rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
         )
-        chosen, logprob, top_ids, top_values = _choose(spec, masks, k, logits, rows, views)
+        chosen, logprob, top_ids, top_values = _choose(spec, masks, k, logits, rows, views, table)
         ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
         at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
         history = rows.history.at[jnp.arange(batch), at].set(chosen, mode="drop")
@@ -413,6 +442,7 @@ def _step_function(engine: Engine, capacity: int, k: int):
             count=count,
             done=rows.done | done,
             cache=cache,
+            constraint=constraints.advance(table, rows.constraint, chosen, kept),
         )
         return rows, out
 
@@ -436,7 +466,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
     def make():
         one = _step_function(engine, capacity, k)
 
-        def run(params, rows: Rows_, limit):
+        def run(params, rows: Rows_, limit, table):
             batch = rows.token.shape[0]
             out = StepOut(
                 jnp.full((size, batch), -1, jnp.int32),
@@ -453,7 +483,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
 
             def body(carry):
                 i, r, out = carry
-                r, o = one(params, r)
+                r, o = one(params, r, table)
                 out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
                 return i + 1, r, out
 
@@ -480,11 +510,11 @@ def _first(engine: Engine, k: int):
     def make():
         masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
 
-        def first(logits, rows: Rows_):
+        def first(logits, rows: Rows_, table):
             views = Rows(
                 rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
             )
-            chosen, logprob, ids, values = _choose(spec, masks, k, logits, rows, views)
+            chosen, logprob, ids, values = _choose(spec, masks, k, logits, rows, views, table)
             live = ~rows.done
             ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
             at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
@@ -495,6 +525,7 @@ def _first(engine: Engine, k: int):
                 history=history,
                 count=count,
                 done=rows.done | done,
+                constraint=constraints.advance(table, rows.constraint, chosen, kept),
             )
             return rows, StepOut(chosen, logprob, ids, values, rows.done, ends)
 
@@ -556,6 +587,7 @@ def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
         bias_ids=jnp.full((batch, BIAS_WIDTH), -1, jnp.int32),
         bias_values=jnp.zeros((batch, BIAS_WIDTH), jnp.float32),
         min_new=i(0),
+        constraint=i(-1),
     )
 
 
@@ -631,6 +663,7 @@ def prefill(
             f"top_logprobs {request.top_logprobs} is more than the engine's "
             f"{engine.slot_top_logprobs} (compile(..., top_logprobs=))"
         )
+    table = _table_of(engine, request, r["eos"])
     stops = None
     if request.stop_strings:
         if spec.token_texts is None:
@@ -695,11 +728,12 @@ def prefill(
         bias_ids=jnp.asarray(bias_ids),
         bias_values=jnp.asarray(bias_values),
         min_new=one(int(request.min_new_tokens), np.int32),
+        constraint=one(-1 if table is None else 0, np.int32),
     )
     if r["max_new"] == 0:
         logits.delete()
-        return Prefix(request, rows, None)
-    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows)
+        return Prefix(request, rows, None, table)
+    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows, table)
     logits.delete()
     out = jax.device_get(out)
     token = _tokens(out, request, [0], 0, None)[0]
@@ -707,7 +741,7 @@ def prefill(
         if stops.hit([*prompt, token.token]):
             token = dataclasses.replace(token, done=True, finish_reason="stop")
             rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
-    return Prefix(request, rows, token)
+    return Prefix(request, rows, token, table)
 
 
 def written(start: int, length: int) -> int:
@@ -768,12 +802,75 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
     done = prefix.first is None or prefix.first.done
     if prefix.first is not None and not prefix.first.eos:
         tokens.append(prefix.first.token)
-    rows = _insert_function(jit_key(engine.jit_options))(state.rows, prefix.rows, jnp.int32(slot))
+    state, offset = _joined(state, slot, prefix.table)
+    one = prefix.rows
+    if prefix.table is not None:  # its state in the slots' table
+        one = dataclasses.replace(one, constraint=one.constraint + offset)
+    rows = _insert_function(jit_key(engine.jit_options))(state.rows, one, jnp.int32(slot))
     if done:
         rows = dataclasses.replace(rows, done=rows.done.at[slot].set(True))
-    host = _Host(request, tuple(tokens[-window:]) if window else (), stops, done)
+    window = tuple(tokens[-window:]) if window else ()
+    host = _Host(request, window, stops, done, prefix.table, offset)
     hosts = state.hosts[:slot] + (host,) + state.hosts[slot + 1 :]
     return dataclasses.replace(state, rows=rows, hosts=hosts)
+
+
+def _table_of(engine: Engine, request: Request, eos: tuple[int, ...]):
+    """The device table of the request's constraint (None without one)."""
+    if request.constraint is None:
+        return None
+    if not eos:
+        raise GenerationError("structured output needs an eos token (eos_token_id is empty)")
+    folder = hub.folder(engine.spec.repo, hub.SMALL_FILES)
+    path = os.path.join(folder, "tokenizer.json")
+    mask = constraints.processor(request.constraint, path, engine.vocab_size or 0, eos)
+    if not isinstance(mask, constraints.DeviceMask):
+        raise GenerationError(
+            f"this {request.constraint.kind} constraint needs llguidance on the host (it is not "
+            "a finite automaton whose table equals llguidance's masks): use generate()"
+        )
+    return mask.table
+
+
+def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
+    """``state`` whose table holds ``own`` (a TokenTable, or None) beside the tables of the
+    other live slots, and where ``own`` starts in it (the live slots' states move with their
+    tables)."""
+    if own is None:
+        return state, 0
+    hosts = state.hosts
+    live = [
+        (i, h) for i, h in enumerate(hosts)
+        if i != slot and h is not None and not h.done and h.table is not None
+    ]  # fmt: skip
+    for _, h in live:
+        if h.table is own:
+            return state, h.offset
+    tables: list = []
+    for t in [h.table for _, h in live] + [own]:
+        if not any(t is u for u in tables):
+            tables.append(t)
+    starts = [sum(t.states for t in tables[:i]) for i in range(len(tables))]
+    total = starts[-1] + tables[-1].states
+    size = max(constraints.MIN_STATES, 1 << (int(total) - 1).bit_length())
+    nexts = [jnp.where(t.next >= 0, t.next + o, -1) for t, o in zip(tables, starts, strict=True)]
+    masks = [t.mask for t in tables]
+    if size > total:
+        nexts.append(jnp.full((size - total, own.next.shape[1]), -1, jnp.int32))
+        masks.append(jnp.zeros((size - total, own.mask.shape[1]), jnp.int32))
+    table = constraints.TokenTable(jnp.concatenate(masks), jnp.concatenate(nexts))
+
+    def start(t) -> int:
+        return next(o for u, o in zip(tables, starts, strict=True) if u is t)
+
+    delta, keep, new_hosts = np.zeros(len(hosts), np.int32), np.zeros(len(hosts), bool), [*hosts]
+    for i, h in live:
+        delta[i], keep[i] = start(h.table) - h.offset, True
+        new_hosts[i] = dataclasses.replace(h, offset=start(h.table))
+    c = state.rows.constraint
+    moved = jnp.where(jnp.asarray(keep) & (c >= 0), c + jnp.asarray(delta), -1)
+    rows = dataclasses.replace(state.rows, constraint=moved)
+    return dataclasses.replace(state, rows=rows, hosts=tuple(new_hosts), table=table), start(own)
 
 
 def free(state: SlotState, slot: int) -> SlotState:
@@ -797,7 +894,7 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
         return state, []
     size = 1 << (steps - 1).bit_length()  # compiled sizes: powers of two
     run = _chunk(engine, state.capacity, state.top_logprobs, size)
-    rows, out = run(engine.model.params, state.rows, np.int32(steps))
+    rows, out = run(engine.model.params, state.rows, np.int32(steps), state.live_table)
     out = jax.device_get(out)
     hosts = list(state.hosts)
     tokens: list[Token] = []

@@ -30,6 +30,7 @@ from ..runtime.switch import TRACE_ENVIRONMENT, trace_environment  # noqa: F401
 from . import (
     inline,
     ops,  # noqa: F401  (registers the op implementations)
+    packed_store,
     prepack,
 )
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
@@ -249,13 +250,16 @@ class Model:
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original
         # (not for weights kept on the host to be split over a mesh: packed strips do not split).
         packings = prepack.plan(graph) if kernels.enabled() and not host else {}
+        nbits = prepack.plan_nbits(graph) if kernels.enabled() and not host else {}
+        packings = {**packings, **nbits}
         for tensor in graph.initializer:
             array = in_place.pop(tensor.name, None)
             if array is None:
                 array = _tensor_array(tensor, folder, path)
             if tensor.name in packings:
                 # device_put may keep the packed array without copying it (CPU, aligned).
-                params[tensor.name] = jax.device_put(packings[tensor.name].pack(array))
+                packed = packed_store.packed(packings[tensor.name], tensor, folder, array)
+                params[tensor.name] = jax.device_put(packed)
             elif _is_weight(array):
                 array = to_device_dtype(np.asarray(array))  # a view of a memmap when it fits
                 params[tensor.name] = array if host else jnp.asarray(array)
@@ -263,7 +267,8 @@ class Model:
                 constants[tensor.name] = np.array(array)
         # Weights now live on the device (or in params on the host): drop them from the graph.
         del graph.initializer[:]
-        prepack.rewrite(graph, packings)
+        prepack.rewrite(graph, {k: v for k, v in packings.items() if k not in nbits})
+        prepack.rewrite_nbits(graph, nbits)
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]
