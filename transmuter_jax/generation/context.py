@@ -130,8 +130,7 @@ class Context:
         logits = next((o for o in self.model.outputs if o.name == "logits"), None)
         if logits is not None and logits.shape and isinstance(logits.shape[-1], int):
             return logits.shape[-1]
-        text = self.config.get("text_config", self.config)
-        return text.get("vocab_size") or self.config.get("vocab_size")
+        return hub.vocab_size(self.config)
 
 
 def _rotary_rows(model: Model) -> int | None:
