@@ -99,7 +99,7 @@ def _size(text: str) -> int:
     number, unit = (text[:-1], units[text[-1].upper()]) if text[-1:].upper() in units else (text, 1)
     try:
         value = int(float(number) * unit)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or not finite (inf, nan, 1e999)
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (say 512M or 2G)") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a byte count must not be negative, got {text!r}")
