@@ -235,6 +235,11 @@ class Mode:
         fewer more tokens)."""
         return size
 
+    def chunk_size(self, decode_steps: int) -> int:
+        """The most steps of a decode chunk on the device for ``decode_steps`` (below 2: every
+        step runs on the host)."""
+        return decode_steps if self.on_device and decode_steps >= 2 else 0
+
     def grown(self, capacity: int | None, length: int, step: int) -> int | None:
         """The capacity for a step of ``step`` tokens after ``length`` cached ones (None where
         the cache has no padded capacity)."""

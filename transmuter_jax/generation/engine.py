@@ -50,7 +50,7 @@ class Compiled:
     @property
     def padded(self) -> bool:
         """Whether grow steps run on a padded cache (a few shapes) rather than exact lengths."""
-        return self.steps.mode.padded
+        return self.steps.padding is not None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

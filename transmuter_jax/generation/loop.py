@@ -25,8 +25,9 @@ from ..parallel import sharding
 from . import cache as cache_modes
 from . import slots
 from .beam import BeamPrompt
+from .chunk import Decoder
+from .chunk import rows as device_rows
 from .context import Context
-from .decode import NOT_RUN, Decoder, DecodeState
 from .engine import Compiled, Engine
 from .errors import GenerationError
 from .processors import Rows, static_masks
@@ -133,14 +134,13 @@ def _selection(ctx: Context, jit_options: Mapping[str, Any]):
 
 
 def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
-    """The decode chunks, or None where decode runs step by step on the host."""
+    """The decode chunks (the slots' step on the device), or None where decode runs step by
+    step on the host."""
     custom = any(not isinstance(p, str) for p in ctx.processors)
-    if options.decode_steps < 2 or options.num_beams > 1 or custom or not steps.mode.on_device:
+    size = steps.mode.chunk_size(options.decode_steps)
+    if size < 2 or options.num_beams > 1 or custom:
         return None
-    axes = _position_axes(ctx)
-    width = 1 + options.logprobs + 2 * options.top_logprobs  # the selection's columns
-    return Decoder(steps, select, options.eos_token_id, _pad(ctx), options.decode_steps,
-                   width, axes)  # fmt: skip
+    return Decoder(size, int(options.top_logprobs))
 
 
 def on_device(ctx: Engine) -> bool:
@@ -453,32 +453,37 @@ class _Run:
 
     def chunk(self, decoder: Decoder, state: cache_modes.State, room: int) -> None:
         """Up to ``room`` decode steps on the device; then the host takes their tokens."""
-        rows, members = self.rows, self.members
+        rows, members, ctx = self.rows, self.members, self.ctx
         live = np.array([members[i] and not r.done for i, r in enumerate(rows)])
-        history = _history(rows, self.width)
-        device = DecodeState(
+        delta = np.array([r.delta for r in rows], np.int32)
+        device = device_rows(
+            ctx,
             token=np.array([r.generated[-1] if r.generated else 0 for r in rows], np.int32),
             lengths=state.lengths.astype(np.int32),
-            history=history,
+            history=_history(rows, self.width),
             prompt=np.array([len(r.prompt) for r in rows], np.int32),
             count=np.array([len(r.generated) for r in rows], np.int32),
             max_new=np.array([r.max_new for r in rows], np.int32),
-            delta=np.array([r.delta for r in rows], np.int32),
             seeds=_seeds(rows),
             done=~live,
+            delta=delta if _position_axes(ctx) and delta.any() else None,
+            encoder=_encoder(rows, ctx),
             cache=state.arrays,
-            encoder=_encoder(rows, self.ctx),
         )
         state.arrays = None  # donated
-        result, out = decoder(device, self.given, room, state.capacity)
+        result, out = decoder(ctx, device, self.given, room, state.capacity)
         state.arrays = result.cache
-        eos = self.ctx.eos
-        for i in range(out.shape[0]):
-            if out[i, 0, 0] == NOT_RUN:
+        eos, options = ctx.eos, ctx.options
+        k = options.top_logprobs
+        for i in range(out.token.shape[0]):
+            token = out.token[i]
+            if not (token >= 0).any():  # a step the loop did not run
                 break
-            token = out[i, :, 0]
-            logprob = out[i, :, 2].view(np.float32) if out.shape[2] > 2 else None
-            top = out[i, :, 3:] if out.shape[2] > 3 else None
+            logprob = out.logprob[i].astype(np.float32) if options.logprobs else None
+            top = None
+            if k:  # (id, bits of the log-probability) pairs, as the host selection gives
+                values = out.top_logprobs[i].astype(np.float32).view(np.int32)
+                top = np.stack([out.top_ids[i], values], axis=-1).reshape(len(token), 2 * k)
             shown = token.copy()  # a row a stop string ended takes no more of the chunk's tokens
             for b in np.flatnonzero(token >= 0):
                 row = rows[b]
@@ -487,7 +492,7 @@ class _Run:
                     continue
                 if int(token[b]) not in eos:
                     _keep(row, int(token[b]), logprob, top, b)
-                row.done = bool(out[i, b, 1]) or _stopped(self.ctx, row)
+                row.done = bool(out.done[i, b]) or _stopped(ctx, row)
             self.emit(shown, logprob, top)
             state.advance((token >= 0).astype(np.int32), 1)
             if not self.live():  # stop strings ended every row before the chunk's end

@@ -28,6 +28,7 @@ from .decode import end_of_row
 from .errors import GenerationError
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
+from .select import cutoffs
 from .stops import StopStrings
 
 if TYPE_CHECKING:
@@ -121,7 +122,9 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     take no more tokens (empty ones too). eos [B, E]: eos ids, -1 padding. sample: sampling
     rows. temperature, top_k (the vocabulary when off), top_p_drop (1 - top_p, computed in
     float64), top_p_on, min_p, repetition, presence: the warpers' and penalties' values.
-    cache: the cache arrays by input name [B, heads, rows, head_size].
+    cache: the cache arrays by input name [B, heads, rows, head_size]. delta (or None: 0): a
+    new token's position minus its index in the row (M-RoPE positions). encoder [B, E] (or
+    None): the encoder's input ids, -1 after them, where a processor reads them.
     """
 
     token: jax.Array
@@ -142,6 +145,8 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     repetition: jax.Array
     presence: jax.Array
     cache: dict[str, jax.Array]
+    delta: jax.Array | None = None
+    encoder: jax.Array | None = None
 
 
 DecodeRows = Rows_
@@ -235,10 +240,6 @@ def check(engine: Engine) -> None:
         raise GenerationError("slots run decoder-only text prompts (no given inputs, no images)")
     if options.num_return_sequences > 1:
         raise GenerationError("num_return_sequences > 1 needs generate()")
-    off = {"typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0)}
-    for name, values in off.items():
-        if getattr(options, name) not in values:
-            raise GenerationError(f"{name} is not a per-slot option: use generate()")
     if engine.placement is not None:
         raise GenerationError("slots run without a mesh for now: use generate()")
 
@@ -268,7 +269,7 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
     )
     scores = scores - rows.presence[:, None] * _seen(generated, vocab)
     scores = jnp.maximum(scores, LOWEST)
-    warped = _warp(scores, rows)
+    warped = cutoffs(_warp(scores, rows), options)  # typical, epsilon, eta: the spec's
     scores = jnp.where(rows.sample[:, None], warped, scores)
     if options.renormalize_logits:
         scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
@@ -327,31 +328,45 @@ def _warp(scores, rows: Rows_):
 # -- the step -----------------------------------------------------------------------------------
 
 
-def _step_function(engine: Engine, capacity: int, k: int):
-    """The pure ``step(params, rows) -> (rows, StepOut)``: one new token of every live slot."""
+def _step_function(
+    engine: Engine, capacity: int | None, k: int, branch: bool = True, padded: int | None = None
+):
+    """The pure ``step(params, rows, embed_params=None, given=None) -> (rows, StepOut)``: one new
+    token of every live slot. ``capacity``: the cache's rows (None: read from its shape);
+    ``branch``: the cache branch; ``padded``: a padded grow cache's rows (generate() groups)."""
     spec, mode = engine.spec, engine.cache_mode
-    step = engine.compiled.steps.function(True, None)
+    step = engine.compiled.steps.function(branch, padded)
     masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
     names = {i.name for i in engine.model.inputs}
     axes = _axes(engine)
     pad = _pad_token(engine)
+    first = next(e.input for e in engine.cache.entries if not e.cross)
 
-    def one(params, rows: Rows_):
+    def one(params, rows: Rows_, embed_params=None, given=None):
         batch = rows.token.shape[0]
         live = ~rows.done
         feed = {"tokens": jnp.where(live, rows.token, pad)[:, None].astype(jnp.int32)}
         if "attention_mask" in names:
-            feed["attention_mask"] = mode.mask(rows.lengths, 1, capacity, xp=jnp)
+            width = padded or capacity or rows.cache[first].shape[2]
+            feed["attention_mask"] = mode.mask(rows.lengths, 1, width, xp=jnp)
         if axes:
-            positions = rows.lengths[:, None].astype(jnp.int32)
+            at = rows.lengths
+            if rows.delta is not None:  # M-RoPE: a new token's position minus its index
+                at = at + jnp.where(live, rows.delta, 0)
+            positions = at[:, None].astype(jnp.int32)
             feed["position_ids"] = (
                 jnp.broadcast_to(positions, (3, batch, 1)) if axes == 3 else positions
             )
+        feed |= given or {}
         logits, cache = step(
-            params, {}, rows.cache, feed, rows.lengths, jnp.zeros(batch, jnp.int32)
+            params, embed_params or {}, rows.cache, feed, rows.lengths, jnp.zeros(batch, jnp.int32)
         )
         views = Rows(
-            rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
+            rows.history,
+            rows.prompt,
+            rows.prompt + rows.count,
+            rows.prompt + rows.max_new,
+            rows.encoder,
         )
         chosen, logprob, top_ids, top_values = _choose(spec, masks, k, logits, rows, views)
         ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
@@ -373,6 +388,34 @@ def _step_function(engine: Engine, capacity: int, k: int):
     return one
 
 
+def run_steps(one, size: int, k: int, params, rows: Rows_, limit, **extra):
+    """Traced: up to ``limit`` (at most ``size``) calls of the step ``one`` in a
+    ``lax.while_loop`` that stops when every slot is done. Returns the rows after them and the
+    StepOut of each step, [size, B] (steps not run: token -1, done)."""
+    batch = rows.token.shape[0]
+    out = StepOut(
+        jnp.full((size, batch), -1, jnp.int32),
+        jnp.zeros((size, batch)),
+        jnp.zeros((size, batch, k), jnp.int32),
+        jnp.zeros((size, batch, k)),
+        jnp.ones((size, batch), bool),
+        jnp.zeros((size, batch), bool),
+    )
+
+    def more(carry):
+        i, r, _ = carry
+        return (i < limit) & ~jnp.all(r.done)
+
+    def body(carry):
+        i, r, out = carry
+        r, o = one(params, r, **extra)
+        out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
+        return i + 1, r, out
+
+    _, rows, out = jax.lax.while_loop(more, body, (jnp.int32(0), rows, out))
+    return rows, out
+
+
 def _chunk(engine: Engine, capacity: int, k: int, size: int):
     """The jitted ``(params, rows, limit) -> (rows, StepOut [size, B])``: up to ``limit`` steps
     in a ``lax.while_loop`` that stops when every slot is done; the cache donated."""
@@ -391,28 +434,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
         one = _step_function(engine, capacity, k)
 
         def run(params, rows: Rows_, limit):
-            batch = rows.token.shape[0]
-            out = StepOut(
-                jnp.full((size, batch), -1, jnp.int32),
-                jnp.zeros((size, batch)),
-                jnp.zeros((size, batch, k), jnp.int32),
-                jnp.zeros((size, batch, k)),
-                jnp.ones((size, batch), bool),
-                jnp.zeros((size, batch), bool),
-            )
-
-            def more(carry):
-                i, r, _ = carry
-                return (i < limit) & ~jnp.all(r.done)
-
-            def body(carry):
-                i, r, out = carry
-                r, o = one(params, r)
-                out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
-                return i + 1, r, out
-
-            _, rows, out = jax.lax.while_loop(more, body, (jnp.int32(0), rows, out))
-            return rows, out
+            return run_steps(one, size, k, params, rows, limit)
 
         return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
 
