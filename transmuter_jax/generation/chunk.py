@@ -143,6 +143,14 @@ def rows(
     )
 
 
+def choose(engine: Engine, logits: jax.Array, rows: slots.DecodeRows) -> slots.StepOut:
+    """The host path's selection: the slots' step's selection and end-of-row rule alone, over
+    the logits [B, V] of a step the host ran (rows that take no token: done). Returns the host
+    StepOut [B]."""
+    _, out = slots._first(engine, int(engine.options.top_logprobs))(logits, rows)
+    return jax.device_get(out)
+
+
 def _self_rows(engine: Engine, cache: dict[str, jax.Array]) -> int:
     entry = next(e for e in engine.cache.entries if not e.cross)
     return int(cache[entry.input].shape[2])

@@ -253,24 +253,36 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
     options = spec.options
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
-    names = [p for p in spec.processors if p != "repetition_penalty"]
-    names = sorted([*names, "repetition_penalty"], key=ORDER.index)
+    names = list(spec.processors)  # the specification's order (generate()'s), and where it
+    if "repetition_penalty" not in names:  # has none, the per-slot penalty in transformers'
+        names = sorted([*names, "repetition_penalty"], key=ORDER.index)
+    same = lambda s: s  # noqa: E731 - a branch that changes nothing
     for name in names:
-        if name == "repetition_penalty":  # per slot (1.0 changes nothing)
-            penalty = rows.repetition[:, None]
-            seen = _seen(views.history, vocab)
-            changed = jnp.where(scores < 0, scores * penalty, scores / penalty)
-            scores = jnp.where(seen, changed, scores)
+        if name == "repetition_penalty":  # per slot (1.0 changes nothing: skipped then)
+
+            def repeat(scores):
+                penalty = rows.repetition[:, None]
+                changed = jnp.where(scores < 0, scores * penalty, scores / penalty)
+                return jnp.where(_seen(views.history, vocab), changed, scores)
+
+            scores = jax.lax.cond(jnp.any(rows.repetition != 1.0), repeat, same, scores)
         else:
             scores = apply_builtin(name, scores, views, options, masks)
         scores = jnp.maximum(scores, LOWEST)
-    generated = jnp.where(
-        jnp.arange(views.history.shape[1])[None, :] >= rows.prompt[:, None], views.history, -1
-    )
-    scores = scores - rows.presence[:, None] * _seen(generated, vocab)
+
+    def presence(scores):
+        steps = jnp.arange(views.history.shape[1])[None, :]
+        generated = jnp.where(steps >= rows.prompt[:, None], views.history, -1)
+        return scores - rows.presence[:, None] * _seen(generated, vocab)
+
+    scores = jax.lax.cond(jnp.any(rows.presence != 0.0), presence, same, scores)
     scores = jnp.maximum(scores, LOWEST)
-    warped = cutoffs(_warp(scores, rows), options)  # typical, epsilon, eta: the spec's
-    scores = jnp.where(rows.sample[:, None], warped, scores)
+    sampling = jnp.any(rows.sample)
+
+    def warp(scores):  # typical, epsilon and eta are the specification's
+        return jnp.where(rows.sample[:, None], cutoffs(_warp(scores, rows), options), scores)
+
+    scores = jax.lax.cond(sampling, warp, same, scores)
     if options.renormalize_logits:
         scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
 
@@ -278,7 +290,11 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
         key = jax.random.fold_in(jax.random.key(seed), step)
         return jax.random.categorical(key, row_scores)
 
-    drawn = jax.vmap(draw)(scores, rows.seeds, rows.count).astype(jnp.int32)
+    def drawn(scores):
+        return jax.vmap(draw)(scores, rows.seeds, rows.count).astype(jnp.int32)
+
+    none = lambda s: jnp.zeros(s.shape[0], jnp.int32)  # noqa: E731 - greedy rows only
+    drawn = jax.lax.cond(sampling, drawn, none, scores)
     tokens = jnp.where(rows.sample, drawn, jnp.argmax(scores, axis=-1).astype(jnp.int32))
     total = jax.nn.logsumexp(scores, axis=-1)
     chosen = jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - total
@@ -442,7 +458,8 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
 
 
 def _first(engine: Engine, k: int):
-    """The jitted selection of a prefix's first token (batch 1)."""
+    """The jitted ``(logits [B, V], rows) -> (rows, StepOut)``: the selection of the slots' step
+    alone (a prefix's first token; generate()'s tokens on the host)."""
     spec = engine.spec
     key = (
         "slots-first",
@@ -458,13 +475,17 @@ def _first(engine: Engine, k: int):
 
         def first(logits, rows: Rows_):
             views = Rows(
-                rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
+                rows.history,
+                rows.prompt,
+                rows.prompt + rows.count,
+                rows.prompt + rows.max_new,
+                rows.encoder,
             )
             chosen, logprob, ids, values = _choose(spec, masks, k, logits, rows, views)
             live = ~rows.done
             ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
             at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
-            history = rows.history.at[jnp.arange(1), at].set(chosen, mode="drop")
+            history = rows.history.at[jnp.arange(rows.token.shape[0]), at].set(chosen, mode="drop")
             rows = dataclasses.replace(
                 rows,
                 token=jnp.where(kept, chosen, rows.token),
@@ -568,29 +589,17 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
     )
 
 
-def prefill(engine: Engine, request: Request) -> Prefix:
-    """Runs ``request``'s prompt alone and selects its first token.
-
-    The prompt runs as one step padded to a multiple of 64 tokens (chunks of
-    :data:`~.cache.PREFILL_CAP` past it), into a cache of the state's capacity.
-    """
+def _admit(engine: Engine, request: Request) -> tuple[dict[str, Any], StopStrings | None]:
+    """``request``'s resolved options and stop strings; raises GenerationError for a request
+    the engine cannot take (bad ids, options, top_logprobs, stop strings without texts)."""
     check(engine)
     if not isinstance(request, Request):
         raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
-    spec, mode, capacity = engine.spec, engine.cache_mode, engine.slot_capacity
     r = _resolved(engine, request)
-    prompt = list(request.prompt)
     vocab = engine.vocab_size or 2**31
-    bad = [t for t in prompt if not 0 <= t < vocab]
+    bad = [t for t in request.prompt if not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"the prompt has token ids outside the vocabulary of {vocab}: {bad}")
-    padded = bucket(len(prompt)) if len(prompt) <= PREFILL_CAP else None
-    need = max(len(prompt) + r["max_new"], padded or _chunks_end(len(prompt)))
-    if need > capacity:
-        raise GenerationError(
-            f"the request needs {need} cache rows (a prompt of {len(prompt)} tokens, padded, and "
-            f"{r['max_new']} new ones): more than the slots' capacity of {capacity}"
-        )
     if request.top_logprobs > engine.slot_top_logprobs:
         raise GenerationError(
             f"top_logprobs {request.top_logprobs} is more than the engine's "
@@ -598,9 +607,28 @@ def prefill(engine: Engine, request: Request) -> Prefix:
         )
     stops = None
     if request.stop_strings:
-        if spec.token_texts is None:
+        if engine.spec.token_texts is None:
             raise GenerationError("stop strings need token texts: context(tokenizer=...)")
-        stops = StopStrings(request.stop_strings, spec.token_texts)
+        stops = StopStrings(request.stop_strings, engine.spec.token_texts)
+    return r, stops
+
+
+def prefill(engine: Engine, request: Request) -> Prefix:
+    """Runs ``request``'s prompt alone and selects its first token.
+
+    The prompt runs as one step padded to a multiple of 64 tokens (chunks of
+    :data:`~.cache.PREFILL_CAP` past it), into a cache of the state's capacity.
+    """
+    spec, mode, capacity = engine.spec, engine.cache_mode, engine.slot_capacity
+    r, stops = _admit(engine, request)
+    prompt = list(request.prompt)
+    padded = bucket(len(prompt)) if len(prompt) <= PREFILL_CAP else None
+    need = max(len(prompt) + r["max_new"], padded or _chunks_end(len(prompt)))
+    if need > capacity:
+        raise GenerationError(
+            f"the request needs {need} cache rows (a prompt of {len(prompt)} tokens, padded, and "
+            f"{r['max_new']} new ones): more than the slots' capacity of {capacity}"
+        )
     rows = _empty(engine, 1, capacity)
     cache, lengths, fed = rows.cache, np.zeros(1, np.int32), 0
     axes = _axes(engine)
@@ -625,6 +653,26 @@ def prefill(engine: Engine, request: Request) -> Prefix:
         logits, cache = engine.compiled.steps(cache, feed, lengths, last)
         lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
         fed += len(part)
+    rows = _request_rows(engine, request, r, jnp.asarray(lengths), cache)
+    if r["max_new"] == 0:
+        logits.delete()
+        return Prefix(request, rows, None)
+    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows)
+    logits.delete()
+    out = jax.device_get(out)
+    token = _tokens(out, request, [0], 0, None)[0]
+    if stops is not None and not token.done and not token.eos:
+        if stops.hit([*prompt, token.token]):
+            token = dataclasses.replace(token, done=True, finish_reason="stop")
+            rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
+    return Prefix(request, rows, token)
+
+
+def _request_rows(engine: Engine, request: Request, r: dict[str, Any], lengths, cache) -> Rows_:
+    """The device rows (batch 1) of ``request`` after its prompt: ``r`` its resolved options,
+    ``lengths`` [1] its cached tokens, ``cache`` its cache."""
+    capacity, prompt = engine.slot_capacity, request.prompt
+    vocab = engine.vocab_size or 2**31
     history = np.full((1, capacity), -1, np.int32)
     history[0, : len(prompt)] = prompt
     eos = np.full((1, EOS_WIDTH), -1, np.int32)
@@ -633,7 +681,7 @@ def prefill(engine: Engine, request: Request) -> Prefix:
     seed = np.array([request.seed & 0xFFFFFFFF], np.uint32).view(np.int32)
     rows = Rows_(
         token=one(0, np.int32),
-        lengths=jnp.asarray(lengths),
+        lengths=lengths,
         history=jnp.asarray(history),
         prompt=one(len(prompt), np.int32),
         count=one(0, np.int32),
@@ -651,18 +699,7 @@ def prefill(engine: Engine, request: Request) -> Prefix:
         presence=one(float(request.presence_penalty), np.float32),
         cache=cache,
     )
-    if r["max_new"] == 0:
-        logits.delete()
-        return Prefix(request, rows, None)
-    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows)
-    logits.delete()
-    out = jax.device_get(out)
-    token = _tokens(out, request, [0], 0, None)[0]
-    if stops is not None and not token.done and not token.eos:
-        if stops.hit([*prompt, token.token]):
-            token = dataclasses.replace(token, done=True, finish_reason="stop")
-            rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
-    return Prefix(request, rows, token)
+    return rows
 
 
 def _chunks_end(length: int) -> int:
