@@ -182,6 +182,13 @@ def write(
     return new
 
 
+def prompt_bucket(tokens: int) -> int:
+    """The padded length of a prompt step of ``tokens`` tokens: a multiple of 16 up to 64 (short
+    chat prompts pay little padding), then a multiple of 64."""
+    tokens = max(tokens, 1)
+    return -(-tokens // 16) * 16 if tokens <= 64 else bucket(tokens)
+
+
 def chunk(remaining: int) -> int:
     """The largest power of two at most ``remaining`` (45 tokens run as 32, 8, 4, 1)."""
     return 1 << (max(remaining, 1).bit_length() - 1)
@@ -219,11 +226,12 @@ class Mode:
 
     def prompt_step(self, remaining: int, rule: str) -> int:
         """Tokens of the next prompt step of rows with at most ``remaining`` prompt tokens left:
-        "buckets": all of them padded to a multiple of 64 (at most :data:`PREFILL_CAP`, longer
-        prompts in chunks of it); "pow2": the largest power of two at most ``remaining``."""
+        "buckets": all of them padded to a bucket (:func:`prompt_bucket`; at most
+        :data:`PREFILL_CAP`, longer prompts in chunks of it); "pow2": the largest power of two at
+        most ``remaining``."""
         if rule == "pow2":
             return chunk(remaining)
-        return min(bucket(max(remaining, 1)), PREFILL_CAP)
+        return min(prompt_bucket(remaining), PREFILL_CAP)
 
     def groups(self, lengths: dict[int, int]) -> list[list[int]]:
         """The rows that share a cache, from each live row's prompt length: all of them (in
