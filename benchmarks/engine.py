@@ -61,6 +61,8 @@ def _genai_serve(folder: str, prompts: list[list[int]]) -> None:
 
     config = og.Config(folder)
     config.clear_providers()
+    threads = {"intra_op_num_threads": os.cpu_count()}  # as many threads as ours (it runs one)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": threads}}}))
     model = og.Model(config)
 
     def once(prompt):
