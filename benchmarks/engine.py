@@ -166,7 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    parser.add_argument("--ttft-only", action="store_true", help="only the times to first token")
+    parser.add_argument(
+        "--ttft-only", action="store_true", help="only the times to first token taking turns"
+    )
     args = parser.parse_args(argv)
 
     from transmuter_jax import default, generation, hub, text
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     figures: dict = {"prompts": {k: len(v) for k, v in prompts.items()}, "ttft_s": {}}
 
     # -- warm time to the first token ------------------------------------------------------------
-    for rule in generation.PREFILLS:
+    for rule in () if args.ttft_only else generation.PREFILLS:
         spec = generation.context(folder, model, max_new_tokens=1, prefill=rule)
         engine = generation.compile(spec, 1)
         for name, prompt in prompts.items():
@@ -188,7 +190,9 @@ def main(argv=None) -> int:
             )
             figures["ttft_s"][f"jax {rule} {name}"] = seconds
         figures[f"shapes {rule}"] = engine.compiled.shapes
-    version, times = genai_ttft(folder, list(prompts.values()), args.genai_path, args.repeats)
+    version, times = (None, "--ttft-only") if args.ttft_only else genai_ttft(
+        folder, list(prompts.values()), args.genai_path, args.repeats
+    )
     if version is not None:
         figures["genai_version"] = version
         for name, seconds in zip(prompts, times, strict=True):
