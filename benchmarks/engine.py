@@ -190,8 +190,10 @@ def main(argv=None) -> int:
             )
             figures["ttft_s"][f"jax {rule} {name}"] = seconds
         figures[f"shapes {rule}"] = engine.compiled.shapes
-    version, times = (None, "--ttft-only") if args.ttft_only else genai_ttft(
-        folder, list(prompts.values()), args.genai_path, args.repeats
+    version, times = (
+        (None, "--ttft-only")
+        if args.ttft_only
+        else genai_ttft(folder, list(prompts.values()), args.genai_path, args.repeats)
     )
     if version is not None:
         figures["genai_version"] = version
