@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -110,6 +111,8 @@ def guarded(tmp_path_factory):
         "1",
         "--max-queue",
         "1",
+        "--prefix-cache-bytes",
+        "0",
     )
     yield s
     s.stop()
@@ -397,6 +400,16 @@ def test_the_api_key_is_required(guarded):
     assert [m.id for m in guarded.client(KEY).models.list().data] == [NAME]
 
 
+def test_the_prefix_cache_can_be_off(guarded):
+    client = guarded.client(KEY)
+    for _ in range(2):
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "system", "content": SYSTEM}, *MESSAGES], max_tokens=2
+        )
+    assert _gauge(guarded, "transmuter_jax_prefix_cache_bytes") == 0
+    assert _gauge(guarded, "transmuter_jax_prefix_cache_hits") == 0
+
+
 def test_a_full_queue_gets_429(guarded):
     body = {
         "model": NAME,
@@ -425,3 +438,264 @@ def test_a_full_queue_gets_429(guarded):
 def test_sigterm_exits_0(guarded):
     assert guarded.stop() == 0
     assert "stopped" in guarded.log.read_text()
+
+
+# -- continuous batching, the prefix cache, penalties, structured output ------------------------
+
+
+def _metric(server, name: str) -> float:
+    return _gauge(server, name)
+
+
+def test_the_server_runs_the_slots_with_the_prefix_cache(server):
+    text_ = httpx.get(f"{server.url}/metrics").text
+    assert "transmuter_jax_prefix_cache_hit_rate" in text_
+    assert "continuous batching in 8 slots" in server.log.read_text()
+
+
+def test_concurrent_answers_equal_solo_answers_token_for_token_with_logprobs(server):
+    """Greedy and seeded requests under load (staggered, mixed options) get the tokens and
+    log-probabilities they get alone, exactly."""
+    args = [
+        dict(temperature=0, max_tokens=10 + i % 4, seed=None) if i % 3 else
+        dict(temperature=0.9, top_p=0.9, max_tokens=9, seed=100 + i)
+        for i in range(12)
+    ]  # fmt: skip
+    prompts = [[{"role": "user", "content": f"Story number {i} begins"}] for i in range(12)]
+
+    def ask(client, i):
+        return client.chat.completions.create(
+            model=NAME, messages=prompts[i], logprobs=True, top_logprobs=2, **args[i]
+        )
+
+    solo = [ask(server.client(), i) for i in range(12)]
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+    async def main():
+        async def one(i):
+            await asyncio.sleep(0.03 * i)
+            return await ask(client, i)
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(12)))
+        finally:
+            await client.close()
+
+    def seen(r):
+        c = r.choices[0]
+        return (
+            c.message.content,
+            c.finish_reason,
+            [(t.token, t.logprob, [(b.token, b.logprob) for b in t.top_logprobs])
+             for t in c.logprobs.content],
+        )  # fmt: skip
+
+    assert [seen(r) for r in asyncio.run(main())] == [seen(r) for r in solo]
+
+
+SYSTEM = (
+    "You are a careful assistant who answers questions about rivers, mountains and the sea, "
+    "and who always gives short answers with one example."
+)
+
+
+def test_a_chat_that_continues_hits_the_prefix_cache_and_answers_as_the_library(server, pipe):
+    before = _metric(server, "transmuter_jax_prefix_cache_hits")
+    client = server.client()
+    history = [{"role": "system", "content": SYSTEM}]
+    for turn in ("Tell me about rivers.", "And mountains?", "And the sea?"):
+        history.append({"role": "user", "content": turn})
+        want = _greedy(pipe, history, 8, token_logprobs=True)
+        got = client.chat.completions.create(
+            model=NAME, messages=history, max_tokens=8, temperature=0, logprobs=True
+        )
+        assert got.choices[0].message.content == want.text
+        assert [c.logprob for c in got.choices[0].logprobs.content] == pytest.approx(
+            want.logprobs, abs=1e-5
+        )
+        history.append({"role": "assistant", "content": got.choices[0].message.content})
+    assert _metric(server, "transmuter_jax_prefix_cache_hits") - before >= 2 * 64
+    assert 0 < _metric(server, "transmuter_jax_prefix_cache_hit_rate") <= 1
+
+
+def _onnx_logits(tokens: list[int]):
+    """The fixture's next-token logits after ``tokens``, by onnxruntime on the whole sequence."""
+    import numpy as np
+    import onnxruntime as ort
+
+    session = _onnx_logits.__dict__.setdefault(
+        "session",
+        ort.InferenceSession(str(MODEL / "model.onnx"), providers=["CPUExecutionProvider"]),
+    )
+    ids = np.asarray([tokens], np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids),
+            "position_ids": np.arange(len(tokens), dtype=np.int64)[None]}  # fmt: skip
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values"):
+            feed[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+    return session.run(["logits"], feed)[0][0, -1].astype(np.float64)
+
+
+def test_presence_and_frequency_penalties_follow_openais_definition(server, pipe):
+    """Against numpy: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty over the
+    generated tokens (OpenAI's published definition), on onnxruntime's logits."""
+    import numpy as np
+
+    prompt = pipe.tokenizer.encode("Once upon", add_special_tokens=True)
+    for presence, frequency in ((0.0, 1.5), (1.2, 0.0), (0.6, 0.9), (-0.5, -0.8)):
+        got = server.client().completions.create(
+            model=NAME, prompt="Once upon", max_tokens=10, temperature=0, logprobs=1,
+            presence_penalty=presence, frequency_penalty=frequency,
+        )  # fmt: skip
+        tokens, logprobs, reason = [], [], "length"
+        while len(tokens) < 10:
+            logits = _onnx_logits(prompt + tokens)
+            counts = np.bincount(tokens, minlength=logits.shape[0])[: logits.shape[0]]
+            scores = logits - counts * frequency - (counts > 0) * presence
+            token = int(np.argmax(scores))
+            if token == 3:  # the fixture's eos
+                reason = "stop"
+                break
+            tokens.append(token)
+            top = scores.max()
+            logprobs.append(scores[token] - top - np.log(np.exp(scores - top).sum()))
+        choice = got.choices[0]
+        assert choice.text == pipe.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert choice.finish_reason == reason
+        assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_validates_and_equals_the_library(server, pipe):
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+    }
+    for stream in (False, True):
+        got = server.client().chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=40, temperature=0, response_format=fmt,
+            stream=stream,
+        )  # fmt: skip
+        if stream:
+            chunks = [c for c in got if c.choices]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            content, reason = got.choices[0].message.content, got.choices[0].finish_reason
+        assert reason == "stop"
+        jsonschema.validate(json.loads(content), SCHEMA)
+        want = _greedy(pipe, MESSAGES, 40, json_schema=SCHEMA)
+        assert content == want.text
+
+
+def test_response_format_json_object_and_structured_outputs(server):
+    client = server.client()
+    seeded = dict(temperature=0.9, seed=5)
+    got = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=60, response_format={"type": "json_object"},
+        **seeded,
+    )  # fmt: skip
+    if got.choices[0].finish_reason == "stop":  # else cut by max_tokens: incomplete
+        assert isinstance(json.loads(got.choices[0].message.content), dict)
+    regex = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    got = client.completions.create(
+        model=NAME, prompt="Once upon", max_tokens=20,
+        extra_body={"structured_outputs": {"regex": regex}}, **seeded,
+    )  # fmt: skip
+    assert got.choices[0].finish_reason == "stop"
+    assert re.fullmatch(regex, got.choices[0].text)
+    choices = ["river", "mountain", "sea"]
+    for i in range(3):
+        got = client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=10, temperature=0.9, seed=i,
+            extra_body={"structured_outputs": {"choice": choices}},
+        )  # fmt: skip
+        assert got.choices[0].message.content in choices
+    got = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=30, temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMA}},
+    )  # fmt: skip
+    assert set(json.loads(got.choices[0].message.content)) == {"name", "age"}
+    grammar = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]/'
+    got = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )  # fmt: skip
+    assert re.fullmatch(r"yes|no|maybe [0-9]", got.choices[0].message.content)
+
+
+BAD_FORMATS = [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": 7}},
+            }
+        },
+        "response_format.json_schema",
+    ),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp"),
+    (
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        "structured_outputs.regex",
+    ),
+    ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD_FORMATS)
+def test_bad_formats_get_openai_errors(server, extra, param):
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 5, **extra}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+
+
+def test_min_tokens_logit_bias_and_ignore_eos_equal_the_library(server, pipe):
+    """A bias towards eos ends the answer as soon as min_tokens allows; ignore_eos runs on."""
+    bias = {"3": 30.0}  # the fixture's eos
+    for min_tokens in (0, 3):
+        got = server.client().completions.create(
+            model=NAME, prompt="Once upon", max_tokens=8, temperature=0, logit_bias=bias,
+            extra_body={"min_tokens": min_tokens},
+        )  # fmt: skip
+        want = pipe.generate(
+            ["Once upon"], chat=False, do_sample=False, max_new_tokens=8,
+            sequence_bias=[((3,), 30.0)], min_new_tokens=min_tokens,
+        )[0]  # fmt: skip
+        assert len(want.token_ids) == min_tokens and want.finish_reason == "eos"
+        assert got.choices[0].text == want.text and got.choices[0].finish_reason == "stop"
+        assert got.usage.completion_tokens == min_tokens
+    got = server.client().completions.create(
+        model=NAME, prompt="Once upon", max_tokens=5, temperature=0, logit_bias=bias,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 5
+
+
+def test_a_model_the_slots_cannot_run_is_refused_by_name():
+    """serve then batches statically on the pipeline path (its start-up line says why)."""
+    from transmuter_jax.serving.slots import SlotBackend
+
+    grow = text.generation(ROOT / "tests" / "fixtures" / "gemma3-optimum")
+    with pytest.raises(ValueError, match="cannot run slots: its grow cache"):
+        SlotBackend(grow, 2, max_model_len=128)

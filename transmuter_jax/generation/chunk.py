@@ -138,6 +138,10 @@ def rows(
         repetition=full(r["repetition"], np.float32),
         presence=full(0.0, np.float32),
         cache=cache,
+        frequency=full(0.0, np.float32),
+        bias_ids=np.full((batch, slots.BIAS_WIDTH), -1, np.int32),
+        bias_values=np.zeros((batch, slots.BIAS_WIDTH), np.float32),
+        min_new=full(0, np.int32),
         delta=delta,
         encoder=encoder,
     )

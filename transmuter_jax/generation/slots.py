@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 EOS_WIDTH = 4  # the most eos ids of a request (more: a clear error)
+BIAS_WIDTH = 300  # the most logit_bias entries of a request (OpenAI's bound)
 CAPACITY = 1024  # default cache rows of a slot (prompt and new tokens)
 
 
@@ -55,6 +56,11 @@ class Request:
         stop_strings: strings that end it (as transformers' StopStringCriteria).
         logprobs: give each token's log-probability.
         top_logprobs: give the k most probable tokens of each step (k at most the state's).
+        frequency_penalty: subtracted from the score of every token, times its count among the
+            generated tokens (OpenAI's meaning).
+        logit_bias: (token id, bias) pairs added to the scores first (as a one-token
+            sequence_bias; at most :data:`BIAS_WIDTH`).
+        min_new_tokens: the eos ids are masked until this many new tokens.
     """
 
     prompt: tuple[int, ...]
@@ -71,6 +77,9 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_new_tokens: int = 0
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -81,6 +90,12 @@ class Request:
         if isinstance(self.stop_strings, str):
             fix("stop_strings", (self.stop_strings,))
         fix("stop_strings", tuple(self.stop_strings))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        fix("logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        if len(self.logit_bias) > BIAS_WIDTH:
+            raise GenerationError(f"logit_bias takes at most {BIAS_WIDTH} tokens")
+        if self.min_new_tokens < 0:
+            raise GenerationError("min_new_tokens must not be negative")
         if not self.prompt:
             raise GenerationError("a request needs a prompt of at least one token")
         if self.top_logprobs < 0 or (self.max_new_tokens is not None and self.max_new_tokens < 0):
@@ -122,9 +137,11 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     take no more tokens (empty ones too). eos [B, E]: eos ids, -1 padding. sample: sampling
     rows. temperature, top_k (the vocabulary when off), top_p_drop (1 - top_p, computed in
     float64), top_p_on, min_p, repetition, presence: the warpers' and penalties' values.
-    cache: the cache arrays by input name [B, heads, rows, head_size]. delta (or None: 0): a
-    new token's position minus its index in the row (M-RoPE positions). encoder [B, E] (or
-    None): the encoder's input ids, -1 after them, where a processor reads them.
+    cache: the cache arrays by input name [B, heads, rows, head_size]. frequency: OpenAI's
+    frequency penalty. bias_ids, bias_values [B, BIAS_WIDTH]: logit_bias (ids -1 after them).
+    min_new: eos ids are masked before this many new tokens. delta (or None: 0): a new token's
+    position minus its index in the row (M-RoPE positions). encoder [B, E] (or None): the
+    encoder's input ids, -1 after them, where a processor reads them.
     """
 
     token: jax.Array
@@ -145,6 +162,10 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     repetition: jax.Array
     presence: jax.Array
     cache: dict[str, jax.Array]
+    frequency: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
+    min_new: jax.Array
     delta: jax.Array | None = None
     encoder: jax.Array | None = None
 
@@ -253,6 +274,7 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
     options = spec.options
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
+    scores = _requested(scores, rows, vocab)
     names = list(spec.processors)  # the specification's order (generate()'s), and where it
     if "repetition_penalty" not in names:  # has none, the per-slot penalty in transformers'
         names = sorted([*names, "repetition_penalty"], key=ORDER.index)
@@ -269,13 +291,20 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
         else:
             scores = apply_builtin(name, scores, views, options, masks)
         scores = jnp.maximum(scores, LOWEST)
+    generated = jnp.where(
+        jnp.arange(views.history.shape[1])[None, :] >= rows.prompt[:, None], views.history, -1
+    )
 
     def presence(scores):
-        steps = jnp.arange(views.history.shape[1])[None, :]
-        generated = jnp.where(steps >= rows.prompt[:, None], views.history, -1)
         return scores - rows.presence[:, None] * _seen(generated, vocab)
 
     scores = jax.lax.cond(jnp.any(rows.presence != 0.0), presence, same, scores)
+    scores = jax.lax.cond(
+        jnp.any(rows.frequency != 0),
+        lambda s: s - rows.frequency[:, None] * _counts(generated, vocab),
+        same,
+        scores,
+    )
     scores = jnp.maximum(scores, LOWEST)
     sampling = jnp.any(rows.sample)
 
@@ -305,6 +334,24 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
         top_ids = jnp.zeros((scores.shape[0], 0), jnp.int32)
         top_values = jnp.zeros((scores.shape[0], 0), jnp.float32)
     return tokens, chosen, top_ids, top_values
+
+
+def _requested(scores, rows: Rows_, vocab: int):
+    """A request's logit_bias (first, as transformers' sequence_bias) and its min_new_tokens
+    (eos masked before them)."""
+    at = jnp.arange(scores.shape[0])[:, None]
+    ids = jnp.where(rows.bias_ids < 0, vocab, rows.bias_ids)
+    scores = scores.at[at, ids].add(rows.bias_values, mode="drop")
+    eos = jnp.where(rows.eos < 0, vocab, rows.eos)
+    short = jnp.zeros(scores.shape, bool).at[at, eos].set(True, mode="drop")
+    short = short & (rows.count < rows.min_new)[:, None]
+    return jnp.where(short, LOWEST, scores)
+
+
+def _counts(history, vocab):
+    rows = jnp.arange(history.shape[0])[:, None]
+    ids = jnp.where(history < 0, vocab, history)
+    return jnp.zeros((history.shape[0], vocab), jnp.float32).at[rows, ids].add(1.0, mode="drop")
 
 
 def _seen(history, vocab):
@@ -549,6 +596,10 @@ def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
         repetition=f(1.0),
         presence=f(0.0),
         cache=engine.cache.empty(batch, capacity),
+        frequency=f(0.0),
+        bias_ids=jnp.full((batch, BIAS_WIDTH), -1, jnp.int32),
+        bias_values=jnp.zeros((batch, BIAS_WIDTH), jnp.float32),
+        min_new=i(0),
     )
 
 
@@ -591,7 +642,8 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
 
 def _admit(engine: Engine, request: Request) -> tuple[dict[str, Any], StopStrings | None]:
     """``request``'s resolved options and stop strings; raises GenerationError for a request
-    the engine cannot take (bad ids, options, top_logprobs, stop strings without texts)."""
+    the engine cannot take (bad ids, options, top_logprobs, logit_bias, stop strings without
+    texts)."""
     check(engine)
     if not isinstance(request, Request):
         raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
@@ -600,6 +652,9 @@ def _admit(engine: Engine, request: Request) -> tuple[dict[str, Any], StopString
     bad = [t for t in request.prompt if not 0 <= t < vocab]
     if bad:
         raise GenerationError(f"the prompt has token ids outside the vocabulary of {vocab}: {bad}")
+    for token, _ in request.logit_bias:
+        if not 0 <= token < vocab:
+            raise GenerationError(f"logit_bias: token id {token} is outside the vocabulary")
     if request.top_logprobs > engine.slot_top_logprobs:
         raise GenerationError(
             f"top_logprobs {request.top_logprobs} is more than the engine's "
@@ -613,24 +668,30 @@ def _admit(engine: Engine, request: Request) -> tuple[dict[str, Any], StopString
     return r, stops
 
 
-def prefill(engine: Engine, request: Request) -> Prefix:
+def prefill(
+    engine: Engine, request: Request, past: tuple[dict[str, jax.Array], int] | None = None
+) -> Prefix:
     """Runs ``request``'s prompt alone and selects its first token.
 
-    The prompt runs as one step padded to a multiple of 64 tokens (chunks of
-    :data:`~.cache.PREFILL_CAP` past it), into a cache of the state's capacity.
+    The prompt runs as one step padded to a bucket (chunks of :data:`~.cache.PREFILL_CAP` past
+    it), into a cache of the state's capacity. ``past``: a cache (batch 1, the slots' capacity
+    rows, donated) whose first n rows hold the keys and values of the prompt's first n tokens
+    (0 < n < the prompt's length); only the rest of the prompt runs (see :mod:`.prefixes`).
     """
     spec, mode, capacity = engine.spec, engine.cache_mode, engine.slot_capacity
     r, stops = _admit(engine, request)
     prompt = list(request.prompt)
-    padded = bucket(len(prompt)) if len(prompt) <= PREFILL_CAP else None
-    need = max(len(prompt) + r["max_new"], padded or _chunks_end(len(prompt)))
+    start = 0 if past is None else int(past[1])
+    if not 0 <= start < len(prompt):
+        raise GenerationError(f"past holds {start} rows of a prompt of {len(prompt)} tokens")
+    need = max(len(prompt) + r["max_new"], written(start, len(prompt)))
     if need > capacity:
         raise GenerationError(
             f"the request needs {need} cache rows (a prompt of {len(prompt)} tokens, padded, and "
             f"{r['max_new']} new ones): more than the slots' capacity of {capacity}"
         )
-    rows = _empty(engine, 1, capacity)
-    cache, lengths, fed = rows.cache, np.zeros(1, np.int32), 0
+    cache = engine.cache.empty(1, capacity) if past is None else past[0]
+    lengths, fed = np.full(1, start, np.int32), start
     axes = _axes(engine)
     names = {i.name for i in engine.model.inputs}
     logits = None
@@ -677,6 +738,10 @@ def _request_rows(engine: Engine, request: Request, r: dict[str, Any], lengths, 
     history[0, : len(prompt)] = prompt
     eos = np.full((1, EOS_WIDTH), -1, np.int32)
     eos[0, : len(r["eos"])] = r["eos"]
+    bias_ids = np.full((1, BIAS_WIDTH), -1, np.int32)
+    bias_values = np.zeros((1, BIAS_WIDTH), np.float32)
+    for j, (token, value) in enumerate(request.logit_bias):  # checked by _admit
+        bias_ids[0, j], bias_values[0, j] = token, value
     one = lambda v, t: jnp.asarray(np.array([v], t))  # noqa: E731
     seed = np.array([request.seed & 0xFFFFFFFF], np.uint32).view(np.int32)
     rows = Rows_(
@@ -698,8 +763,19 @@ def _request_rows(engine: Engine, request: Request, r: dict[str, Any], lengths, 
         repetition=one(r["repetition"], np.float32),
         presence=one(float(request.presence_penalty), np.float32),
         cache=cache,
+        frequency=one(float(request.frequency_penalty), np.float32),
+        bias_ids=jnp.asarray(bias_ids),
+        bias_values=jnp.asarray(bias_values),
+        min_new=one(int(request.min_new_tokens), np.int32),
     )
     return rows
+
+
+def written(start: int, length: int) -> int:
+    """Cache rows a prefill writes for a prompt of ``length`` tokens whose first ``start`` are
+    cached (its steps padded)."""
+    rest = length - start
+    return start + (bucket(rest) if rest <= PREFILL_CAP else _chunks_end(rest))
 
 
 def _chunks_end(length: int) -> int:

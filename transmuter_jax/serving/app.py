@@ -130,7 +130,8 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None)
         if top and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = top if body.logprobs else None
-        sub = _submission(served, body, prompt, max_tokens, logprobs, "messages")
+        constraint = await _constraint(served, body)
+        sub = _submission(served, body, prompt, max_tokens, logprobs, "messages", constraint)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         job = scheduler.submit(rid, sub)
         if body.stream:
@@ -150,8 +151,9 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None)
             raise ApiError(400, "echo is not supported", param="echo")
         tok = served.pipe.tokenizer
         prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
+        constraint = await _constraint(served, body)
         subs = [
-            _submission(served, body, p, body.max_tokens or 16, body.logprobs, "prompt")
+            _submission(served, body, p, body.max_tokens or 16, body.logprobs, "prompt", constraint)
             for p in prompts
         ]
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -197,6 +199,71 @@ def _message(message: Any, index: int) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
+async def _constraint(served: Served, body: Any) -> dict[str, Any]:
+    """The structured-output option of ``response_format`` or ``structured_outputs`` (the
+    library's json_schema / json_object / regex / grammar / choice), compiled once here so that
+    a bad one gets a 400 naming it; {} when there is none."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(
+                400,
+                "response_format.json_schema: give {'name': ..., 'schema': {...}} with "
+                "type 'json_schema'",
+                param="response_format.json_schema",
+            )
+        schema = json.dumps(fmt.json_schema.json_schema, ensure_ascii=False)
+        given.append(("response_format.json_schema", {"json_schema": schema}))
+    so = body.structured_outputs
+    if so is not None:
+        fields = {
+            "json": ("json_schema", so.json_),
+            "regex": ("regex", so.regex),
+            "grammar": ("grammar", so.grammar),
+            "choice": ("choice", so.choice),
+            "json_object": ("json_object", so.json_object or None),
+        }
+        for name, (option, value) in fields.items():
+            if value is None:
+                continue
+            if option == "json_schema" and not isinstance(value, str):
+                value = json.dumps(value, ensure_ascii=False)
+            if option == "choice":
+                value = tuple(value)
+            given.append((f"structured_outputs.{name}", {option: value}))
+    if not given:
+        return {}
+    if len(given) > 1:
+        names = " and ".join(p for p, _ in given)
+        raise ApiError(400, f"{names}: give one structured-output constraint", param=given[1][0])
+    param, options = given[0]
+    if body.ignore_eos:
+        raise ApiError(400, f"{param}: a constraint ends with eos: ignore_eos cannot be set",
+                       param="ignore_eos")  # fmt: skip
+    try:
+        await asyncio.to_thread(_compile_constraint, served, options)
+    except ValueError as error:
+        raise ApiError(400, f"{param}: {error}", param=param) from None
+    return options
+
+
+def _compile_constraint(served: Served, options: dict[str, Any]) -> None:
+    """Raises ValueError (GenerationError) naming what is wrong with the constraint."""
+    import os
+
+    from ..generation import Options
+    from ..generation.constraints import compile_matcher, from_options
+
+    constraint = from_options(Options(**options))
+    eos = served.pipe.defaults.get("eos_token_id") or ()
+    eos = (eos,) if isinstance(eos, int) else tuple(eos)
+    path = os.path.join(served.pipe.files.folder, "tokenizer.json")
+    compile_matcher(constraint, path, served.vocab_size, eos)
+
+
 def _submission(
     served: Served,
     body: Any,
@@ -204,6 +271,7 @@ def _submission(
     max_tokens: int | None,
     logprobs: int | None,
     field: str,
+    constraint: dict[str, Any] | None = None,
 ) -> Submission:
     """The engine's view of a request; raises ApiError for what the model cannot run."""
     limit = served.max_model_len
@@ -257,6 +325,7 @@ def _submission(
             options["top_logprobs"] = int(logprobs)
     if served.decode_steps:
         options["decode_steps"] = served.decode_steps
+    options.update(constraint or {})
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     return Submission(
         tuple(prompt),

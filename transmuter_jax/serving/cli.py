@@ -13,6 +13,9 @@ import signal
 import sys
 
 API_KEY_ENV = "TRANSMUTER_JAX_API_KEY"
+MAX_MODEL_LEN = 2048  # the default context at most: each slot holds this many cache rows
+DECODE_STEPS = 8  # the default decode chunk of the slots
+PREFIX_CACHE_BYTES = 256 << 20
 HELP = "serve a model behind the OpenAI API (needs the 'serve' extra)"
 DESCRIPTION = (
     "Serve MODEL (a folder, a hub id, or the default model when left out) behind an "
@@ -36,13 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=8,
         metavar="B",
-        help="the most requests that run together (default 8)",
+        help="the most requests that run together: the engine's slots (default 8)",
     )
     parser.add_argument(
         "--max-model-len",
         type=int,
         metavar="N",
-        help="the most tokens of prompt plus answer (default: the model's positions)",
+        help="the most tokens of prompt plus answer; each slot holds this many cache rows "
+        f"(default: the model's positions, at most {MAX_MODEL_LEN})",
     )
     parser.add_argument(
         "--max-queue",
@@ -73,11 +77,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-steps",
         type=int,
         metavar="K",
-        help="new tokens per device call of the decode loop (default: the library's, 16)",
+        help=f"the most new tokens per decode chunk (default {DECODE_STEPS}); a chunk is also "
+        "cut to about 0.25 s: a request waits at most one chunk to join",
+    )
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        type=_size,
+        default=PREFIX_CACHE_BYTES,
+        metavar="BYTES",
+        help="the most bytes of prompt KV rows kept on the device for later prompts that start "
+        "the same way (suffixes K, M, G; 0: off; default 256M)",
     )
     parser.add_argument("--dtype", help="variant of the ONNX files: fp32 (default), q4, int4, ...")
     parser.add_argument("--file", help="the decoder .onnx file to use, relative to MODEL")
     parser.add_argument("--verbose", "-v", action="store_true", help="show details and tracebacks")
+
+
+def _size(text: str) -> int:
+    """A byte count: an integer with an optional K, M or G (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    number, unit = (text[:-1], units[text[-1].upper()]) if text[-1:].upper() in units else (text, 1)
+    try:
+        value = int(float(number) * unit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (say 512M or 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a byte count must not be negative, got {text!r}")
+    return value
 
 
 def _template(value: str | None) -> str | None:
@@ -109,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         from .backend import PipelineBackend
         from .metrics import Metrics
         from .scheduler import Scheduler
+        from .slots import SlotBackend
     except ImportError as error:
         raise ValueError(
             f"serve needs the 'serve' extra: pip install 'transmuter_jax[serve]' ({error})"
@@ -124,22 +151,37 @@ def run(args: argparse.Namespace) -> int:
     )
     config = _config(pipe.files.folder)
     positions = int(config.get("max_position_embeddings") or 2048)
-    max_len = min(args.max_model_len or positions, positions)
+    max_len = min(args.max_model_len or min(positions, MAX_MODEL_LEN), positions)
     vocab = int(config.get("vocab_size") or len(pipe.tokenizer.special_ids) or 1)
     name = args.served_model_name or args.model or "default"
-    served = Served(name, pipe, max_len, vocab, args.generation_config == "auto", args.decode_steps)
-    backend = PipelineBackend(pipe, args.max_batch_size)
-    metrics = Metrics(lambda: backend.waiting, lambda: backend.running)
+    steps = args.decode_steps or DECODE_STEPS
+    auto = args.generation_config == "auto"
+    served = Served(name, pipe, max_len, vocab, auto, args.decode_steps)
+    try:
+        backend = SlotBackend(
+            pipe, args.max_batch_size, max_model_len=max_len, decode_steps=steps,
+            prefix_cache_bytes=args.prefix_cache_bytes,
+        )  # fmt: skip
+        prefixes = backend.prefixes
+        kind = f"continuous batching in {args.max_batch_size} slots of {steps}-token chunks"
+    except ValueError as error:  # a model the slots cannot run
+        backend, prefixes = PipelineBackend(pipe, args.max_batch_size), None
+        kind = f"static batching (the slots cannot run this model: {error})"
+    metrics = Metrics(
+        lambda: backend.waiting,
+        lambda: backend.running,
+        prefix=(lambda: prefixes.stats) if prefixes is not None else None,
+    )
     scheduler = Scheduler(backend, metrics, args.max_queue)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = create_app(served, scheduler, api_key)
     log.info(
-        "serving %s as %r on http://%s:%d (batch %d, context %d)",
+        "serving %s as %r on http://%s:%d (%s, context %d)",
         pipe.files.folder,
         name,
         args.host,
         args.port,
-        args.max_batch_size,
+        kind,
         max_len,
     )
     server = uvicorn.Server(

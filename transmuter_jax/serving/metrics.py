@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -13,7 +14,12 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 class Metrics:
     """Counters of requests and tokens, histograms of latencies, gauges of the queue."""
 
-    def __init__(self, waiting: Callable[[], float], running: Callable[[], float]):
+    def __init__(
+        self,
+        waiting: Callable[[], float],
+        running: Callable[[], float],
+        prefix: Callable[[], Any] | None = None,
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -48,6 +54,25 @@ class Metrics:
         self.waiting.set_function(waiting)
         self.running = Gauge(f"{PREFIX}_num_requests_running", "requests in flight", registry=r)
         self.running.set_function(running)
+        if prefix is not None:  # the prefix cache's PrefixStats
+            self._prefix_gauges(prefix)
+
+    def _prefix_gauges(self, stats: Callable[[], Any]) -> None:
+        r = self.registry
+        gauges = {
+            "queries": ("prompt tokens looked up in the prefix cache", "query_tokens"),
+            "hits": ("prompt tokens whose KV rows came from the prefix cache", "hit_tokens"),
+            "bytes": ("bytes of KV rows the prefix cache holds", "bytes"),
+        }
+        for name, (doc, field) in gauges.items():
+            gauge = Gauge(f"{PREFIX}_prefix_cache_{name}", doc, registry=r)
+            gauge.set_function(lambda field=field: getattr(stats(), field))
+        rate = Gauge(
+            f"{PREFIX}_prefix_cache_hit_rate",
+            "prompt tokens from the prefix cache / prompt tokens looked up",
+            registry=r,
+        )
+        rate.set_function(lambda: stats().hit_tokens / max(stats().query_tokens, 1))
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -54,6 +54,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema (``schema``) and its name; ``strict`` is
+    accepted (the constraint is always strict)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extra field: one of ``json`` (a schema, as a dict or JSON
+    text), ``regex``, ``grammar`` (Lark, llguidance's dialect), ``choice``, ``json_object``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(BaseModel):
     """The fields chat and completions share (OpenAI's, then vLLM's extra ones)."""
 
@@ -78,6 +112,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatMessage(BaseModel):

@@ -1,0 +1,121 @@
+"""The prefix cache of the slots: a request that starts with a stored prompt gets the tokens and
+log-probabilities of a plain prefill; the store stays under its byte bound. Also the per-slot
+OpenAI options the server needs (frequency_penalty, logit_bias, min_new_tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from generation_cases import case, context
+
+from transmuter_jax import generation
+from transmuter_jax.generation import Request
+from transmuter_jax.generation.prefixes import PrefixCache, cache_bytes_per_token
+
+NEW = 8
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("prefixes")
+
+
+def engine(name, workdir):
+    if name not in _ENGINES:
+        spec = context(name, workdir, max_new_tokens=NEW)
+        _ENGINES[name] = generation.compile(spec, 2, capacity=256, top_logprobs=3)
+    return _ENGINES[name]
+
+
+def _run(eng, prefix):
+    state = eng.insert(prefix, eng.init_state(), 1)
+    out = [prefix.first]
+    while state.live_slots:
+        state, tokens = eng.generate(state, 4)
+        out += tokens
+    return [_row(t) for t in out]
+
+
+def _row(t):
+    bits = lambda v: np.float32(v).tobytes()  # noqa: E731 - NaN (no logprobs) equals itself
+    return (t.token, t.eos, t.done, t.finish_reason, bits(t.logprob),
+            tuple((i, bits(v)) for i, v in t.top))  # fmt: skip
+
+
+def _prompts(name):
+    base = list(case(name, "greedy")["prompts"][0])
+    rng = np.random.default_rng(0)
+    draw = lambda n: [int(t) for t in rng.integers(4, 64, n)]  # noqa: E731 - in every vocab
+    long = base + draw(130 - len(base))  # two whole blocks and a bit
+    first = long + [5, 6, 7]
+    return {
+        "first": first,  # a miss: stores its two whole blocks
+        "sibling": long + [9, 8],  # shares them
+        "extension": first + draw(70),  # a later chat turn: shares them, stores three
+        "short": long[:80] + [3],  # shares one block
+        "other": [7] * 30,  # shares nothing
+    }
+
+
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32", "qwen2-optimum"])
+def test_prefixes_from_the_cache_equal_a_cache_that_misses(name, workdir):
+    eng = engine(name, workdir)
+    cache, nothing = PrefixCache(eng, max_bytes=1 << 30), PrefixCache(eng, max_bytes=0)
+    for key, prompt in _prompts(name).items():
+        request = Request(prompt, max_new_tokens=NEW, logprobs=True, top_logprobs=2)
+        want = _run(eng, nothing.prefill(request))
+        got = _run(eng, cache.prefill(request))
+        assert got == want, key  # tokens and log-probabilities, bit for bit
+        plain = _run(eng, eng.prefill(request))  # one prefill step: the same tokens
+        assert [t[:4] for t in got] == [t[:4] for t in plain], key
+    stats = cache.stats
+    assert (stats.queries, stats.hits, stats.hit_tokens) == (5, 3, 128 + 128 + 64)
+    assert stats.entries == 1  # the extension's three blocks replaced the first's two
+    assert stats.bytes == 192 * cache_bytes_per_token(eng)
+    assert nothing.stats.hits == 0 and nothing.stats.entries == 0
+
+
+def test_the_cache_stays_under_its_byte_bound_and_evicts_the_oldest(workdir):
+    eng = engine("llama-optimum", workdir)
+    per_token = cache_bytes_per_token(eng)
+    cache = PrefixCache(eng, max_bytes=2 * 64 * per_token)  # two prompts of one block
+    prompts = [[t] * 64 + [1, 2] for t in (3, 4, 5)]
+    for p in prompts:
+        cache.prefill(Request(p, max_new_tokens=1))
+    assert cache.stats.entries == 2 and cache.stats.bytes <= 2 * 64 * per_token
+    cache.prefill(Request(prompts[0] + [9], max_new_tokens=1))  # the first was evicted
+    cache.prefill(Request(prompts[2] + [9], max_new_tokens=1))  # the last was kept
+    assert cache.stats.hits == 1
+    nothing = PrefixCache(eng, max_bytes=0)
+    nothing.prefill(Request(prompts[0], max_new_tokens=1))
+    assert nothing.stats.entries == 0
+
+
+def test_openai_options_per_slot_equal_their_solo_runs(workdir):
+    name = "llama-optimum"
+    eng = engine(name, workdir)
+    prompts = case(name, "batch")["prompts"]
+    greedy = Request(prompts[0], max_new_tokens=NEW, logprobs=True)
+    plain = _run(eng, eng.prefill(greedy))
+    first = plain[0][0]
+    requests = {
+        "frequency": Request(prompts[1], max_new_tokens=NEW, frequency_penalty=1.5, logprobs=True),
+        "bias": Request(prompts[0], max_new_tokens=4, logit_bias={first + 1: 100.0}),
+        "min_new": Request(prompts[0], max_new_tokens=4, eos_token_id=(first,), min_new_tokens=2),
+    }
+    alone = {k: _run(eng, eng.prefill(r)) for k, r in requests.items()}
+    assert [t[0] for t in alone["bias"]] == [first + 1] * 4
+    assert alone["min_new"][0][0] != first and len(alone["min_new"]) >= 2
+    for key, request in requests.items():  # next to another request
+        state = eng.insert(eng.prefill(greedy), eng.init_state(), 0)
+        state, _ = eng.generate(state, 2)
+        prefix = eng.prefill(request)
+        state = eng.insert(prefix, state, 1)
+        got = [prefix.first]
+        while state.live_slots:
+            state, tokens = eng.generate(state, 3)
+            got += [t for t in tokens if t.slot == 1]
+        assert [_row(t) for t in got] == alone[key], key
+    with pytest.raises(ValueError, match="logit_bias takes at most"):
+        Request([1], logit_bias={i: 1.0 for i in range(301)})
