@@ -1,11 +1,12 @@
 """Structured output: constrained vs unconstrained decode tokens/s, and constraint compile times.
 
 ``python benchmarks/structured.py [--new 32] [--repo default]`` runs the default model (greedy)
-at batch 1 and 8 without a constraint and with a JSON schema, a regex and a choice (the host
-path of today's engine), times the device path's per-step work (:func:`table_bitmask`,
-:func:`apply_mask`, :func:`next_state` on [batch, vocab] logits inside jit) against a plain
-argmax, and the compile time of each constraint (llguidance, and the device table). It prints
-one JSON object; see benchmarks/README.md.
+at batch 1 and 8 without a constraint and with a JSON schema, a regex and a choice (each on
+the path it takes: the device table in the decode chunk, or llguidance on the host), times
+the device path's per-step work (:func:`table_bitmask`, :func:`apply_mask`,
+:func:`next_state` on [batch, vocab] logits inside jit) against a plain argmax, and the
+compile time of each constraint (llguidance, and the device table). It prints one JSON
+object; see benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -27,21 +28,36 @@ SCHEMA = {
     },
     "required": ["name", "age", "member"],
 }
+CLOSED = {  # closed objects of booleans, enums and integers: a device table
+    "type": "object",
+    "properties": {
+        "member": {"type": "boolean"},
+        "kind": {"enum": ["person", "company", "other"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "age": {"type": "integer"},
+    },
+    "required": ["member", "kind", "age"],
+    "additionalProperties": False,
+}
 CONSTRAINTS = {
     "json_schema": {"json_schema": SCHEMA},
+    "json_schema_closed": {"json_schema": CLOSED},
     "regex": {"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3} (apples|pears)"},
     "choice": {"choice": ["positive", "negative", "neutral"]},
 }
 PROMPT = "Describe a person as JSON with a name, an age, tags and membership."
 
 
-def _rate(pipe, batch: int, new: int, options: dict) -> dict:
+def _rate(pipe, batch: int, new: int, options: dict, warm: bool = False) -> dict:
     """Decode tokens/s: the new tokens after each row's first over the time from the first
-    token's event to the last (the prompts' prefill left out)."""
+    token's event to the last (the prompts' prefill left out); and batch steps/s (the same
+    time over the steps, whatever rows still run: the per-step cost, apart from how many rows
+    end early)."""
     prompts = [pipe.prompt_ids(f"{PROMPT} ({i})") for i in range(batch)]
     options = {"max_new_tokens": new, **options}
     runner = pipe._runner
-    runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
+    if warm:
+        runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
     times, counts = [], []
 
     def on_token(event) -> None:
@@ -51,7 +67,48 @@ def _rate(pipe, batch: int, new: int, options: dict) -> dict:
     runner.run(pipe.tokenizer, prompts, options, on_token=on_token)
     tokens = sum(counts[1:])  # the first event's tokens come with the prefill
     seconds = times[-1] - times[0]
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+    return {"tokens": tokens, "steps": len(times) - 1, "seconds": seconds}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _rates(pipe, batch: int, new: int, rounds: int) -> dict:
+    """Each configuration's median tok/s and steps/s over ``rounds`` interleaved rounds, the
+    median of each round's ratio to the free run of that round ("ratio", the issue's measure),
+    and to a free run of as many new tokens ("ratio_same_length": a short answer pays a decode
+    chunk's start over few tokens, constrained or not)."""
+    configs = {"free": {}, **CONSTRAINTS}
+    for name, options in CONSTRAINTS.items():
+        _rate(pipe, batch, new, options, warm=True)
+        steps = _rate(pipe, batch, new, options)["steps"]
+        configs[f"free_{name}_length"] = {"max_new_tokens": steps + 1}
+    for options in configs.values():
+        _rate(pipe, batch, new, options, warm=True)
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, options in configs.items():
+            runs[name].append(_rate(pipe, batch, new, options))
+
+    def ratio(got, base, unit="tokens"):
+        pairs = zip(got, base, strict=True)
+        return round(
+            _median([(g[unit] / g["seconds"]) / (b[unit] / b["seconds"]) for g, b in pairs]), 2
+        )
+
+    out = {}
+    for name, got in runs.items():
+        out[name] = {
+            "tokens": got[0]["tokens"],
+            "steps": got[0]["steps"],
+            "tok_s": round(_median([g["tokens"] / g["seconds"] for g in got]), 1),
+            "steps_s": round(_median([g["steps"] / g["seconds"] for g in got]), 2),
+        }
+        if name in CONSTRAINTS:
+            out[name]["ratio"] = ratio(got, runs["free"])
+            out[name]["ratio_same_length"] = ratio(got, runs[f"free_{name}_length"])
+    return out
 
 
 def _device_step(vocab: int, batch: int, path: str, eos: tuple[int, ...]) -> dict:
@@ -92,10 +149,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repo", default="default")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from transmuter_jax import text
     from transmuter_jax.generation import constraints as cs
+    from transmuter_jax.tasks import runner as runners
 
+    # every configuration's compiled context kept: the rounds measure decode, not recompiles
+    runners.KEEP_CONTEXTS = max(runners.KEEP_CONTEXTS, 2 * len(CONSTRAINTS) + 2)
     pipe = text.generation(args.repo)
     folder = pipe.files.folder
     path = os.path.join(folder, "tokenizer.json")
@@ -105,6 +166,9 @@ def main() -> None:
     start = time.perf_counter()
     cs.tokenizer(path, vocab, eos)
     report["compile"]["tokenizer_s"] = round(time.perf_counter() - start, 3)
+    start = time.perf_counter()
+    cs._texts(path, vocab, eos)  # the vocabulary's byte texts for outlines-core, once
+    report["compile"]["table_vocabulary_s"] = round(time.perf_counter() - start, 3)
     for name, options in CONSTRAINTS.items():
         constraint = cs.from_options(ctx.options.replace(**options))
         start = time.perf_counter()
@@ -114,18 +178,16 @@ def main() -> None:
         cs.compile_matcher(constraint, path, vocab, eos)
         cached = time.perf_counter() - start
         row = {"llguidance_s": round(first, 4), "cached_s": round(cached, 5)}
-        if constraint.finite:
-            start = time.perf_counter()
-            table = cs.token_table(constraint, path, vocab, eos)
-            row |= {"table_s": round(time.perf_counter() - start, 3), "states": table.states}
+        start = time.perf_counter()  # the path and its table, as a call's context makes them
+        mask = cs.processor(constraint, path, vocab, eos)
+        row["path_s"] = round(time.perf_counter() - start, 3)
+        row["path"] = "device" if isinstance(mask, cs.DeviceMask) else "host"
+        if row["path"] == "device":
+            row["states"] = mask.table.states
         report["compile"][name] = row
+    report["rounds"] = args.rounds
     for batch in (1, 8):
-        free = _rate(pipe, batch, args.new, {})
-        rows = {"free": free}
-        for name, options in CONSTRAINTS.items():
-            rows[name] = _rate(pipe, batch, args.new, options)
-            rows[name]["ratio"] = round(rows[name]["tok_s"] / free["tok_s"], 2)
-        report[f"batch_{batch}"] = rows
+        report[f"batch_{batch}"] = _rates(pipe, batch, args.new, args.rounds)
         report[f"device_step_batch_{batch}"] = _device_step(vocab, batch, path, eos)
     print(json.dumps(report, indent=1))
 

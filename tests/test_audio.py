@@ -134,4 +134,4 @@ def test_without_soundfile_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "soundfile", None)
     module = importlib.import_module("transmuter_jax.audio.load")
     with pytest.raises(ImportError, match=r"pip install 'transmuter_jax\[audio\]'"):
-        module._read(b"RIFF")
+        module.load(b"RIFF", 16000)

@@ -123,7 +123,7 @@ def test_model_and_audio_are_told_apart(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([MODEL, "/no/such/clip.wav"], "no such audio file: /no/such/clip.wav"),
+        ([MODEL, "/no/such/clip.wav"], "no audio file '/no/such/clip.wav'"),
         ([MODEL], "no AUDIO file after MODEL"),
     ],
 )

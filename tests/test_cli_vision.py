@@ -155,7 +155,7 @@ def test_caption_without_a_model_says_none_ships(capsys):
         (["caption", str(CAPTION)], "no IMAGE file after MODEL"),
         (["caption", str(CAPTION), "/no/such/image.png"], "no image file '/no/such/image.png'"),
         (["caption", str(VLM), str(VLM / "wide.png")], "use 'transmuter-jax generate MODEL --im"),
-        (["caption", TEXT_ONLY, str(VLM / "wide.png")], "has no image encoder"),
+        (["caption", TEXT_ONLY, str(VLM / "wide.png")], "use 'transmuter-jax generate MODEL PR"),
         (["generate", TEXT_ONLY, "hi", "--image", str(VLM / "wide.png")], "is a text-only model"),
         (["chat", TEXT_ONLY, "--image", str(VLM / "wide.png")], "is a text-only model"),
         (["generate", "hi", "--image", str(VLM / "wide.png")], "--image needs MODEL"),

@@ -54,6 +54,7 @@ EXPECTED = {
     "qwen25vl-genai-vlm": "image-text-to-text",
     "qwen2vl-community": "image-text-to-text",
     "smolvlm-community": "image-text-to-text",
+    "smolvlm-features": "image-text-to-text",
     "trocr-community": "image-to-text",
     "vitgpt2-optimum": "image-to-text",
     "whisper-genai-fp32": "speech-to-text",

@@ -32,7 +32,7 @@ LLAMA = FIXTURES / "llama-genai-fp32"
 VOCAB = 512  # vocab_size of LLAMA's config.json
 
 
-def _python(code: str, tmp_path: Path, **env: str) -> dict:
+def _python(code: str, tmp_path: Path, timeout: int = 300, **env: str) -> dict:
     """Runs ``code`` in a fresh process; returns the JSON object of its last line."""
     environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **env)
     out = subprocess.run(
@@ -41,7 +41,7 @@ def _python(code: str, tmp_path: Path, **env: str) -> dict:
         text=True,
         env=environment,
         cwd=ROOT,
-        timeout=300,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -1352,3 +1352,399 @@ def test_a_megabyte_prompt_gets_a_result_or_one_error_line():
     lines = [line for line in err.strip().splitlines() if not line.startswith("warning")]
     assert done.returncode in (1, 2) and "Traceback" not in err, err
     assert lines[-1].startswith("transmuter-jax: error: "), err
+
+
+# -- round 2: two layouts at once --------------------------------------------------------------
+
+
+def _copy(source: Path, folder: Path, names=None) -> None:
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and (names is None or path.name in names):
+            shutil.copy(path, folder / path.name)
+
+
+_TWO_LAYOUTS = {
+    # optimum at the top and transformers.js under onnx/ (both fp32)
+    "optimum+transformers.js": [("llama-optimum", ""), ("llama-optimum", "onnx")],
+    # the genai builder's folder at the top and an optimum decoder beside it
+    "genai+optimum": [("llama-genai-fp32", ""), ("marian-optimum", "")],
+    # genai at the top and transformers.js under onnx/
+    "genai+transformers.js": [("llama-genai-fp32", ""), ("llama-optimum", "onnx")],
+    # an fp32 genai subfolder beside an optimum decoder at the top
+    "optimum+genai subfolder": [("llama-optimum", ""), ("qwen2-genai-fp32", "cpu-fp32")],
+}
+
+
+def _two_layouts(tmp_path: Path, kind: str) -> Path:
+    folder = tmp_path / "model"
+    for fixture, sub in _TWO_LAYOUTS[kind]:
+        names = None
+        if fixture == "marian-optimum":
+            names = {"decoder_model_merged.onnx", "encoder_model.onnx"}
+        elif sub == "onnx":
+            names = {"model.onnx"}
+        _copy(FIXTURES / fixture, folder / sub if sub else folder, names)
+    return folder
+
+
+@pytest.mark.parametrize("kind", sorted(_TWO_LAYOUTS))
+def test_a_folder_of_two_layouts_is_refused_naming_both_and_the_way_out(tmp_path, kind):
+    folder = _two_layouts(tmp_path, kind)
+    with pytest.raises(tj.ModelFileError, match="several layouts at once") as error:
+        hub.files(folder)
+    message = str(error.value)
+    assert "pass file= (--file)" in message
+    families = {"optimum": "optimum ", "genai": "genai ", "transformers.js": "transformers.js "}
+    for family in kind.replace(" subfolder", "").split("+"):
+        assert families[family] in message, message
+    done = _cli(["generate", str(folder), "hi", "--max-new-tokens", "2"])
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr.decode()
+    assert lines[0].startswith("transmuter-jax: error: ") and "several layouts" in lines[0]
+
+
+def test_naming_the_decoder_of_a_two_layout_folder_gives_that_model(tmp_path):
+    from transmuter_jax import text
+
+    folder = _two_layouts(tmp_path, "optimum+transformers.js")
+    reference = text.generation(FIXTURES / "llama-optimum", max_new_tokens=4)
+    expected = reference("Hello there", chat=False)
+    for file in ("model.onnx", "onnx/model.onnx"):
+        pipe = text.generation(folder, file=file, max_new_tokens=4)
+        assert pipe("Hello there", chat=False) == expected
+    assert hub.files(folder, dtype="fp32", file="onnx/model.onnx").family == "transformers.js"
+
+
+def test_one_layout_beside_other_dtypes_is_not_two_layouts(tmp_path):
+    """Variants of other dtypes are no second layout: the request picks one of them."""
+    folder = _two_layouts(tmp_path, "optimum+genai subfolder")
+    (folder / "cpu-fp32").rename(folder / "cpu-int4")  # the subfolder's name tells its precision
+    assert hub.files(folder).family == "optimum"
+    assert hub.files(folder, dtype="int4").family == "genai"
+
+
+# -- round 2: vocab_size 0 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -5, "512", 2.5, True, 1 << 40, [512]])
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_vocab_size_that_is_no_vocabulary_is_refused_by_name(value, nested):
+    config = {"text_config": {"vocab_size": value}} if nested else {"vocab_size": value}
+    where = "text_config.vocab_size" if nested else "vocab_size"
+    with pytest.raises(tj.ModelFileError, match=rf"has {where} .*whole number from 1 to"):
+        hub.vocab_size(config)
+    assert hub.vocab_size({"vocab_size": None}) is None and hub.vocab_size({}) is None
+
+
+def _vocab_zero_folder(tmp_path: Path, symbolic: bool) -> Path:
+    """llama-optimum with config.json's vocab_size 0; with ``symbolic``, the logits' last axis
+    unnamed in the graph, so only the config could tell the vocabulary."""
+    folder = tmp_path / "model"
+    _copy(FIXTURES / "llama-optimum", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 0}))
+    if symbolic:
+        model = onnx.load(str(folder / "model.onnx"))
+        logits = next(o for o in model.graph.output if o.name == "logits")
+        logits.type.tensor_type.shape.dim[2].dim_param = "vocab"  # clears dim_value
+        onnx.save(model, str(folder / "model.onnx"))
+    return folder
+
+
+def test_vocab_size_0_is_refused_where_the_config_must_tell_the_vocabulary(tmp_path):
+    from transmuter_jax import text
+
+    folder = _vocab_zero_folder(tmp_path, symbolic=True)
+    with pytest.raises(tj.ModelFileError, match="has vocab_size 0; it must be a whole number"):
+        text.generation(folder, max_new_tokens=2)("Hello", chat=False)
+    done = _cli(["generate", str(folder), "Hello", "--max-new-tokens", "2"])
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr.decode()
+    assert "vocab_size 0" in lines[0] and lines[0].startswith("transmuter-jax: error: ")
+
+
+def test_vocab_size_0_beside_a_graph_that_tells_the_vocabulary_gives_the_right_tokens(tmp_path):
+    from transmuter_jax import text
+
+    folder = _vocab_zero_folder(tmp_path, symbolic=False)
+    expected = text.generation(FIXTURES / "llama-optimum", max_new_tokens=4).generate(
+        ["Hello there"], chat=False
+    )
+    got = text.generation(folder, max_new_tokens=4).generate(["Hello there"], chat=False)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+
+
+# -- round 2: hours of audio in bounded memory -------------------------------------------------
+
+_MEMORY_CHILD = """
+import importlib, json, resource, sys
+import numpy as np
+
+def data_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+
+load = importlib.import_module("transmuter_jax.audio.load")
+speech = importlib.import_module("transmuter_jax.audio.speech_to_text")
+args = json.loads(sys.argv[1])
+pipe = None
+if args.get("model"):
+    pipe = speech.speech_to_text(args["model"], num_beams=1, max_new_tokens=2)
+    warm = np.sin(np.arange(16000 * 40) / 9.0).astype(np.float32) * 0.1
+    pipe.generate([warm], sampling_rate=16000)  # the programs compiled before the limit
+budget = args["budget_mb"] << 20
+if args.get("samples_s"):  # the caller's array is allocated before the limit
+    given = (np.random.default_rng(0).standard_normal(int(args["samples_s"] * 16000)) * 0.05)
+    given = given.astype(np.float32)
+resource.setrlimit(resource.RLIMIT_DATA, (data_bytes() + budget, resource.RLIM_INFINITY))
+try:
+    if pipe is None:
+        out = {"samples": int(len(load.load(args["path"], 16000)))}
+    else:
+        options = {k: args[k] for k in ("chunk_length_s",) if k in args}
+        result = pipe.generate([given], sampling_rate=16000, **options)[0]
+        out = {"tokens": len(result.token_ids)}
+except MemoryError:
+    out = {"memory_error": True}
+except Exception as error:  # noqa: BLE001
+    out = {"error": f"{type(error).__name__}: {error}"}
+print(json.dumps(out))
+"""
+
+
+def _memory_child(tmp_path: Path, **args) -> dict:
+    code = _MEMORY_CHILD.replace("sys.argv[1]", repr(json.dumps(args)))
+    return _python(code, tmp_path, timeout=1800)
+
+
+def _long_wav(path: Path, minutes: float, rate: int = 48000, channels: int = 2) -> int:
+    """Writes ``minutes`` of quiet noise as a 16-bit wav; returns its frames."""
+    import soundfile
+
+    rng = np.random.default_rng(3)
+    frames = int(minutes * 60 * rate)
+    with soundfile.SoundFile(path, "w", rate, channels, "PCM_16") as sound:
+        for start in range(0, frames, rate * 10):
+            n = min(rate * 10, frames - start)
+            sound.write((rng.standard_normal((n, channels)) * 0.05).astype(np.float32))
+    return frames
+
+
+def test_a_long_file_loads_in_memory_for_its_samples_at_the_models_rate(tmp_path):
+    """6 minutes at 48 kHz in stereo (69 MB of 16-bit samples, 138 MB as float32 at its rate
+    and channels) load as 16 kHz mono (23 MB) within 40 MB: read, mixed and resampled a block
+    at a time."""
+    pytest.importorskip("soundfile")
+    frames = _long_wav(tmp_path / "long.wav", 6)
+    out = _memory_child(tmp_path, path=str(tmp_path / "long.wav"), budget_mb=40)
+    assert out.get("samples") == frames // 3, out
+
+
+@pytest.mark.slow
+def test_hours_of_audio_load_in_memory_for_their_samples_at_the_models_rate(tmp_path):
+    pytest.importorskip("soundfile")
+    frames = _long_wav(tmp_path / "long.wav", 120, rate=44100)
+    out = _memory_child(tmp_path, path=str(tmp_path / "long.wav"), budget_mb=500)  # 460 MB
+    assert abs(out.get("samples", 0) - frames * 16000 / 44100) < 2, out
+
+
+def test_chunks_of_long_audio_are_decoded_in_bounded_groups_with_the_same_tokens(monkeypatch):
+    """A long input's chunks are encoded and decoded a group at a time (so memory holds one
+    group's features, encoder outputs and cache), and give the tokens of one batch."""
+    import importlib
+
+    from transmuter_jax import audio
+
+    module = importlib.import_module("transmuter_jax.audio.speech_to_text")
+    pipe = audio.speech_to_text(FIXTURES / "whisper-speech-optimum", num_beams=1, max_new_tokens=3)
+    long = np.sin(np.arange(16000 * 150) / 5.0).astype(np.float32) * 0.2
+    long *= np.random.default_rng(4).random(len(long)).astype(np.float32)
+    whole = pipe.generate([long, long[: 16000 * 5]], sampling_rate=16000, seed=3)
+    sizes = []
+    features = type(pipe.features).__call__
+
+    def spy(self, batch):
+        sizes.append(len(batch))
+        return features(self, batch)
+
+    monkeypatch.setattr(module, "ROW_GROUP", 3)
+    monkeypatch.setattr(type(pipe.features), "__call__", spy)
+    grouped = pipe.generate([long, long[: 16000 * 5]], sampling_rate=16000, seed=3)
+    assert max(sizes) == 3 and sum(sizes) > 3
+    assert [r.token_ids for r in grouped] == [r.token_ids for r in whole]
+    assert [r.text for r in grouped] == [r.text for r in whole]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seconds", "chunk_length_s"), [(3600, None), (1800, 10.0)])
+def test_hours_of_audio_transcribe_in_bounded_memory(tmp_path, seconds, chunk_length_s):
+    """An hour (180 chunks of 30 s), or half an hour in 270 chunks of 10 s, within 700 MB beyond
+    the caller's samples: their copy at the model's rate (230 MB an hour) and the features,
+    encoder outputs and cache of one group of chunks at a time."""
+    args = {} if chunk_length_s is None else {"chunk_length_s": chunk_length_s}
+    out = _memory_child(
+        tmp_path, model=str(FIXTURES / "whisper-speech-optimum"), samples_s=seconds,
+        budget_mb=700, **args,
+    )  # fmt: skip
+    assert out.get("tokens", 0) > 0, out
+
+
+def test_hours_of_audio_without_chunking_are_refused_by_name():
+    """chunk_length_s=0 asks for no chunking, which audio longer than the 30 s window cannot
+    have (transformers' sequential long-form decoding is not supported): a clear error."""
+    from transmuter_jax import audio
+
+    pipe = audio.speech_to_text(FIXTURES / "whisper-speech-optimum", num_beams=1)
+    hours = np.full(16000 * 3600 * 2, 0.01, np.float32)
+    with pytest.raises(ValueError, match="7200 s is longer than the 30 s window and chunk_len"):
+        pipe.generate([hours], sampling_rate=16000, chunk_length_s=0)
+
+
+# -- round 2: Idefics3 and Qwen2-VL preprocessor values ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"size": {"longest_edge": 0}}, r"size\['longest_edge'\] is 0; it must be from 1 to 8,192"),
+        ({"size": {"longest_edge": 10**9}}, r"size\['longest_edge'\] is 1000000000"),
+        ({"size": {"height": 4}}, r"size\['width'\] is None; it must be a whole number"),
+        ({"size": {"shortest_edge": 4}}, r"size is .*it must be \{'longest_edge': N\} or"),
+        ({"size": 364}, r"size is 364; it must be"),
+        ({"max_image_size": {"longest_edge": 0}}, r"max_image_size\['longest_edge'\] is 0"),
+        (
+            {"max_image_size": {"longest_edge": 2.5}},
+            r"max_image_size\['longest_edge'\] is 2.5; it must be a whole number",
+        ),
+        (
+            {"max_image_size": {"longest_edge": float("inf")}},
+            r"max_image_size\['longest_edge'\] is inf; it must be a whole",
+        ),
+        ({"max_image_size": {}}, r"max_image_size is \{\}; it must be \{'longest_edge': N\}$"),
+        ({"image_std": [0.5, 0.0, 0.5]}, "image_std is .*a standard deviation of 0"),
+        ({"image_mean": [float("nan")] * 3}, "image_mean is .*it must be finite"),
+        ({"rescale_factor": "1/255"}, "rescale_factor is '1/255'; it must be a number"),
+        ({"resample": 42}, "resample is 42; it must be one of"),
+    ],
+)
+def test_degenerate_idefics3_processor_values_are_refused_by_name(config, words):
+    from transmuter_jax.vision.idefics3 import Idefics3ImageProcessor
+
+    with pytest.raises(ValueError, match="Idefics3ImageProcessor: " + words):
+        Idefics3ImageProcessor(config)
+    with pytest.raises(ValueError, match="Idefics3ImageProcessor: " + words):
+        Idefics3ImageProcessor({}).settings(config)  # a call's options too
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"patch_size": 0}, "patch_size is 0; it must be from 1 to 8,192"),
+        ({"patch_size": 10**6}, "patch_size is 1000000; it must be from 1"),
+        ({"merge_size": 0}, "merge_size is 0; it must be from 1"),
+        ({"patch_size": 1024, "merge_size": 16}, "merge_size is 16; it must be from 1 to 8$"),
+        ({"temporal_patch_size": -2}, "temporal_patch_size is -2"),
+        ({"min_pixels": 0}, "min_pixels is 0; it must be from 1 to 67,108,864"),
+        ({"min_pixels": 10**12}, "min_pixels is 1000000000000"),
+        ({"max_pixels": 10**12}, "max_pixels is 1000000000000"),
+        ({"max_pixels": float("nan")}, "max_pixels is nan; it must be a whole number"),
+        ({"min_pixels": 5000, "max_pixels": 4000}, "min_pixels is 5,000, more than max_pixels"),
+        ({"image_std": 0}, "image_std is 0; a standard deviation of 0"),
+        ({"rescale_factor": float("inf")}, "rescale_factor is inf; it must be finite"),
+    ],
+)
+def test_degenerate_qwen2vl_processor_values_are_refused_by_name(config, words):
+    from transmuter_jax.vision.qwen2vl import Qwen2VLImageProcessor
+
+    with pytest.raises(ValueError, match="Qwen2VLImageProcessor: " + words):
+        Qwen2VLImageProcessor(config)
+    with pytest.raises(ValueError, match="Qwen2VLImageProcessor: " + words):
+        Qwen2VLImageProcessor({}).settings(config)
+
+
+@pytest.mark.parametrize(
+    ("files", "words"),
+    [
+        ({"processor_config.json": {"image_seq_len": 0}}, "image_seq_len is 0; it must be from"),
+        ({"processor_config.json": {"image_seq_len": 10**9}}, "image_seq_len is 1000000000"),
+        ({"processor_config.json": {"image_seq_len": "64"}}, "image_seq_len is '64'"),
+        ({"config.json": {"vision_config": {"patch_size": 0}}}, "config.json: patch_size is 0"),
+        ({"config.json": {"scale_factor": 0}}, "config.json: scale_factor is 0"),
+        ({"config.json": {"vision_config": {"image_size": -1}}}, "image_size is -1"),
+    ],
+)
+def test_degenerate_idefics3_prompt_values_are_refused_by_name(tmp_path, files, words):
+    from transmuter_jax.vision.idefics3 import Idefics3Processor
+
+    source = FIXTURES / "smolvlm-community"
+    _copy(source, tmp_path, {"preprocessor_config.json", "config.json"})
+    (tmp_path / "processor_config.json").write_text("{}")
+    for name, change in files.items():
+        current = json.loads((tmp_path / name).read_text())
+        for key, value in change.items():
+            if isinstance(value, dict):
+                current[key] = {**current.get(key, {}), **value}
+            else:
+                current[key] = value
+        (tmp_path / name).write_text(json.dumps(current))
+    with pytest.raises(ValueError, match=words):
+        Idefics3Processor(tmp_path, tokenizer=None)
+
+
+def test_a_qwen2vl_config_with_a_merge_size_of_0_is_refused_by_name():
+    from transmuter_jax.vision.qwen2vl import RopeConfig
+
+    config = json.loads((FIXTURES / "qwen2vl-community" / "config.json").read_text())
+    config["vision_config"]["spatial_merge_size"] = 0
+    with pytest.raises(ValueError, match="config.json: vision_config.spatial_merge_size is 0"):
+        RopeConfig.from_config(config)
+
+
+# -- round 2: streaming equals generate ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speech_pipe():
+    from transmuter_jax import audio
+
+    return audio.speech_to_text(FIXTURES / "whisper-speech-optimum", max_new_tokens=10)
+
+
+def _noise(seconds: float, seed: int = 1) -> np.ndarray:
+    n = int(seconds * 16000)
+    tone = np.sin(np.arange(n) / 5.0).astype(np.float32) * 0.3
+    return tone * np.random.default_rng(seed).random(n).astype(np.float32)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("seconds", [8, 70])  # one window, and chunks merged
+def test_a_stream_with_timestamps_joins_to_the_text_of_generate(speech_pipe, num_beams, seconds):
+    x = _noise(seconds)
+    options = dict(return_timestamps=True, num_beams=num_beams, sampling_rate=16000, seed=2)
+    expected = speech_pipe.generate([x], **options)[0]
+    pieces = list(speech_pipe.stream(x, **options))
+    assert "".join(pieces) == expected.text
+    if num_beams > 1 or seconds > 30:  # final only when the search (or the merge) ends
+        assert len(pieces) <= 1
+
+
+def test_a_stream_of_several_sequences_is_refused_by_name_before_any_step(speech_pipe):
+    from transmuter_jax import text
+
+    pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=3)
+    options = dict(num_return_sequences=2, do_sample=True, seed=1)
+    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
+        next(iter(pipe.stream("Hello", chat=False, **options)))
+    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
+        next(iter(speech_pipe.stream(_noise(3), sampling_rate=16000, num_beams=1, **options)))
+    # the command line gives the n sequences without streaming
+    done = _cli(["generate", str(FIXTURES / "llama-optimum"), "Hello", "--no-chat-template",
+                 "--max-new-tokens", "3", "--num-return-sequences", "2", "--sample", "--seed",
+                 "1"])  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+    texts = [r.text for r in pipe.generate(["Hello"], chat=False, **options)[0]]
+    assert done.stdout.decode().count("\n") >= 2 and all(t in done.stdout.decode() for t in texts)

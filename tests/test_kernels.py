@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import warnings
 
@@ -206,6 +207,28 @@ def test_matmul_nbits_int8_kernel(rng, monkeypatch, portable, zero_points, k, bl
         np.testing.assert_array_equal(_int8_call(x[r : r + 1], b, scales, zp, k, n, block)[0], y[r])
 
 
+@needs_kernels
+@pytest.mark.parametrize(("k", "zero_points"), [(576, None), (1536, None), (96, "packed")])
+def test_matmul_nbits_int8_rows_at_batch_1_8_64(rng, monkeypatch, k, zero_points):
+    """The default model's int4 products (block 32): each row of batches of 8 and 64 is bit for
+    bit its solo run, and the SIMD code equals the portable code at every batch."""
+    n, block = 70, 32
+    b, scales, zp = _nbits(rng, k, n, block, zero_points)
+    x = (rng.standard_normal((64, k)) * 3).astype(np.float32)
+    solo = {r: _int8_call(x[r : r + 1], b, scales, zp, k, n, block)[0] for r in (0, 7, 63)}
+    for m in (8, 64):
+        got = _int8_call(x[:m], b, scales, zp, k, n, block)
+        for r in (r for r in solo if r < m):
+            np.testing.assert_array_equal(got[r], solo[r])
+        monkeypatch.setenv(kernels.PORTABLE_ENV, "1")
+        np.testing.assert_array_equal(_int8_call(x[:m], b, scales, zp, k, n, block), got)
+        monkeypatch.setenv(kernels.PORTABLE_ENV, "0")
+    want = np.asarray(
+        jax.jit(int8_product, static_argnums=(4, 5, 6))(x, b, scales, zp, k, n, block)
+    )
+    _close(_int8_call(x, b, scales, zp, k, n, block), want, k)
+
+
 def test_int8_product_rows_are_independent(rng):
     """The pure-JAX int8 path: a row's result does not depend on the other rows, bit for bit."""
     k, n, block = 576, 50, 32
@@ -254,6 +277,146 @@ def test_matmul_nbits_int8_matches_onnxruntime_level_4(rng, monkeypatch, kernels
             block_size=block,
             accuracy_level=4,
         )
+
+
+def _mlas_vnni_cpu() -> bool:
+    """Whether onnxruntime's MLAS runs its AVX512-VNNI int8 kernels here (the float steps the
+    block-32 kernel follows)."""
+    try:
+        flags = next(
+            line
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ).split()
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= set(flags)
+
+
+def _nbits_session(k, n, b, scales, zp):
+    inputs = ["a", "b", "scales"] + (["zp"] if zp is not None else [])
+    node = helper.make_node(
+        "MatMulNBits",
+        inputs,
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=4,
+        block_size=32,
+        accuracy_level=4,
+    )
+    inits = [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "scales")]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "zp"))
+    graph = helper.make_graph(
+        [node],
+        "nbits",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+        inits,
+    )
+    proto = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    proto.ir_version = 10
+    return proto
+
+
+def _avx2_fma_cpu() -> bool:
+    try:
+        line = next(
+            line
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(line.split())
+
+
+@needs_kernels
+@pytest.mark.parametrize("op", ["SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"])
+@pytest.mark.parametrize("k", [64, 576, 100])
+def test_rms_norms_follow_onnxruntime(rng, op, k):
+    """onnxruntime's two RMS norms, with its float steps: bit for bit on CPUs with AVX2 and FMA
+    (where onnxruntime runs its vector code), within float32 rounding elsewhere."""
+    skip = op.startswith("Skip")
+    names = ["x", "s", "g"] if skip else ["x", "g"]
+    node = helper.make_node(op, names, ["y"], domain="com.microsoft" if skip else "", epsilon=1e-6)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5, k])]
+    if skip:
+        inputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [3, 5, k]))
+    gamma = (rng.standard_normal(k) * 0.5 + 1).astype(np.float32)
+    graph = helper.make_graph(
+        [node],
+        "norm",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(gamma, "g")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    feeds = {"x": (rng.standard_normal((3, 5, k)) * 3).astype(np.float32)}
+    if skip:
+        feeds["s"] = rng.standard_normal((3, 5, k)).astype(np.float32)
+    want = _ort(proto, feeds)["y"]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.onnx")
+        onnx.save(proto, path)
+        got = np.asarray(tj.load(path)(feeds)["y"])
+    if _avx2_fma_cpu() and (skip or k % 8 == 0):  # other lengths: XLA's own steps
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 4, 5, 8, 18, 48])
+def test_nbits_pack_round_trips(rng, blocks):
+    """The kernel's layout of int4 weights (blocks of 32) holds the same values: unpacking it
+    gives the stored bytes back, and it differs from them where a group of 4 blocks exists."""
+    b = rng.integers(0, 256, (5, blocks, 16), dtype=np.uint8)
+    packed = kernels.nbits_pack(b)
+    assert packed.shape == b.shape and packed.dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(kernels.nbits_unpack(packed)), b)
+    if blocks >= 4:
+        assert (packed != b).any()
+    # value t of a group of 4 blocks is the low nibble of byte t, value 64 + t the high one
+    if blocks >= 4:
+        values = np.stack([b[0, :4] & 15, b[0, :4] >> 4], -1).reshape(128)
+        np.testing.assert_array_equal(packed[0, :4].reshape(64) & 15, values[:64])
+        np.testing.assert_array_equal(packed[0, :4].reshape(64) >> 4, values[64:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("zero_points", [None, "packed"])
+@pytest.mark.parametrize(("k", "n"), [(576, 576), (1536, 70), (96, 21), (608, 33)])
+def test_matmul_nbits_block32_follows_onnxruntime(rng, monkeypatch, zero_points, k, n):
+    """Blocks of 32 with int8 input take MLAS's float steps: on CPUs where onnxruntime runs its
+    AVX512-VNNI kernel, the results equal onnxruntime's bit for bit, with the weights as stored
+    or prepacked, SIMD or portable code, at 1 to 64 rows; elsewhere they agree within float32
+    rounding."""
+    b, scales, zp = _nbits(rng, k, n, 32, zero_points)
+    session = ort.InferenceSession(
+        _nbits_session(k, n, b, scales, zp).SerializeToString(),
+        providers=["CPUExecutionProvider"],
+    )
+    packed = kernels.nbits_pack(b)
+    ref = lambda x, b, s, z: int8_product(x, b, s, z, k, n, 32)
+    for m in (1, 4, 5, 64):
+        x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+        theirs = session.run(["y"], {"a": x})[0]
+        for portable in ("0", "1"):
+            monkeypatch.setenv(kernels.PORTABLE_ENV, portable)
+            for weights, is_packed in ((b, False), (packed, True)):
+                fn = lambda x, w, s, z, p=is_packed: kernels.matmul_nbits(
+                    x, w, s, z, n=n, block_size=32, reference=ref, int8=True, packed=p
+                )
+                ours = np.asarray(jax.jit(fn)(x, weights, scales, zp))
+                if _mlas_vnni_cpu():
+                    np.testing.assert_array_equal(ours, theirs)
+                else:
+                    _close(ours, theirs.astype(np.float64), k)
 
 
 @needs_kernels
@@ -391,6 +554,37 @@ def test_packed_graph_matches_onnxruntime(rng, tmp_path, monkeypatch):
     want = _ort(proto, feeds)
     for name, value in want.items():
         np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_int4_weights_prepacked_at_load(rng, tmp_path, monkeypatch):
+    """MatMulNBits nodes that quantize their input (level 4, blocks of 32) read their weights in
+    the kernel's layout, rearranged once at load, and give onnxruntime's results; switched to exact
+    products after loading, the weights are read back in the stored layout."""
+    k, n = 576, 40
+    b, scales, zp = _nbits(rng, k, n, 32, "packed")
+    proto = _nbits_session(k, n, b, scales, zp)
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _packed_ops(model) == {"PackedMatMulNBits"}
+    np.testing.assert_array_equal(np.asarray(model.params["b"]), kernels.nbits_pack(b))
+    x = (rng.standard_normal((3, k)) * 2).astype(np.float32)
+    want = _ort(proto, {"a": x})["y"]
+    got = np.asarray(model({"a": x})["y"])
+    if _mlas_vnni_cpu():
+        np.testing.assert_array_equal(got, want)
+    else:
+        _close(got, want.astype(np.float64), k)
+    monkeypatch.setenv(INT8_ENV, "0")
+    assert _packed_ops(tj.load(path)) == set()  # exact products: not packed
+    _close(model({"a": x})["y"], _nbits_reference(x, b, scales, zp, k, n, 32), k)
+    monkeypatch.setenv(INT8_ENV, "1")
+    monkeypatch.setattr(prepack, "PACK_MIN", 1 << 40)
+    proto.graph.node[0].attribute.extend([helper.make_attribute("accuracy_level", 0)])
+    del proto.graph.node[0].attribute[-2]  # accuracy_level 0: exact, not packed
+    onnx.save(proto, path)
+    assert _packed_ops(tj.load(path)) == set()
 
 
 def _fixture_graphs():

@@ -271,6 +271,36 @@ def genai_equivalent(genai: Mapping[str, Any], name: str) -> dict[str, Any]:
     return {**config, **ids}
 
 
+MAX_VOCAB = (1 << 31) - 1
+"""The largest vocabulary a config may declare (token ids are int32 on the device)."""
+
+
+def vocab_size(config: Mapping[str, Any]) -> int | None:
+    """The ``vocab_size`` of a model's config (its ``text_config``'s first), or None when it
+    declares none (absent or null).
+
+    Raises:
+        ModelFileError: the value is not a whole number from 1 to :data:`MAX_VOCAB` (0, negative,
+            a string, a fraction, a bool), naming it.
+    """
+    text = config.get("text_config")
+    sources = [text, config] if isinstance(text, Mapping) else [config]
+    for source in sources:
+        value = source.get("vocab_size")
+        if value is None:
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not whole or not 1 <= value <= MAX_VOCAB:
+            where = "text_config.vocab_size" if source is text else "vocab_size"
+            raise ModelFileError(
+                f"the model's config (config.json, or genai_config.json's model.vocab_size) has "
+                f"{where} {value!r}; it must be a whole number from 1 to {MAX_VOCAB:,} (the "
+                "size of the vocabulary): fix the file"
+            )
+        return value
+    return None
+
+
 def files(repo: str | os.PathLike, *, dtype: str | None = None, file: str | None = None) -> Files:
     """The ONNX files of ``repo``: its decoder, and its encoder or embeddings model if any.
 
@@ -505,7 +535,11 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
     incomplete: list[str] = []
     unmerged: list[str] = []
     if "genai_config.json" in configs:
-        variants.append(_genai(repo, root, "genai_config.json", 0, None))
+        genai = _genai(repo, root, "genai_config.json", 0, None)
+        variants.append(genai)
+        # optimum's names at the top beside the genai config's own files: a second layout
+        others = [n for n in names if n not in genai.paths]
+        variants += _optimum(repo, "", "optimum", 1, others)[0]
     else:
         found, notes, split = _optimum(repo, "", "optimum", 1, names)
         variants += found
@@ -540,9 +574,7 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
     if incomplete:
         available += f"; incomplete: {'; '.join(incomplete)}"
     if dtype is None:
-        if variants[0].rank == 0:
-            return variants[0]
-        matches = [v for v in variants if v.dtype == "fp32"]
+        matches = [v for v in variants if v.rank == 0 or v.dtype == "fp32"]
         if not matches and len(variants) == 1 and variants[0].family == "genai":
             matches = variants
         if not matches:
@@ -560,6 +592,9 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
             raise ModelFileError(
                 f"{repo!r} has no decoder of dtype {dtype!r}; its variants: {available}{hint}"
             )
+    layouts = sorted({v.rank for v in matches})
+    if len(layouts) > 1:
+        _refuse_layouts(repo, [v for v in matches if v.rank in layouts], dtype)
     best = [v for v in matches if v.rank == matches[0].rank]
     if len(best) > 1:
         raise ModelFileError(
@@ -567,6 +602,22 @@ def _choose(repo: str, root: str, names: Sequence[str], dtype: str | None) -> _V
             f"{', '.join(v.decoder for v in best)}; pass file= to name one"
         )
     return best[0]
+
+
+_PLACES = {0: "at the top", 1: "at the top", 2: "under onnx/", 3: "in a subfolder"}
+
+
+def _refuse_layouts(repo: str, matches: Sequence[_Variant], dtype: str | None) -> None:
+    """Refuses a folder that holds decoders of ``dtype`` in more than one exporter's layout:
+    their config and tokenizer files may belong to different models, and no rule can tell
+    which one the caller means."""
+    found = "; ".join(f"{v.family} {_PLACES[v.rank]} ({v.decoder})" for v in matches)
+    wanted = f"of dtype {dtype!r}" if dtype else "of the default choice (genai, else fp32)"
+    raise ModelFileError(
+        f"{repo!r} holds several layouts at once, each with a decoder {wanted}: {found}. Its "
+        "config and tokenizer files may belong to only one of them; pass file= (--file) to name "
+        "the decoder to use, or keep one layout per folder"
+    )
 
 
 def _explicit(repo: str, root: str, names: Sequence[str], file: str, dtype: str | None) -> _Variant:

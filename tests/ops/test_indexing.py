@@ -150,3 +150,17 @@ def test_unique(sorted_, axis):
         sorted=sorted_,
         **kwargs,
     )
+
+
+@pytest.mark.parametrize("op_type", ["GatherND", "GatherElements"])
+def test_gather_from_a_constant_table_by_input_indices(op_type):
+    """A table known at trace time (a constant, as the exporters write bucketize's boundaries)
+    indexed by traced indices is indexed as a JAX array, not a numpy one."""
+    table = np.asarray([0.25, 0.5, 0.75], np.float32)
+    kwargs = {}
+    if op_type == "GatherND":
+        indices = np.asarray([[[0], [2]], [[1], [-1]]], np.int64)
+    else:
+        table, indices = table[None].repeat(2, 0), np.asarray([[0, 2], [1, -1]], np.int64)
+        kwargs["axis"] = 1
+    check_op(op_type, {"x": table, "i": indices}, opset=13, constants=["x"], **kwargs)

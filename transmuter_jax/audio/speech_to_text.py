@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import generation as gen
 from .. import hub
+from ..generation.options import seed_value
 from ..tasks import detect
 from ..tasks.pipeline import OnToken, Pipeline, Request
 from ..tasks.runner import Result
@@ -26,6 +27,10 @@ from .load import load as load_audio
 
 # the pipeline's options, not generation's
 SPEECH_OPTIONS = ("language", "task", "return_timestamps", "chunk_length_s", "stride_length_s")
+ROW_GROUP = 16
+"""The most rows (whole inputs, or chunks of long ones) whose features, encoder outputs and
+decoding are held at once: a call of more runs them in groups of this many, in order, so that
+hours of audio take memory for their samples and one group, not for every chunk."""
 
 
 @dataclasses.dataclass
@@ -147,7 +152,15 @@ class SpeechToText(Pipeline):
         """The forced prompts, encoder inputs, generation options and the task's processors of
         the rows: whole inputs and chunks of long ones (:func:`chunks.rows`, the request's
         state with whether timestamps are on); the option ``sampling_rate`` (see
-        :meth:`generate`)."""
+        :meth:`generate`). All rows at once: :meth:`generate` runs them in groups of
+        :data:`ROW_GROUP`."""
+        return self._request(*self._rows(audio, options))
+
+    def _rows(
+        self, audio: Sequence[Audio], options: dict[str, Any]
+    ) -> tuple[list[chunking.Row], dict[str, Any], dict[str, Any], bool]:
+        """The rows of a call (its audio loaded and cut into chunks), its speech and generation
+        options, and whether timestamps are on."""
         sampling_rate = options.pop("sampling_rate", None)
         if isinstance(audio, str | os.PathLike | bytes | np.ndarray) or not audio:
             raise TypeError("audio is a non-empty list of inputs (paths, bytes or arrays)")
@@ -163,6 +176,16 @@ class SpeechToText(Pipeline):
         generation = _split(options)[1]
         if any(r.stride is not None for r in rows):
             self._check_chunked(generation)
+        return rows, speech, generation, timestamps
+
+    def _request(
+        self,
+        rows: list[chunking.Row],
+        speech: dict[str, Any],
+        generation: dict[str, Any],
+        timestamps: bool,
+    ) -> Request:
+        """The :class:`Request` of ``rows``: their features, encoder outputs and prompts."""
         encoded = self.encode(self.features([r.samples for r in rows]))
         prompts = self.prompts(encoded, speech.get("language"), speech.get("task"), timestamps)
         processors = (self._stamps,) if timestamps else ()
@@ -249,14 +272,16 @@ class SpeechToText(Pipeline):
         on_token: OnToken | None = None,
         **options: Any,
     ) -> list[SpeechResult] | list[list[SpeechResult]]:
-        """Transcribes (or translates) each input, in one batch.
+        """Transcribes (or translates) each input: its rows (the inputs, and the chunks of long
+        ones) are decoded in batches of at most :data:`ROW_GROUP` rows, in order.
 
         Args:
             audio: file paths, file bytes, or float arrays of samples.
             sampling_rate: the rate of the arrays in Hz (files tell their own).
             seed: the sampling seed of the first row (the next get seed + 1, ...; each chunk of a
                 long input is a row); None: random.
-            on_token: called after each step with the new token of each row (int32 [rows]).
+            on_token: called after each step with the new token of each row of the batch being
+                decoded (int32 [rows]).
             **options: ``language`` (a code, name or token; None: detected for a multilingual
                 model), ``task`` ("transcribe" or "translate"), ``return_timestamps`` (predict
                 timestamp tokens, with transformers' rules, and give ``chunks``),
@@ -270,9 +295,28 @@ class SpeechToText(Pipeline):
             finish_reason, chunks; with
             num_return_sequences n > 1, a list of n per input.
         """
-        return super().generate(
-            audio, seed=seed, on_token=on_token, sampling_rate=sampling_rate, **options
+        rows, speech, generation, timestamps = self._rows(
+            audio, {**options, "sampling_rate": sampling_rate}
         )
+        return self._run_rows(rows, speech, generation, timestamps, seed, on_token)
+
+    def _run_rows(
+        self,
+        rows: list[chunking.Row],
+        speech: dict[str, Any],
+        generation: dict[str, Any],
+        timestamps: bool,
+        seed: int | None,
+        on_token: OnToken | None = None,
+    ) -> list:
+        """The results of ``rows`` decoded in groups of :data:`ROW_GROUP`, one per input."""
+        base = None if seed is None else seed_value(seed)
+        out: list = []
+        for start in range(0, len(rows), ROW_GROUP):  # the features of one group at a time
+            request = self._request(rows[start : start + ROW_GROUP], speech, generation, timestamps)
+            group_seed = None if base is None else base + start
+            out += self.run(request, seed=group_seed, on_token=on_token)
+        return self._gather(rows, out, timestamps)
 
     def single(self, inputs: Any) -> bool:
         return isinstance(inputs, str | os.PathLike | bytes) or (
@@ -301,12 +345,13 @@ class SpeechToText(Pipeline):
     ) -> Iterator[str]:
         """Yields the text of one input in pieces as it is decoded; they join to the text of
         :meth:`generate` (with beam search, or for a chunked input, as one piece at the end)."""
-        request = self.request([audio], {**options, "sampling_rate": sampling_rate})
-        rows = request.state[0]
+        rows, speech, generation, timestamps = self._rows(
+            [audio], {**options, "sampling_rate": sampling_rate}
+        )
         if len(rows) > 1 or rows[0].stride is not None:  # chunks: their merge comes at the end
-            text = self.finish(self.run(request, seed=seed), request)[0].text
+            text = self._run_rows(rows, speech, generation, timestamps, seed)[0].text
             return iter([text] if text else [])
-        return self.stream_request(request, seed=seed)
+        return self.stream_request(self._request(rows, speech, generation, timestamps), seed=seed)
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -12,7 +12,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from .output import PROG, CompileNotice
+from .output import PROG, CompileNotice, error_line
 from .parser import COMMANDS, command_modules, parse, parser
 
 __all__ = ["COMMANDS", "PROG", "main", "parse", "parser"]
@@ -41,9 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - one clear line, the traceback with --verbose
         if args.verbose:
             traceback.print_exc()
-        name = type(error).__name__
-        print(f"{PROG}: error: {error} ({name})" if args.verbose else f"{PROG}: error: {error}",
-              file=sys.stderr)  # fmt: skip
+        print(error_line(error, args.verbose), file=sys.stderr)
         return 1
     finally:
         stored.compile_listeners.remove(notice)

@@ -24,6 +24,32 @@ def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
                        "between its tokens (default: compact)")  # fmt: skip
 
 
+MAX_FILE_BYTES = 16 << 20
+"""The largest schema or grammar file read (16 MiB)."""
+
+
+def read_file(flag: str, path: str, what: str) -> str:
+    """The UTF-8 text of the file ``path`` given to ``flag``, refused by name when it is not a
+    regular file (a folder, a FIFO, a device), larger than :data:`MAX_FILE_BYTES`, or not
+    UTF-8."""
+    from ..runtime.paths import not_a_file
+
+    why = not_a_file(path, what)
+    if why is not None:
+        raise ValueError(f"{flag}: {why}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"{flag} {path} holds more than {MAX_FILE_BYTES:,} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{flag} {path} is not UTF-8 text: {error.reason}") from None
+
+
 def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
     """The generation options of the structured-output flags (files read, a schema parsed).
 
@@ -33,12 +59,10 @@ def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     schema = getattr(args, "json_schema", None)
     if schema is not None:
+        text = read_file("--json-schema", schema, "a JSON schema")
         try:
-            with open(schema, encoding="utf-8") as f:
-                options["json_schema"] = json.load(f)
-        except OSError as error:
-            raise ValueError(f"--json-schema {schema}: {error.strerror}") from None
-        except ValueError as error:
+            options["json_schema"] = json.loads(text)
+        except (ValueError, RecursionError) as error:
             raise ValueError(f"--json-schema {schema} is not JSON: {error}") from None
     if getattr(args, "json_object", False):
         options["json_object"] = True
@@ -46,11 +70,7 @@ def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
         options["regex"] = args.regex
     grammar = getattr(args, "grammar", None)
     if grammar is not None:
-        try:
-            with open(grammar, encoding="utf-8") as f:
-                options["grammar"] = f.read()
-        except OSError as error:
-            raise ValueError(f"--grammar {grammar}: {error.strerror}") from None
+        options["grammar"] = read_file("--grammar", grammar, "a grammar")
     if getattr(args, "choice", None):
         options["choice"] = list(args.choice)
     if getattr(args, "json_whitespace", False):

@@ -11,6 +11,23 @@ from typing import Any
 PROG = "transmuter-jax"
 
 
+def error_line(error: BaseException, verbose: bool = False) -> str:
+    """The one line of stderr that reports ``error``: its message with its lines joined (the
+    exception's name when it has none, and also with ``verbose``); for a model of another task
+    (``WrongTask``) anywhere below the commands, the command that runs it."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    task = getattr(error, "task", None)
+    if type(error).__name__ == "WrongTask" and isinstance(task, str):
+        from ..tasks import detect
+
+        command = next((t.command for t in detect.TASKS if t.key == task), None)
+        if command is not None and command not in message:
+            message += f" (on the command line: '{command}')"
+    if verbose and message != type(error).__name__:
+        message += f" ({type(error).__name__})"
+    return f"{PROG}: error: {message}"
+
+
 def warn(message: str) -> None:
     """A warning on stderr, named by the program."""
     print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)

@@ -11,6 +11,20 @@ from typing import Any
 from .output import PROG, say
 
 
+def use_instead(model: str | None, task_key: str) -> ValueError:
+    """The one-line error for a model given to the wrong command: what the model is, and the
+    command that runs it (``task_key``: a :attr:`~transmuter_jax.tasks.detect.Task.key`)."""
+    from ..tasks import detect
+
+    name = model or "the default model"
+    task = next((t for t in detect.TASKS if t.key == task_key), None)
+    if task is None:
+        return ValueError(f"{name} is not a model this command runs")
+    article = "an" if task.name[0] in "aeiou" else "a"
+    what = "decoder-only text-generation" if task is detect.TEXT_GENERATION else task.name
+    return ValueError(f"{name} is {article} {what} model: use '{task.command}'")
+
+
 def text_pipeline(task: str, model: str | None, args: argparse.Namespace):
     """The pipeline of ``task`` ("generation" or "text_to_text"), with the command to use when
     the model is for another task."""
@@ -21,19 +35,24 @@ def text_pipeline(task: str, model: str | None, args: argparse.Namespace):
     try:
         pipe = make(model, dtype=args.dtype, file=args.file)
     except text.WrongTask as error:
-        name = model or "the default model"
-        if error.task == "image_to_text":
-            raise ValueError(str(error)) from None
-        if error.task == "generation":
-            raise ValueError(f"{name} has no encoder (a decoder-only model): use "
-                             f"'{PROG} generate MODEL PROMPT'") from None  # fmt: skip
-        if error.task == "speech_to_text":
-            raise ValueError(f"{name} is a speech-to-text model: use "
-                             f"'{PROG} transcribe MODEL AUDIO'") from None  # fmt: skip
-        raise ValueError(f"{name} is an encoder-decoder model: use "
-                         f"'{PROG} translate MODEL TEXT'") from None  # fmt: skip
+        raise use_instead(model, error.task) from None
     say(args, f"loaded {pipe.files.decoder} ({pipe.files.family}) in "
          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    return pipe
+
+
+def speech_pipeline(model: str | None, args: argparse.Namespace):
+    """The speech-to-text pipeline of ``model``, with the command to use when the model is for
+    another task."""
+    from .. import audio
+    from ..tasks import detect
+
+    start = time.perf_counter()
+    try:
+        pipe = audio.speech_to_text(model, dtype=args.dtype, file=args.file)
+    except detect.WrongTask as error:
+        raise use_instead(model, error.task) from None
+    say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
     return pipe
 
 
@@ -57,9 +76,8 @@ def vision_pipeline(model: str | None, args: argparse.Namespace):
                          "the default model is text-only and no default vision-language model "
                          f"ships ('{PROG} generate MODEL --image IMAGE PROMPT')")  # fmt: skip
     files, task = detected(model, args)
-    if task is detect.IMAGE_TO_TEXT:
-        raise ValueError(f"{model} is an image-to-text model (an image encoder and a text "
-                         f"decoder): use '{task.command}'")  # fmt: skip
+    if task in (detect.IMAGE_TO_TEXT, detect.SPEECH_TO_TEXT, detect.TEXT_TO_TEXT):
+        raise use_instead(model, task.key)
     if task is not detect.IMAGE_TEXT_TO_TEXT:
         encoder = detect.vision_encoder_path(files.decoder)
         kind = "text-only" if task is detect.TEXT_GENERATION else task.name
@@ -81,13 +99,12 @@ def caption_pipeline(model: str, args: argparse.Namespace):
     from ..tasks import detect
 
     files, task = detected(model, args)
-    if task is detect.IMAGE_TEXT_TO_TEXT:
-        raise ValueError(f"{model} is an image-text-to-text model: use '{task.command}'")
-    if task is not detect.IMAGE_TO_TEXT and files.encoder is None:
-        raise ValueError(f"{model} has no image encoder (encoder_model.onnx): caption needs an "
-                         "image-to-text model (an image encoder and a text decoder, such as "
-                         "ViT-GPT2)")  # fmt: skip
+    if task is not detect.IMAGE_TO_TEXT:
+        raise use_instead(model, task.key)
     start = time.perf_counter()
-    pipe = vision.image_to_text(model, dtype=args.dtype, file=args.file)
+    try:
+        pipe = vision.image_to_text(model, dtype=args.dtype, file=args.file)
+    except detect.WrongTask as error:
+        raise use_instead(model, error.task) from None
     say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
     return pipe

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from typing import Any
 
+from ..runtime.paths import not_a_file
 from .inputs import model_and_audio
 from .options import add_generation_options, add_model_options, check_seed, generation_options
-from .output import CompileNotice, record, say, write_line
+from .output import CompileNotice, record, write_line
+from .pipelines import speech_pipeline
 
 NAME = "transcribe"
 GATHERS = True  # whether its positional items may stand among its options (parser.parse)
@@ -49,12 +49,11 @@ def run(args: argparse.Namespace, notice: CompileNotice) -> int:
     from ..audio import timestamps
 
     model, files = model_and_audio(args.args)
-    missing = [f for f in files if not os.path.isfile(f)]
-    if missing:
-        raise ValueError(f"no such audio file: {', '.join(missing)}")
-    start = time.perf_counter()
-    pipe = audio.speech_to_text(model, dtype=args.dtype, file=args.file)
-    say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
+    for path in files:
+        why = not_a_file(path, "an audio")
+        if why is not None:
+            raise ValueError(why)
+    pipe = speech_pipeline(model, args)
     options = generation_options(args)
     check_seed(args, options, pipe.defaults)
     if args.language:

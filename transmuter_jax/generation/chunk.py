@@ -19,7 +19,8 @@ import numpy as np
 
 from ..runtime.jit import jit_options
 from ..runtime.stored import StoredJit
-from . import slots
+from . import constraints, slots
+from . import drafts as drafting
 from .programs import program
 
 if TYPE_CHECKING:
@@ -33,10 +34,13 @@ class Decoder:
     Attributes:
         size: decode_steps, the most steps of one chunk.
         k: the top_logprobs each step gives (0: none).
+        mask: a finite constraint's :class:`~.constraints.DeviceMask` (its table runs in the
+            chunk, the rows' ``constraint`` its states), or None.
     """
 
     size: int
     k: int
+    mask: Any = None
 
     def __call__(
         self,
@@ -60,7 +64,7 @@ class Decoder:
             branch,
             rows,
             spec.options.program_key,
-            tuple(spec.processors),
+            constraints.program_names(spec.processors),
             spec.vocab_size,
             slots._pad_token(engine),
             slots._axes(engine),
@@ -72,8 +76,8 @@ class Decoder:
             one = slots._step_function(engine, None, self.k, branch, rows)
             size, k, placement = self.size, self.k, engine.placement
 
-            def run(params, embed_params, state, given, limit):
-                extra = {"embed_params": embed_params, "given": given}
+            def run(params, embed_params, state, given, limit, table):
+                extra = {"table": table, "embed_params": embed_params, "given": given}
                 state, out = slots.run_steps(one, size, k, params, state, limit, **extra)
                 if placement is not None:  # the host reads it on every process
                     out = jax.tree.map(placement.readable, out)
@@ -92,8 +96,11 @@ class Decoder:
             None if state.encoder is None else np.shape(state.encoder),
             state.delta is None,
         )
+        table = self.mask.table if self.mask is not None else None
+        signature += (None if table is None else (table.mask.shape, table.next.shape),)
         limit = np.int32(min(limit, self.size))
-        state, out = fn(signature, engine.model.params, embed_params, state, given, limit)
+        params = engine.model.params
+        state, out = fn(signature, params, embed_params, state, given, limit, table)
         return state, jax.device_get(out)
 
 
@@ -111,8 +118,10 @@ def rows(
     delta: np.ndarray | None,
     encoder: np.ndarray | None,
     cache: dict[str, jax.Array],
+    constraint: np.ndarray | None = None,
 ) -> slots.DecodeRows:
-    """generate()'s rows as the slots' per-row arrays, with the specification's options."""
+    """generate()'s rows as the slots' per-row arrays, with the specification's options
+    (``constraint``: [B] each row's state in a finite constraint's table; None: -1, none)."""
     batch, ids = len(token), tuple(engine.options.eos_token_id)
     r = slots._resolved(engine, slots.Request((0,), max_new_tokens=0, eos_token_id=()))
     eos = np.full((batch, max(slots.EOS_WIDTH, len(ids))), -1, np.int32)
@@ -142,6 +151,8 @@ def rows(
         bias_ids=np.full((batch, slots.BIAS_WIDTH), -1, np.int32),
         bias_values=np.zeros((batch, slots.BIAS_WIDTH), np.float32),
         min_new=full(0, np.int32),
+        constraint=full(-1, np.int32) if constraint is None else constraint,
+        drafts=drafting.empty(batch),
         delta=delta,
         encoder=encoder,
     )
@@ -151,7 +162,7 @@ def choose(engine: Engine, logits: jax.Array, rows: slots.DecodeRows) -> slots.S
     """The host path's selection: the slots' step's selection and end-of-row rule alone, over
     the logits [B, V] of a step the host ran (rows that take no token: done). Returns the host
     StepOut [B]."""
-    _, out = slots._first(engine, int(engine.options.top_logprobs))(logits, rows)
+    _, out = slots._first(engine, int(engine.options.top_logprobs))(logits, rows, None)
     return jax.device_get(out)
 
 

@@ -17,6 +17,7 @@ Eos is allowed only where the constraint may end; once it is complete only eos i
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import functools
 import json
@@ -100,6 +101,28 @@ def from_options(options: Any) -> Constraint | None:
     if options.choice is not None:
         return Constraint("choice", json.dumps(list(options.choice)))
     return None
+
+
+def of(value: Any) -> Constraint | None:
+    """A request's constraint: a :class:`Constraint`, or a mapping of one structured-output
+    option (``{"regex": "[0-9]+"}``, ``{"choice": [...]}``, ``{"json_schema": {...}}``, with
+    ``json_whitespace`` if wanted), checked as the options check it; None: none.
+
+    Raises:
+        GenerationError: naming what is wrong.
+    """
+    if value is None or isinstance(value, Constraint):
+        return value
+    if not isinstance(value, collections.abc.Mapping):
+        raise GenerationError(
+            f"a constraint is a Constraint or a mapping such as {{'regex': ...}}, got {value!r:.80}"
+        )
+    from .options import Options
+
+    wrong = set(value) - {*KINDS, "json_whitespace"}
+    if wrong:
+        raise GenerationError(f"not a constraint option: {', '.join(sorted(wrong))}")
+    return from_options(Options().replace(**value))
 
 
 def _llg():
@@ -237,18 +260,19 @@ def _process(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return apply_mask(logits, mask)
 
 
-def processor(constraint: Constraint, path: str, vocab: int, eos: Sequence[int]) -> tuple:
-    """The host path's task processor ``(state, process)`` of ``constraint``."""
-    return HostMatcher(constraint, path, vocab, eos).processor
-
-
 # -- the device path -----------------------------------------------------------------------
+
+SENTINEL = "\x00"  # ends the pattern in outlines-core's index: where it may follow, eos may
+MIN_STATES = 16  # a device table's states are padded to a power of two, at least this
+CHECK_WALKS = 16  # random token walks that check a table against llguidance when it is built
+CHECK_STEPS = 32
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenTable:
-    """A finite constraint's token-level automaton, as device arrays (state 0 is the start).
+    """A finite constraint's token-level automaton, as device arrays (state 0 is the start;
+    states past the automaton's, up to a power of two, allow nothing).
 
     Attributes:
         mask: [S, ceil(V / 32)] int32 the tokens each state allows (eos where it may end).
@@ -260,7 +284,7 @@ class TokenTable:
 
     @property
     def states(self) -> int:
-        """The automaton's states."""
+        """The table's states (padded)."""
         return int(self.next.shape[0])
 
 
@@ -274,7 +298,8 @@ def pack(allowed_tokens: np.ndarray) -> np.ndarray:
 
 
 def pattern_of(constraint: Constraint) -> str:
-    """The regex of a finite constraint, for outlines-core's index."""
+    """The regex of a regex or choice constraint (a JSON schema's, outlines-core's), for
+    outlines-core's index."""
     if constraint.kind == "regex":
         return constraint.text
     if constraint.kind == "choice":
@@ -288,64 +313,142 @@ def pattern_of(constraint: Constraint) -> str:
     raise GenerationError(f"a {constraint.kind} constraint has no device table: use the host path")
 
 
-@functools.lru_cache(maxsize=32)
-def _table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]) -> TokenTable:
-    from outlines_core import Index, Vocabulary
-
+@functools.lru_cache(maxsize=4)
+def _texts(path: str, vocab: int, eos: tuple[int, ...]) -> dict[bytes, list[int]]:
+    """The byte texts of the vocabulary's ordinary tokens (no eos, special or NUL-holding one),
+    as outlines-core's Vocabulary takes them."""
     tok = tokenizer(path, vocab, eos)
     texts: dict[bytes, list[int]] = {}
     for token in range(min(vocab, tok.vocab_size)):
         if token in eos or tok.is_special_token(token):
             continue
         text = tok.decode_bytes([token])
-        if text:
+        if text and SENTINEL.encode() not in text:
             texts.setdefault(text, []).append(token)
+    return texts
+
+
+class NotExact(GenerationError):
+    """A finite constraint whose table cannot equal llguidance's masks on every path."""
+
+
+@functools.lru_cache(maxsize=32)
+def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]) -> np.ndarray:
+    """[S, V] int32 the table of :class:`TokenTable` (``next``) on the host, unpadded.
+
+    outlines-core indexes the pattern followed by a NUL sentinel (its 0.2 index drops the moves
+    out of states where the pattern may end; followed by the sentinel, no state of the pattern
+    is final): eos is allowed where the sentinel may follow. Then each state keeps only the
+    tokens llguidance's mask allows there (llguidance keeps the canonical tokenization of a
+    forced continuation: after "pos" of "positive" it allows "it", not "i"), read along one
+    path to the state, and random walks check the table against llguidance.
+
+    Raises:
+        NotExact: where llguidance allows a token the index does not, or a walk disagrees.
+    """
+    from outlines_core import Index, Vocabulary
+
+    texts = dict(_texts(path, vocab, eos))
+    sentinel = 1 << 30  # a token id past every vocabulary
+    texts[SENTINEL.encode()] = [sentinel]
+    start_matcher = compile_matcher(constraint, path, vocab, eos)  # llguidance's check first
     try:
-        index = Index(pattern_of(constraint), Vocabulary(eos[0], texts))
-    except (ValueError, RuntimeError) as error:
-        raise GenerationError(f"invalid {constraint.kind}: {error}") from None
+        index = Index(f"(?:{pattern_of(constraint)}){SENTINEL}", Vocabulary(eos[0], texts))
+    except Exception as error:  # noqa: BLE001 - llguidance takes it, outlines-core does not
+        raise NotExact(f"outlines-core cannot index it: {error}") from None
     transitions = index.get_transitions()
-    start = index.get_initial_state()
-    names = [start, *sorted(set(transitions) - {start})]
-    finals = set(index.get_final_states())
-    names += sorted(finals - set(names))
+    start, finals = index.get_initial_state(), set(index.get_final_states())
+    names = {start: 0}
+    for name, moves in transitions.items():
+        for after in (name, *moves.values()):
+            if after not in finals:
+                names.setdefault(after, len(names))
     if len(names) * vocab > TABLE_LIMIT:
         raise GenerationError(
             f"the {constraint.kind} has {len(names)} states: too large for a device table"
         )
-    dense = {name: i for i, name in enumerate(names)}
+    dense = np.full(max(max(names), *finals) + 1, -1, np.int64)
+    dense[list(names)] = list(names.values())
     table = np.full((len(names), vocab), -1, np.int32)
+    eos_ids = np.asarray(eos)
     for name, moves in transitions.items():
-        for token, after in moves.items():
-            if token not in eos and token < vocab:
-                table[dense[name], token] = dense[after]
-    for name in finals:
-        table[dense[name], list(eos)] = dense[name]
-    _as_llguidance(table, compile_matcher(constraint, path, vocab, eos), vocab)
-    return TokenTable(jnp.asarray(pack(table >= 0)), jnp.asarray(table))
+        if name in finals:
+            continue
+        row = names[name]
+        tokens = np.fromiter(moves.keys(), np.int64, len(moves))
+        after = np.fromiter(moves.values(), np.int64, len(moves))
+        keep = (tokens < vocab) & ~np.isin(tokens, eos_ids)
+        table[row, tokens[keep]] = dense[after[keep]]
+        if sentinel in moves:
+            table[row, eos_ids] = row
+    _as_llguidance(table, start_matcher, vocab, eos)
+    _check_walks(table, start_matcher, vocab, eos)
+    return table
 
 
-def _as_llguidance(table: np.ndarray, start: Any, vocab: int) -> None:
-    """Removes from ``table`` the tokens llguidance's mask leaves out in each state (it keeps
-    tokenizations near the canonical one: after "m" of "maybe" it allows "ay", not "a"), so
-    that the device path gives the host path's tokens. A state's mask is llguidance's after one
-    token path that reaches it (breadth first from the start)."""
+def _mask_after(start: Any, tokens: list[int], vocab: int) -> np.ndarray:
+    matcher = start.deep_copy()
+    matcher.consume_tokens(tokens)
+    return _unpacked(matcher, vocab)
+
+
+def _unpacked(matcher: Any, vocab: int) -> np.ndarray:
+    """[vocab] bool the tokens ``matcher`` allows next (on the host)."""
+    bits = np.unpackbits(bitmask(matcher, vocab).view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
+
+
+def _as_llguidance(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]) -> None:
+    """Keeps in each state of ``table`` only the tokens llguidance allows after one path to it
+    (breadth first from the start); raises NotExact where llguidance allows more."""
     paths, order = {0: []}, [0]
     for state in order:
-        matcher = start.deep_copy()
-        matcher.consume_tokens(paths[state])
-        table[state, ~np.asarray(allowed(bitmask(matcher, vocab), vocab))] = -1
-        for token in np.flatnonzero(table[state] >= 0):
-            after = int(table[state, token])
-            if after not in paths:
-                paths[after] = [*paths[state], int(token)]
+        want = _mask_after(start, paths[state], vocab)
+        have = table[state] >= 0
+        if (want & ~have).any():
+            raise NotExact("llguidance allows tokens the automaton does not")
+        table[state, ~want] = -1
+        targets, first = np.unique(table[state], return_index=True)
+        for after, token in zip(targets.tolist(), first.tolist(), strict=True):
+            if after >= 0 and after not in paths and token not in eos:
+                paths[after] = [*paths[state], token]
                 order.append(after)
 
 
+def _check_walks(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]) -> None:
+    """Raises NotExact unless the table's masks equal llguidance's along random walks."""
+    rng = np.random.default_rng(0)
+    ordinary = np.ones(vocab, bool)
+    ordinary[list(eos)] = False
+    for _ in range(CHECK_WALKS):
+        matcher, state = start.deep_copy(), 0
+        for _ in range(CHECK_STEPS):
+            want = _unpacked(matcher, vocab)
+            if not np.array_equal(want, table[state] >= 0):
+                raise NotExact("the table differs from llguidance on a walk")
+            ok = np.flatnonzero(want & ordinary)
+            if not len(ok):
+                break
+            token = int(ok[rng.integers(len(ok))])
+            matcher.consume_token(token)
+            state = int(table[state, token])
+
+
+@functools.lru_cache(maxsize=32)
+def _device_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]):
+    host = _host_table(constraint, path, vocab, eos)
+    states = max(MIN_STATES, 1 << (len(host) - 1).bit_length())
+    padded = np.full((states, vocab), -1, np.int32)
+    padded[: len(host)] = host
+    return TokenTable(jnp.asarray(pack(padded >= 0)), jnp.asarray(padded))
+
+
 def token_table(constraint: Constraint, path: str, vocab: int, eos: Sequence[int]) -> TokenTable:
-    """The device table of a finite ``constraint`` (cached by its text and the vocabulary).
+    """The device table of a finite ``constraint`` (cached by its text and the vocabulary),
+    equal to llguidance's masks on every path the build checks.
 
     Raises:
+        NotExact: where the table cannot equal llguidance's masks (use the host path).
         GenerationError: for a constraint that is not a finite automaton (a grammar, a schema
             with $ref or open objects), or one too large for the device.
     """
@@ -356,7 +459,7 @@ def token_table(constraint: Constraint, path: str, vocab: int, eos: Sequence[int
     eos = tuple(int(e) for e in eos)
     if not eos:
         raise GenerationError("structured output needs an eos token (eos_token_id is empty)")
-    return _table(constraint, os.fspath(path), int(vocab), eos)
+    return _device_table(constraint, os.fspath(path), int(vocab), eos)
 
 
 def table_bitmask(table: TokenTable, state: jax.Array) -> jax.Array:
@@ -370,3 +473,130 @@ def next_state(table: TokenTable, state: jax.Array, token: jax.Array) -> jax.Arr
     """[B] the state after ``token`` [B] from ``state`` [B] (free rows, state -1, stay -1)."""
     after = table.next[jnp.maximum(state, 0), jnp.maximum(token, 0)]
     return jnp.where(state >= 0, after, state)
+
+
+@functools.lru_cache(maxsize=32)
+def _host_masks(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]) -> np.ndarray:
+    return pack(_host_table(constraint, path, vocab, eos) >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMask:
+    """The device path of a finite constraint, as a task processor ``(state, process)`` whose
+    device table a decode chunk reads instead of calling ``state`` (equal by value: programs
+    of two calls with one constraint are one).
+
+    Attributes:
+        constraint: the constraint (:attr:`Constraint.finite`).
+        path: the model's tokenizer.json. vocab: the logits' vocabulary. eos: the eos ids.
+    """
+
+    constraint: Constraint
+    path: str
+    vocab: int
+    eos: tuple[int, ...]
+
+    @property
+    def table(self) -> TokenTable:
+        """The device table (cached)."""
+        return token_table(self.constraint, self.path, self.vocab, self.eos)
+
+    def walk(self, tokens: Sequence[int]) -> int:
+        """The table's state after ``tokens`` (new tokens, in order; -1 off the table)."""
+        host = _host_table(self.constraint, self.path, self.vocab, self.eos)
+        state = 0
+        for token in tokens:
+            if state < 0:
+                break
+            state = int(host[state, int(token)])
+        return state
+
+    def state(self, row: dict) -> np.ndarray:
+        """The bitmask of a row (``{"prompt", "generated" (last first), "vocab"}``), from the
+        table on the host (a prompt step's selection)."""
+        state = self.walk(list(row["generated"])[::-1])
+        masks = _host_masks(self.constraint, self.path, self.vocab, self.eos)
+        return masks[state] if state >= 0 else np.zeros(masks.shape[1], np.int32)
+
+    def __getitem__(self, i: int) -> Any:
+        return (self.state, _process)[i]
+
+    def __iter__(self):
+        return iter((self.state, _process))
+
+    def __len__(self) -> int:
+        return 2
+
+
+DEVICE_MASK = "constraint table"  # a DeviceMask's name in program keys (its table is an input)
+
+
+def device_mask(processors: Sequence[Any]) -> DeviceMask | None:
+    """The :class:`DeviceMask` among ``processors``, or None."""
+    return next((p for p in processors if isinstance(p, DeviceMask)), None)
+
+
+def program_names(processors: Sequence[Any]) -> tuple[Any, ...]:
+    """``processors`` with a DeviceMask as :data:`DEVICE_MASK` (what a program computes does
+    not depend on its table, an input)."""
+    return tuple(DEVICE_MASK if isinstance(p, DeviceMask) else p for p in processors)
+
+
+def processor(constraint: Constraint, path: str, vocab: int, eos: Sequence[int]) -> Any:
+    """The processor of ``constraint``: a :class:`DeviceMask` where its table equals
+    llguidance's masks (a regex or choice, or a schema whose regex does), else the host path's
+    ``(state, process)`` of a :class:`HostMatcher`."""
+    path, eos = os.fspath(path), tuple(int(e) for e in eos)
+    compile_matcher(constraint, path, vocab, eos)  # a bad constraint is refused by its name
+    if constraint.finite and _plain(constraint):
+        try:
+            token_table(constraint, path, vocab, eos)
+            return DeviceMask(constraint, path, int(vocab), eos)
+        except NotExact:
+            pass
+    return HostMatcher(constraint, path, vocab, eos).processor
+
+
+def _plain(constraint: Constraint) -> bool:
+    """Whether a table may equal llguidance's masks, before building it: a regex or a choice,
+    or a schema of closed objects (additionalProperties false), arrays, enums, consts,
+    booleans, nulls and unbounded integers. outlines-core's regex of strings, numbers and
+    bounded integers differs from llguidance's JSON (escapes, exponents, bounds): building
+    their table only to drop it would cost up to seconds."""
+    if constraint.kind != "json_schema":
+        return True
+    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+    def walk(node: Any) -> bool:
+        if isinstance(node, list):
+            return all(walk(n) for n in node)
+        if not isinstance(node, dict):
+            return True
+        if "enum" in node or "const" in node:
+            return True
+        kinds = node.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if "string" in kinds or "number" in kinds or any(b in node for b in bounds):
+            return False
+        if "object" in kinds and node.get("additionalProperties") is not False:
+            return False
+        return all(walk(v) for k, v in node.items() if k not in ("required", "type"))
+
+    return walk(json.loads(constraint.text))
+
+
+def restrict(scores: jax.Array, table: TokenTable | None, state: jax.Array) -> jax.Array:
+    """``scores`` [B, V] with each row's tokens its ``state`` [B] does not allow removed (a free
+    row, state -1, keeps all; no table: unchanged)."""
+    if table is None:
+        return scores
+    return apply_mask(scores, table_bitmask(table, state))
+
+
+def advance(
+    table: TokenTable | None, state: jax.Array, token: jax.Array, kept: jax.Array
+) -> jax.Array:
+    """[B] the state after each row's ``token`` where ``kept`` [B] (an eos keeps the state)."""
+    if table is None:
+        return state
+    return jnp.where(kept, next_state(table, state, token), state)

@@ -50,6 +50,8 @@ class Context:
             constraint).
         constraint: the processors of the options' constraint (json_schema, regex, grammar,
             choice, json_object), after all others; empty without one.
+        assistant: the specification of a draft model of the same vocabulary (speculative
+            decoding, docs/speculative.md), or None.
     """
 
     model: Model
@@ -66,6 +68,7 @@ class Context:
     prefill: str = "buckets"
     repo: str = ""
     constraint: tuple[Any, ...] = ()
+    assistant: Context | None = None
 
     @property
     def token_texts(self) -> tuple[str | None, ...] | None:
@@ -127,8 +130,7 @@ class Context:
         logits = next((o for o in self.model.outputs if o.name == "logits"), None)
         if logits is not None and logits.shape and isinstance(logits.shape[-1], int):
             return logits.shape[-1]
-        text = self.config.get("text_config", self.config)
-        return text.get("vocab_size") or self.config.get("vocab_size")
+        return hub.vocab_size(self.config)
 
 
 def _rotary_rows(model: Model) -> int | None:
@@ -159,6 +161,7 @@ def context(
     tokenizer: Any = None,
     processors: Sequence[Any] = (),
     prefill: str = "buckets",
+    assistant: Context | None = None,
     **options: Any,
 ) -> Context:
     """The context of generation for ``model``.
@@ -177,6 +180,9 @@ def context(
         processors: a task's own processors ``(state, process)`` (see :mod:`.processors`), after
             the built-in ones.
         prefill: how prompts run, one of :data:`PREFILLS` ("buckets": one padded step).
+        assistant: a draft model's specification (its own ``context``) of the same vocabulary:
+            speculative decoding drafts num_assistant_tokens tokens with it and verifies them in
+            one step of this model (docs/speculative.md).
         **options: generation options with transformers' names (max_new_tokens, do_sample,
             eos_token_id, ...), they override generation_config.json; also token_logprobs and
             decode_steps (new tokens per dispatch on the device; 1: one step at a time).
@@ -225,12 +231,53 @@ def context(
         repo=os.fspath(repo),
     )
     merged.check_supported(ctx.vocab_size)
+    if assistant is not None:
+        ctx = dataclasses.replace(ctx, assistant=_assistant(ctx, assistant))
     constraint = _constraint(merged, ctx.repo, ctx.vocab_size)
     if constraint:  # compiled now: a bad one is refused before any generation
         ctx = dataclasses.replace(
             ctx, processors=(*ctx.processors, *constraint), constraint=constraint
         )
     return ctx
+
+
+def _assistant(ctx: Context, assistant: Any) -> Context:
+    """``assistant`` checked as the draft model of ``ctx``: a Context of the same vocabulary."""
+    if not isinstance(assistant, Context):
+        raise GenerationError(
+            f"assistant must be a generation.context(...) of the draft model, got "
+            f"{type(assistant).__name__}"
+        )
+    if assistant.vocab_size != ctx.vocab_size:
+        raise GenerationError(
+            f"the assistant model {assistant.model.path!r} has a vocabulary of "
+            f"{assistant.vocab_size} tokens and {ctx.model.path!r} one of {ctx.vocab_size}: a "
+            "draft model must share the target's tokenizer"
+        )
+    if _texts(ctx) != _texts(assistant):
+        raise GenerationError(
+            f"the assistant model {assistant.model.path!r} has other token texts than "
+            f"{ctx.model.path!r} (another tokenizer.json): a draft model must share the target's "
+            "tokenizer"
+        )
+    if ctx.options.num_beams > 1 or ctx.options.num_return_sequences > 1:
+        raise GenerationError(
+            "an assistant model (speculative decoding) gives one sequence per prompt: not with "
+            "beam search or num_return_sequences > 1"
+        )
+    if ctx.options.prompt_lookup_num_tokens is not None:
+        raise GenerationError("set an assistant model or prompt_lookup_num_tokens, not both")
+    return assistant
+
+
+def _texts(ctx: Context) -> tuple[str | None, ...] | None:
+    """The token texts of ``ctx``: its own, else its folder's tokenizer.json's, else None."""
+    if ctx.token_texts is not None:
+        return ctx.token_texts
+    try:
+        return folder_texts(ctx.repo)
+    except (OSError, ModelFileError):
+        return None
 
 
 def _constraint(options: Options, repo: str, vocab: int | None) -> tuple[Any, ...]:

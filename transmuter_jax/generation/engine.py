@@ -14,7 +14,7 @@ from typing import Any
 
 from ..onnx.model import Model
 from . import prefill as prefills
-from . import slots
+from . import slots, speculative
 from .cache import CacheLayout, Mode
 from .context import Context
 from .options import Options
@@ -68,6 +68,8 @@ class Engine:
         placement: with a mesh, where the weights and cache live
             (:class:`~transmuter_jax.generation.sharding.Placement`), else None.
         compiled: the programs (:class:`Compiled`).
+        assistant: the draft model's engine (speculative decoding, docs/speculative.md), or
+            None.
     """
 
     spec: Context
@@ -79,6 +81,7 @@ class Engine:
     compiled: Compiled | None = None
     slot_capacity: int = slots.CAPACITY
     slot_top_logprobs: int = 5
+    assistant: Engine | None = None
 
     # -- slots (see :mod:`.slots` and docs/engine.md) -----------------------------------------
 
@@ -120,8 +123,9 @@ class Engine:
         self, state: slots.SlotState, steps: int
     ) -> tuple[slots.SlotState, list[slots.Token]]:
         """Up to ``steps`` decode steps of every live slot in one compiled loop: the state after
-        them (``state`` is donated) and the new tokens, step by step."""
-        return slots.generate(self, state, steps)
+        them (``state`` is donated) and the new tokens, step by step (a slot that speculates,
+        docs/speculative.md, may take several tokens a step)."""
+        return speculative.generate(self, state, steps)
 
     def free(self, state: slots.SlotState, slot: int) -> slots.SlotState:
         """``state`` with slot ``slot`` empty."""

@@ -23,7 +23,7 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.qkv import split_qkv
 from ..parallel import sharding
 from . import cache as cache_modes
-from . import slots
+from . import constraints, slots, speculative
 from .beam import BeamPrompt
 from .chunk import Decoder, choose
 from .chunk import rows as device_rows
@@ -114,7 +114,11 @@ def compile(  # noqa: A001
     steps = Steps(engine, mode, padding)
     decoder = _decoder(engine, steps, select, options)
     compiled = Compiled(steps, select, reorder, runs, reason, decoder)
-    return dataclasses.replace(engine, compiled=compiled)
+    assistant = None
+    if ctx.assistant is not None:  # the draft model: slots of the same capacity
+        assistant = compile(ctx.assistant, batch_size, capacity=capacity, top_logprobs=0,
+                            mesh=mesh, **jit_options)  # fmt: skip
+    return dataclasses.replace(engine, compiled=compiled, assistant=assistant)
 
 
 def _selection(ctx: Context, jit_options: Mapping[str, Any]):
@@ -127,20 +131,22 @@ def _selection(ctx: Context, jit_options: Mapping[str, Any]):
         masks = static_masks(options, ctx.vocab_size or 0)  # once, not every step
         return make(options, tuple(ctx.processors), masks, **jit_options)
 
-    if any(not isinstance(p, str) for p in ctx.processors):
+    names = constraints.program_names(ctx.processors)  # a device constraint's table is input
+    if any(not isinstance(p, str) for p in names):
         return build()
-    key = ("select", make.__name__, options.program_key, ctx.processors, ctx.vocab_size)
+    key = ("select", make.__name__, options.program_key, names, ctx.vocab_size)
     return program(key + (jit_key(jit_options),), build)
 
 
 def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
     """The decode chunks (the slots' step on the device), or None where decode runs step by
     step on the host."""
-    custom = any(not isinstance(p, str) for p in ctx.processors)
+    custom = any(not isinstance(p, str) for p in constraints.program_names(ctx.processors))
     size = steps.mode.chunk_size(options.decode_steps)
     if size < 2 or options.num_beams > 1 or custom:
         return None
-    return Decoder(size, int(options.top_logprobs))
+    mask = constraints.device_mask(ctx.processors)  # a finite constraint: its table on device
+    return Decoder(size, int(options.top_logprobs), mask)
 
 
 def on_device(ctx: Engine) -> bool:
@@ -220,6 +226,10 @@ def generate(
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
     _validate(ctx, prompts, seeds, inputs)
+    if ctx.options.speculative or ctx.assistant is not None:  # docs/speculative.md
+        speculative.check(ctx, inputs)
+        rows = _rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)]
+        return speculative.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
     run = _Run.start(ctx, prompts, seeds, inputs, on_token, clamp)
     for group in run.groups():
         state = run.prefill(group)
@@ -455,7 +465,11 @@ class _Run:
         """Up to ``room`` decode steps on the device; then the host takes their tokens."""
         rows, members, ctx = self.rows, self.members, self.ctx
         live = np.array([members[i] and not r.done for i, r in enumerate(rows)])
-        device = self.device_rows(live, state.lengths.astype(np.int32), state.arrays)
+        constraint = None
+        if decoder.mask is not None:  # each row's state of the constraint's table
+            walk = decoder.mask.walk
+            constraint = np.array([walk(r.generated) for r in rows], np.int32)
+        device = self.device_rows(live, state.lengths.astype(np.int32), state.arrays, constraint)
         state.arrays = None  # donated
         result, out = decoder(ctx, device, self.given, room, state.capacity)
         state.arrays = result.cache
@@ -479,9 +493,11 @@ class _Run:
             if not self.live():  # stop strings ended every row before the chunk's end
                 break
 
-    def device_rows(self, live: np.ndarray, lengths: np.ndarray, cache) -> Any:
+    def device_rows(
+        self, live: np.ndarray, lengths: np.ndarray, cache, constraint: np.ndarray | None = None
+    ) -> Any:
         """The rows as the slots' per-row arrays (:func:`.chunk.rows`); ``live``: [B] the rows
-        that take a token."""
+        that take a token; ``constraint``: [B] their states in a constraint's table, or None."""
         rows, ctx = self.rows, self.ctx
         delta = np.array([r.delta for r in rows], np.int32)
         return device_rows(
@@ -497,6 +513,7 @@ class _Run:
             delta=delta if _position_axes(ctx) and delta.any() else None,
             encoder=_encoder(rows, ctx),
             cache=cache,
+            constraint=constraint,
         )
 
     def emit(self, token: np.ndarray, logprob: np.ndarray | None, top: np.ndarray | None) -> None:

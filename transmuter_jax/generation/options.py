@@ -34,6 +34,13 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 MAX_SEQUENCES = 1024
 """The most num_beams, num_return_sequences and top_logprobs allowed."""
 
+MAX_DRAFT = 32
+"""The most prompt_lookup_num_tokens (a verification step feeds that many tokens and one)."""
+MAX_NGRAM = 16
+"""The most max_matching_ngram_size."""
+NGRAM_DEFAULT = 2
+"""The n-gram size prompt lookup matches when max_matching_ngram_size is None (transformers')."""
+
 
 def plain(value: Any) -> Any:
     """``value`` with numpy scalars (and 0-d arrays) as the Python numbers they hold, inside
@@ -77,7 +84,8 @@ def _ids(name: str, value: Any) -> tuple[int, ...] | None:
 _INTS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams",
          "num_return_sequences", "top_k", "no_repeat_ngram_size", "forced_bos_token_id",
          "bos_token_id", "pad_token_id", "decoder_start_token_id", "top_logprobs",
-         "decode_steps", "encoder_no_repeat_ngram_size")  # fmt: skip
+         "decode_steps", "encoder_no_repeat_ngram_size", "prompt_lookup_num_tokens",
+         "max_matching_ngram_size", "num_assistant_tokens")  # fmt: skip
 _FLOATS = ("length_penalty", "temperature", "top_p", "repetition_penalty", "min_p", "typical_p",
            "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty")  # fmt: skip
 _BOOLS = ("do_sample", "renormalize_logits", "remove_invalid_values", "token_logprobs")
@@ -229,6 +237,11 @@ class Options:
     token_logprobs: bool = False
     top_logprobs: int = 0
     decode_steps: int = DECODE_STEPS
+    # speculative decoding (docs/speculative.md): prompt lookup drafts this many tokens
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int = 20  # with an assistant model (context(assistant=))
+    num_assistant_tokens_schedule: str = "constant"
     # structured output (docs/structured-output.md): at most one of the five constraints
     json_schema: str | None = None  # a dict or JSON text, stored as JSON text
     json_object: bool = False
@@ -313,6 +326,7 @@ class Options:
                 f"num_return_sequences {self.num_return_sequences} needs sampling (do_sample=True) "
                 "or beam search (num_beams > 1): greedy decoding gives one sequence"
             )
+        self._validate_speculation()
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise GenerationError(
                 f"num_return_sequences {self.num_return_sequences} is more than num_beams "
@@ -340,6 +354,39 @@ class Options:
                 raise GenerationError(f"top_p must be in (0, 1], got {p!r}")
             if self.top_k is not None:
                 positive_int("top_k", self.top_k, zero=True)
+
+    def _validate_speculation(self) -> None:
+        draft, ngram = self.prompt_lookup_num_tokens, self.max_matching_ngram_size
+        for name, value, limit in (
+            ("prompt_lookup_num_tokens", draft, MAX_DRAFT),
+            ("max_matching_ngram_size", ngram, MAX_NGRAM),
+            ("num_assistant_tokens", self.num_assistant_tokens, MAX_DRAFT),
+        ):
+            if value is not None and not 1 <= value <= limit:
+                raise GenerationError(f"{name} must be in [1, {limit}] (or None), got {value!r}")
+        schedules = ("constant", "heuristic")
+        if self.num_assistant_tokens_schedule not in schedules:
+            raise GenerationError(
+                f"num_assistant_tokens_schedule must be one of {schedules}, got "
+                f"{self.num_assistant_tokens_schedule!r}"
+            )
+        if draft is None:
+            return
+        if self.num_beams > 1:
+            raise GenerationError(
+                "prompt_lookup_num_tokens (speculative decoding) does not run with beam search "
+                f"(num_beams={self.num_beams}), as in transformers: set one of them"
+            )
+        if self.num_return_sequences > 1:
+            raise GenerationError(
+                "prompt_lookup_num_tokens (speculative decoding) gives one sequence per prompt: "
+                "set num_return_sequences to 1"
+            )
+
+    @property
+    def speculative(self) -> bool:
+        """Whether generation drafts tokens and verifies them (prompt_lookup_num_tokens)."""
+        return self.prompt_lookup_num_tokens is not None
 
     def check_supported(self, vocab: int | None) -> None:
         """Raises ValueError for what generation cannot do: options this engine does not

@@ -41,6 +41,7 @@ class Pending:
         logits: [n, V] each row's logits after its last prompt token (rows that are done), or
             None before the first step.
         chunk: the most prompt tokens of one step.
+        tables: each request's constraint table (:func:`.slots.prefill`'s), or None.
     """
 
     requests: tuple[slots.Request, ...]
@@ -51,6 +52,7 @@ class Pending:
     cache: dict[str, jax.Array]
     logits: jax.Array | None = None
     chunk: int = PREFILL_CAP
+    tables: tuple[Any, ...] = ()
 
     @property
     def remaining(self) -> np.ndarray:
@@ -92,10 +94,11 @@ def begin(engine: Engine, requests: Sequence[slots.Request], chunk: int = PREFIL
         or chunk % 64
     ):
         raise GenerationError(f"chunk must be a multiple of 64 up to {PREFILL_CAP}, got {chunk!r}")
-    admitted = []
+    admitted, tables = [], []
     for i, request in enumerate(requests):
         try:
             admitted.append(slots._admit(engine, request))
+            tables.append(slots._table_of(engine, request, admitted[-1][0]["eos"]))
         except GenerationError as error:
             raise GenerationError(f"request {i}: {error}") from None
     capacity = engine.slot_capacity
@@ -122,6 +125,7 @@ def begin(engine: Engine, requests: Sequence[slots.Request], chunk: int = PREFIL
         np.zeros(n, np.int32),
         engine.cache.empty(n, capacity),
         chunk=chunk,
+        tables=tuple(tables),
     )
 
 
@@ -160,20 +164,38 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
     """Each request's prefix: its first token selected (as :func:`.slots.prefill` does)."""
     if not pending.done:
         raise GenerationError("the prompts are not all fed: call advance until done")
+    n = len(pending.requests)
+    tables = pending.tables or (None,) * n
     lengths = jnp.asarray(pending.lengths)
     each = [
-        slots._request_rows(engine, request, r, lengths[i : i + 1], {})
+        slots._request_rows(engine, request, r, lengths[i : i + 1], {}, tables[i])
         for i, (request, r) in enumerate(zip(pending.requests, pending.resolved, strict=True))
     ]
-    rows = jax.tree.map(lambda *a: jnp.concatenate(a), *each)
-    rows = dataclasses.replace(rows, cache=pending.cache)
-    rows, out = slots._first(engine, engine.slot_top_logprobs)(pending.logits, rows)
-    out = jax.device_get(out)
+    rows = jax.tree.map(lambda *a: jnp.concatenate(a), *each)  # the cache apart: not copied
+    first = slots._first(engine, engine.slot_top_logprobs)
+    chosen: dict[int, tuple[slots.Rows_, slots.StepOut]] = {}
+    distinct: list[Any] = []
+    for t in tables:
+        if not any(t is u for u in distinct):
+            distinct.append(t)
+    for table in distinct:  # one selection per constraint table (the others' rows free)
+        members = np.array([t is table for t in tables])
+        group = rows
+        if table is not None:
+            free = jnp.where(jnp.asarray(members), rows.constraint, -1)
+            group = dataclasses.replace(rows, constraint=free)
+        after, out = first(pending.logits, group, table)
+        out = jax.device_get(out)
+        chosen.update({int(i): (after, out) for i in np.flatnonzero(members)})
     prefixes = []
     for i, request in enumerate(pending.requests):
-        one = jax.tree.map(lambda a, i=i: a[i : i + 1], rows)
+        after, out = chosen[i]
+        one = jax.tree.map(lambda a, i=i: a[i : i + 1], after)
+        drafts = dataclasses.replace(one.drafts, cache=slots._drafted(engine, request.prompt))
+        cache = jax.tree.map(lambda a, i=i: a[i : i + 1], pending.cache)
+        one = dataclasses.replace(one, cache=cache, drafts=drafts)
         if pending.resolved[i]["max_new"] == 0:
-            prefixes.append(slots.Prefix(request, one, None))
+            prefixes.append(slots.Prefix(request, one, None, tables[i]))
             continue
         token = slots._tokens(out, request, [i], 0, None)[0]
         token = dataclasses.replace(token, slot=0)
@@ -182,7 +204,7 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
             if stops.hit([*request.prompt, token.token]):
                 token = dataclasses.replace(token, done=True, finish_reason="stop")
                 one = dataclasses.replace(one, done=jnp.ones(1, bool))
-        prefixes.append(slots.Prefix(request, one, token))
+        prefixes.append(slots.Prefix(request, one, token, tables[i]))
     return prefixes
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import hub
 from ..runtime.jit import jit_options
 from ..runtime.stored import storable
+from . import constraints
+from . import drafts as drafting
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
 from .errors import GenerationError
+from .options import MAX_DRAFT, MAX_NGRAM, NGRAM_DEFAULT
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
 from .select import cutoffs
@@ -56,11 +61,19 @@ class Request:
         stop_strings: strings that end it (as transformers' StopStringCriteria).
         logprobs: give each token's log-probability.
         top_logprobs: give the k most probable tokens of each step (k at most the state's).
+        prompt_lookup_num_tokens, max_matching_ngram_size: speculative decoding by prompt
+            lookup (docs/speculative.md); 0 switches off the specification's.
+        num_assistant_tokens: with an engine of an assistant model, its drafted tokens (0: the
+            request does not speculate).
         frequency_penalty: subtracted from the score of every token, times its count among the
             generated tokens (OpenAI's meaning).
         logit_bias: (token id, bias) pairs added to the scores first (as a one-token
             sequence_bias; at most :data:`BIAS_WIDTH`).
         min_new_tokens: the eos ids are masked until this many new tokens.
+        constraint: structured output (docs/structured-output.md): a
+            :class:`~.constraints.Constraint` or a mapping of one option (``{"regex": ...}``,
+            ``{"choice": [...]}``, ``{"json_schema": ...}``); a finite one whose device table
+            equals llguidance's masks (a regex, a choice), or None.
     """
 
     prompt: tuple[int, ...]
@@ -77,12 +90,17 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int | None = None
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_new_tokens: int = 0
+    constraint: Any = None
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        fix("constraint", constraints.of(self.constraint))
         fix("prompt", tuple(int(t) for t in self.prompt))
         if self.eos_token_id is not None:
             eos = self.eos_token_id
@@ -139,9 +157,11 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     float64), top_p_on, min_p, repetition, presence: the warpers' and penalties' values.
     cache: the cache arrays by input name [B, heads, rows, head_size]. frequency: OpenAI's
     frequency penalty. bias_ids, bias_values [B, BIAS_WIDTH]: logit_bias (ids -1 after them).
-    min_new: eos ids are masked before this many new tokens. delta (or None: 0): a new token's
-    position minus its index in the row (M-RoPE positions). encoder [B, E] (or None): the
-    encoder's input ids, -1 after them, where a processor reads them.
+    min_new: eos ids are masked before this many new tokens. constraint: the state in the
+    slots' constraint table (-1: no constraint). drafts: speculative decoding's per-slot state
+    (:class:`.drafts.Drafts`). delta (or None: 0): a new token's position minus its index in
+    the row (M-RoPE positions). encoder [B, E] (or None): the encoder's input ids, -1 after
+    them, where a processor reads them.
     """
 
     token: jax.Array
@@ -166,6 +186,8 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     bias_ids: jax.Array
     bias_values: jax.Array
     min_new: jax.Array
+    constraint: jax.Array
+    drafts: drafting.Drafts
     delta: jax.Array | None = None
     encoder: jax.Array | None = None
 
@@ -199,6 +221,8 @@ class _Host:
     tail: tuple[int, ...]
     stops: StopStrings | None
     done: bool = False
+    table: constraints.TokenTable | None = None  # the request's own constraint table
+    offset: int = 0  # where it starts in the slots' table
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -214,6 +238,7 @@ class Prefix:
     request: Request
     rows: Rows_
     first: Token | None
+    table: constraints.TokenTable | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -231,6 +256,13 @@ class SlotState:
     hosts: tuple[_Host | None, ...]
     capacity: int
     top_logprobs: int
+    table: constraints.TokenTable | None = None  # the live slots' constraint tables, joined
+
+    @property
+    def live_table(self) -> constraints.TokenTable | None:
+        """The table a step reads: None when no live slot has a constraint."""
+        live = [h for h in self.hosts if h is not None and not h.done and h.table is not None]
+        return self.table if live else None
 
     @property
     def free_slots(self) -> list[int]:
@@ -255,6 +287,11 @@ def check(engine: Engine) -> None:
     options = spec.options
     if options.num_beams > 1:
         raise GenerationError("beam search needs a program of its own: use generate()")
+    if spec.constraint:
+        raise GenerationError(
+            "the specification's constraint (json_schema, regex, choice, ...) is generate()'s; "
+            "slots take one per request: Request(constraint=...)"
+        )
     if any(not isinstance(p, str) for p in spec.processors):
         raise GenerationError("a task's own processors need a program of their own: generate()")
     if spec.given or spec.embed is not None or spec.image_token is not None:
@@ -263,19 +300,28 @@ def check(engine: Engine) -> None:
         raise GenerationError("num_return_sequences > 1 needs generate()")
     if engine.placement is not None:
         raise GenerationError("slots run without a mesh for now: use generate()")
+    if engine.assistant is not None:
+        refusal = engine.assistant.cache_mode.slot_refusal()
+        if refusal:
+            path = engine.assistant.spec.model.path
+            raise GenerationError(f"the assistant model {path!r} cannot draft: {refusal}")
 
 
 # -- the per-slot selection --------------------------------------------------------------------
 
 
-def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
+def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -> tuple:
     """Each slot's token, log-probability and top k, from logits [B, V] (the processors, then
-    the per-slot penalties and warpers, as transformers orders them)."""
+    the per-slot penalties, the constraint's mask and the warpers, as transformers orders
+    them)."""
     options = spec.options
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
     scores = _requested(scores, rows, vocab)
-    names = list(spec.processors)  # the specification's order (generate()'s), and where it
+    # the specification's order (generate()'s; a finite constraint's DeviceMask, the last
+    # processor, is ``table``: restricted below), and where it has no repetition penalty, the
+    # per-slot one in transformers' order
+    names = [p for p in spec.processors if isinstance(p, str)]
     if "repetition_penalty" not in names:  # has none, the per-slot penalty in transformers'
         names = sorted([*names, "repetition_penalty"], key=ORDER.index)
     same = lambda s: s  # noqa: E731 - a branch that changes nothing
@@ -306,6 +352,7 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows) -> tuple:
         scores,
     )
     scores = jnp.maximum(scores, LOWEST)
+    scores = constraints.restrict(scores, table, rows.constraint)  # after every processor
     sampling = jnp.any(rows.sample)
 
     def warp(scores):  # typical, epsilon and eta are the specification's
@@ -394,9 +441,11 @@ def _warp(scores, rows: Rows_):
 def _step_function(
     engine: Engine, capacity: int | None, k: int, branch: bool = True, padded: int | None = None
 ):
-    """The pure ``step(params, rows, embed_params=None, given=None) -> (rows, StepOut)``: one new
-    token of every live slot. ``capacity``: the cache's rows (None: read from its shape);
-    ``branch``: the cache branch; ``padded``: a padded grow cache's rows (generate() groups)."""
+    """The pure ``step(params, rows, table=None, embed_params=None, given=None) -> (rows,
+    StepOut)``: one new token of every live slot (``table``: the constraint table the rows'
+    ``constraint`` states index, or None). ``capacity``: the cache's rows (None: read from its
+    shape); ``branch``: the cache branch; ``padded``: a padded grow cache's rows (generate()
+    groups)."""
     spec, mode = engine.spec, engine.cache_mode
     step = engine.compiled.steps.function(branch, padded)
     masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
@@ -405,7 +454,7 @@ def _step_function(
     pad = _pad_token(engine)
     first = next(e.input for e in engine.cache.entries if not e.cross)
 
-    def one(params, rows: Rows_, embed_params=None, given=None):
+    def one(params, rows: Rows_, table=None, embed_params=None, given=None):
         batch = rows.token.shape[0]
         live = ~rows.done
         feed = {"tokens": jnp.where(live, rows.token, pad)[:, None].astype(jnp.int32)}
@@ -431,7 +480,7 @@ def _step_function(
             rows.prompt + rows.max_new,
             rows.encoder,
         )
-        chosen, logprob, top_ids, top_values = _choose(spec, masks, k, logits, rows, views)
+        chosen, logprob, top_ids, top_values = _choose(spec, masks, k, logits, rows, views, table)
         ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
         at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
         history = rows.history.at[jnp.arange(batch), at].set(chosen, mode="drop")
@@ -445,6 +494,7 @@ def _step_function(
             count=count,
             done=rows.done | done,
             cache=cache,
+            constraint=constraints.advance(table, rows.constraint, chosen, kept),
         )
         return rows, out
 
@@ -480,13 +530,13 @@ def run_steps(one, size: int, k: int, params, rows: Rows_, limit, **extra):
 
 
 def _chunk(engine: Engine, capacity: int, k: int, size: int):
-    """The jitted ``(params, rows, limit) -> (rows, StepOut [size, B])``: up to ``limit`` steps
-    in a ``lax.while_loop`` that stops when every slot is done; the cache donated."""
+    """The jitted ``(params, rows, limit, table) -> (rows, StepOut [size, B])``: up to ``limit``
+    steps in a ``lax.while_loop`` that stops when every slot is done; the cache donated."""
     key = (
         "slots",
         engine.compiled.steps.key("slots", True, None),
         engine.spec.options.program_key,
-        engine.spec.processors,
+        constraints.program_names(engine.spec.processors),
         capacity,
         k,
         size,
@@ -496,8 +546,8 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
     def make():
         one = _step_function(engine, capacity, k)
 
-        def run(params, rows: Rows_, limit):
-            return run_steps(one, size, k, params, rows, limit)
+        def run(params, rows: Rows_, limit, table):
+            return run_steps(one, size, k, params, rows, limit, table=table)
 
         return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
 
@@ -505,13 +555,13 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
 
 
 def _first(engine: Engine, k: int):
-    """The jitted ``(logits [B, V], rows) -> (rows, StepOut)``: the selection of the slots' step
-    alone (a prefix's first token; generate()'s tokens on the host)."""
+    """The jitted ``(logits [B, V], rows, table) -> (rows, StepOut)``: the selection of the
+    slots' step alone (a prefix's first token; generate()'s tokens on the host)."""
     spec = engine.spec
     key = (
         "slots-first",
         spec.options.program_key,
-        spec.processors,
+        constraints.program_names(spec.processors),
         spec.vocab_size,
         k,
         jit_key(engine.jit_options),
@@ -520,7 +570,7 @@ def _first(engine: Engine, k: int):
     def make():
         masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
 
-        def first(logits, rows: Rows_):
+        def first(logits, rows: Rows_, table):
             views = Rows(
                 rows.history,
                 rows.prompt,
@@ -528,7 +578,7 @@ def _first(engine: Engine, k: int):
                 rows.prompt + rows.max_new,
                 rows.encoder,
             )
-            chosen, logprob, ids, values = _choose(spec, masks, k, logits, rows, views)
+            chosen, logprob, ids, values = _choose(spec, masks, k, logits, rows, views, table)
             live = ~rows.done
             ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
             at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
@@ -539,6 +589,7 @@ def _first(engine: Engine, k: int):
                 history=history,
                 count=count,
                 done=rows.done | done,
+                constraint=constraints.advance(table, rows.constraint, chosen, kept),
             )
             return rows, StepOut(chosen, logprob, ids, values, rows.done, ends)
 
@@ -600,7 +651,14 @@ def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
         bias_ids=jnp.full((batch, BIAS_WIDTH), -1, jnp.int32),
         bias_values=jnp.zeros((batch, BIAS_WIDTH), jnp.float32),
         min_new=i(0),
+        constraint=i(-1),
+        drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity)),
     )
+
+
+def _assistant_cache(engine: Engine, batch: int, capacity: int) -> dict[str, jax.Array]:
+    assistant = engine.assistant
+    return {} if assistant is None else assistant.cache.empty(batch, capacity)
 
 
 def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
@@ -628,7 +686,22 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
         )
     if repetition <= 0:
         raise GenerationError(f"repetition_penalty must be positive, got {repetition}")
+    lookup = pick(request.prompt_lookup_num_tokens, o.prompt_lookup_num_tokens) or 0
+    assisted = engine.assistant is not None and not lookup
+    if assisted:
+        lookup = pick(request.num_assistant_tokens, o.num_assistant_tokens)
+    ngram = pick(request.max_matching_ngram_size, o.max_matching_ngram_size)
+    ngram = NGRAM_DEFAULT if ngram is None else ngram
+    if not (0 <= lookup <= MAX_DRAFT and 1 <= ngram <= MAX_NGRAM):
+        raise GenerationError(
+            f"prompt_lookup_num_tokens and num_assistant_tokens must be in [0, {MAX_DRAFT}] and "
+            f"max_matching_ngram_size in [1, {MAX_NGRAM}], got {lookup} and {ngram}"
+        )
     return dict(
+        lookup=int(lookup),
+        assisted=bool(assisted and lookup),
+        adaptive=not assisted or o.num_assistant_tokens_schedule == "heuristic",
+        ngram=int(ngram),
         max_new=int(max_new),
         eos=tuple(eos),
         sample=sample,
@@ -678,7 +751,7 @@ def prefill(
     rows, donated) whose first n rows hold the keys and values of the prompt's first n tokens
     (0 < n < the prompt's length); only the rest of the prompt runs (see :mod:`.prefixes`).
     """
-    spec, mode, capacity = engine.spec, engine.cache_mode, engine.slot_capacity
+    capacity = engine.slot_capacity
     r, stops = _admit(engine, request)
     prompt = list(request.prompt)
     start = 0 if past is None else int(past[1])
@@ -690,35 +763,15 @@ def prefill(
             f"the request needs {need} cache rows (a prompt of {len(prompt)} tokens, padded, and "
             f"{r['max_new']} new ones): more than the slots' capacity of {capacity}"
         )
-    cache = engine.cache.empty(1, capacity) if past is None else past[0]
-    lengths, fed = np.full(1, start, np.int32), start
-    axes = _axes(engine)
-    names = {i.name for i in engine.model.inputs}
-    logits = None
-    while fed < len(prompt):
-        size = mode.prompt_step(len(prompt) - fed, spec.prefill)
-        part = prompt[fed : fed + size]
-        tokens = np.full((1, size), _pad_token(engine), np.int32)
-        tokens[0, : len(part)] = part
-        feed: dict[str, Any] = {"tokens": tokens}
-        if "attention_mask" in names:
-            feed["attention_mask"] = mode.mask(lengths, size, capacity)
-        if axes:
-            positions = (np.arange(size) + fed)[None, :].astype(np.int32)
-            feed["position_ids"] = (
-                np.broadcast_to(positions, (3, 1, size)) if axes == 3 else positions
-            )
-        last = np.array([len(part) - 1], np.int32)
-        if logits is not None:
-            logits.delete()
-        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
-        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
-        fed += len(part)
-    rows = _request_rows(engine, request, r, jnp.asarray(lengths), cache)
+    table = _table_of(engine, request, r["eos"])
+    cache = None if past is None else past[0]
+    logits, cache, lengths = _prompt(engine, prompt, capacity, cache, start)
+    drafted = _drafted(engine, prompt)
+    rows = _request_rows(engine, request, r, jnp.asarray(lengths), cache, table, drafted)
     if r["max_new"] == 0:
         logits.delete()
-        return Prefix(request, rows, None)
-    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows)
+        return Prefix(request, rows, None, table)
+    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows, table)
     logits.delete()
     out = jax.device_get(out)
     token = _tokens(out, request, [0], 0, None)[0]
@@ -726,12 +779,30 @@ def prefill(
         if stops.hit([*prompt, token.token]):
             token = dataclasses.replace(token, done=True, finish_reason="stop")
             rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
-    return Prefix(request, rows, token)
+    return Prefix(request, rows, token, table)
 
 
-def _request_rows(engine: Engine, request: Request, r: dict[str, Any], lengths, cache) -> Rows_:
+def _drafted(engine: Engine, prompt: Sequence[int]) -> dict[str, jax.Array]:
+    """The draft model's cache of the whole prompt (empty without an assistant model)."""
+    if engine.assistant is None:
+        return {}
+    last, drafted, _ = _prompt(engine.assistant, list(prompt), engine.slot_capacity)
+    last.delete()
+    return drafted
+
+
+def _request_rows(
+    engine: Engine,
+    request: Request,
+    r: dict[str, Any],
+    lengths,
+    cache,
+    table: constraints.TokenTable | None = None,
+    drafted: dict[str, jax.Array] | None = None,
+) -> Rows_:
     """The device rows (batch 1) of ``request`` after its prompt: ``r`` its resolved options,
-    ``lengths`` [1] its cached tokens, ``cache`` its cache."""
+    ``lengths`` [1] its cached tokens, ``cache`` its cache, ``table`` its constraint's table
+    (its state 0; None: no constraint), ``drafted`` the draft model's cache of the prompt."""
     capacity, prompt = engine.slot_capacity, request.prompt
     vocab = engine.vocab_size or 2**31
     history = np.full((1, capacity), -1, np.int32)
@@ -767,6 +838,10 @@ def _request_rows(engine: Engine, request: Request, r: dict[str, Any], lengths, 
         bias_ids=jnp.asarray(bias_ids),
         bias_values=jnp.asarray(bias_values),
         min_new=one(int(request.min_new_tokens), np.int32),
+        constraint=one(-1 if table is None else 0, np.int32),
+        drafts=drafting.empty(
+            1, r["lookup"], r["ngram"], r["assisted"], r["adaptive"], cache=drafted or {}
+        ),
     )
     return rows
 
@@ -776,6 +851,39 @@ def written(start: int, length: int) -> int:
     cached (its steps padded)."""
     rest = length - start
     return start + (bucket(rest) if rest <= PREFILL_CAP else _chunks_end(rest))
+
+
+def _prompt(
+    engine: Engine, prompt: list[int], capacity: int, cache: Any = None, start: int = 0
+) -> tuple[Any, dict, Any]:
+    """(the last token's logits, the cache, its lengths) of ``prompt`` alone, in steps of the
+    engine's prefill rule into a cache of ``capacity`` rows (``cache``: one whose first
+    ``start`` rows hold the prompt's first tokens)."""
+    spec, mode = engine.spec, engine.cache_mode
+    cache = engine.cache.empty(1, capacity) if cache is None else cache
+    lengths, fed, logits = np.full(1, start, np.int32), start, None
+    axes = _axes(engine)
+    names = {i.name for i in engine.model.inputs}
+    while fed < len(prompt):
+        size = mode.prompt_step(len(prompt) - fed, spec.prefill)
+        part = prompt[fed : fed + size]
+        tokens = np.full((1, size), _pad_token(engine), np.int32)
+        tokens[0, : len(part)] = part
+        feed: dict[str, Any] = {"tokens": tokens}
+        if "attention_mask" in names:
+            feed["attention_mask"] = mode.mask(lengths, size, capacity)
+        if axes:
+            positions = (np.arange(size) + fed)[None, :].astype(np.int32)
+            feed["position_ids"] = (
+                np.broadcast_to(positions, (3, 1, size)) if axes == 3 else positions
+            )
+        last = np.array([len(part) - 1], np.int32)
+        if logits is not None:
+            logits.delete()
+        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
+        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
+        fed += len(part)
+    return logits, cache, lengths
 
 
 def _chunks_end(length: int) -> int:
@@ -829,12 +937,75 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
     done = prefix.first is None or prefix.first.done
     if prefix.first is not None and not prefix.first.eos:
         tokens.append(prefix.first.token)
-    rows = _insert_function(jit_key(engine.jit_options))(state.rows, prefix.rows, jnp.int32(slot))
+    state, offset = _joined(state, slot, prefix.table)
+    one = prefix.rows
+    if prefix.table is not None:  # its state in the slots' table
+        one = dataclasses.replace(one, constraint=one.constraint + offset)
+    rows = _insert_function(jit_key(engine.jit_options))(state.rows, one, jnp.int32(slot))
     if done:
         rows = dataclasses.replace(rows, done=rows.done.at[slot].set(True))
-    host = _Host(request, tuple(tokens[-window:]) if window else (), stops, done)
+    window = tuple(tokens[-window:]) if window else ()
+    host = _Host(request, window, stops, done, prefix.table, offset)
     hosts = state.hosts[:slot] + (host,) + state.hosts[slot + 1 :]
     return dataclasses.replace(state, rows=rows, hosts=hosts)
+
+
+def _table_of(engine: Engine, request: Request, eos: tuple[int, ...]):
+    """The device table of the request's constraint (None without one)."""
+    if request.constraint is None:
+        return None
+    if not eos:
+        raise GenerationError("structured output needs an eos token (eos_token_id is empty)")
+    folder = hub.folder(engine.spec.repo, hub.SMALL_FILES)
+    path = os.path.join(folder, "tokenizer.json")
+    mask = constraints.processor(request.constraint, path, engine.vocab_size or 0, eos)
+    if not isinstance(mask, constraints.DeviceMask):
+        raise GenerationError(
+            f"this {request.constraint.kind} constraint needs llguidance on the host (it is not "
+            "a finite automaton whose table equals llguidance's masks): use generate()"
+        )
+    return mask.table
+
+
+def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
+    """``state`` whose table holds ``own`` (a TokenTable, or None) beside the tables of the
+    other live slots, and where ``own`` starts in it (the live slots' states move with their
+    tables)."""
+    if own is None:
+        return state, 0
+    hosts = state.hosts
+    live = [
+        (i, h) for i, h in enumerate(hosts)
+        if i != slot and h is not None and not h.done and h.table is not None
+    ]  # fmt: skip
+    for _, h in live:
+        if h.table is own:
+            return state, h.offset
+    tables: list = []
+    for t in [h.table for _, h in live] + [own]:
+        if not any(t is u for u in tables):
+            tables.append(t)
+    starts = [sum(t.states for t in tables[:i]) for i in range(len(tables))]
+    total = starts[-1] + tables[-1].states
+    size = max(constraints.MIN_STATES, 1 << (int(total) - 1).bit_length())
+    nexts = [jnp.where(t.next >= 0, t.next + o, -1) for t, o in zip(tables, starts, strict=True)]
+    masks = [t.mask for t in tables]
+    if size > total:
+        nexts.append(jnp.full((size - total, own.next.shape[1]), -1, jnp.int32))
+        masks.append(jnp.zeros((size - total, own.mask.shape[1]), jnp.int32))
+    table = constraints.TokenTable(jnp.concatenate(masks), jnp.concatenate(nexts))
+
+    def start(t) -> int:
+        return next(o for u, o in zip(tables, starts, strict=True) if u is t)
+
+    delta, keep, new_hosts = np.zeros(len(hosts), np.int32), np.zeros(len(hosts), bool), [*hosts]
+    for i, h in live:
+        delta[i], keep[i] = start(h.table) - h.offset, True
+        new_hosts[i] = dataclasses.replace(h, offset=start(h.table))
+    c = state.rows.constraint
+    moved = jnp.where(jnp.asarray(keep) & (c >= 0), c + jnp.asarray(delta), -1)
+    rows = dataclasses.replace(state.rows, constraint=moved)
+    return dataclasses.replace(state, rows=rows, hosts=tuple(new_hosts), table=table), start(own)
 
 
 def free(state: SlotState, slot: int) -> SlotState:
@@ -858,7 +1029,7 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
         return state, []
     size = 1 << (steps - 1).bit_length()  # compiled sizes: powers of two
     run = _chunk(engine, state.capacity, state.top_logprobs, size)
-    rows, out = run(engine.model.params, state.rows, np.int32(steps))
+    rows, out = run(engine.model.params, state.rows, np.int32(steps), state.live_table)
     out = jax.device_get(out)
     hosts = list(state.hosts)
     tokens: list[Token] = []

@@ -108,7 +108,8 @@ class Steps:
             feed: "tokens" [B, S] int32, attention_mask, position_ids, the given inputs, and for
                 image features "image_features" [B, S, H] with "image_mask" [B, S].
             lengths: [B] int32 valid cached tokens of each row before the step.
-            last: [B] int32 index in the step of each row's last real token.
+            last: [B] int32 index in the step of each row's last real token (or [B, P]: the
+                logits of P tokens of each row, [B, P, V], as speculative decoding verifies).
             rows: in grow on a padded cache, its rows after the step.
 
         Returns:
@@ -214,9 +215,11 @@ def _step_function(
             have = cache_modes.cache_length(cache, layout)
             inputs[padding.input] = jnp.int32(have) - lengths[0]
         with switch.off_over_mesh(placed):  # a mesh: no custom calls
-            # the LM head of each row's last real token only: [B, 1, V]
+            # the LM head of each row's last real token only: [B, 1, V] ([B, P, V]: last [B, P])
             outputs = model.trace_last(static, params, inputs, last)
-        last_logits = outputs["logits"][:, 0].astype(jnp.float32)  # [B, V]
+        logits = outputs["logits"]
+        logits = logits[:, 0] if jnp.ndim(last) == 1 else logits
+        last_logits = logits.astype(jnp.float32)  # [B, V] ([B, P, V]: last [B, P])
         new = mode.write(layout, cache, outputs, lengths, rows)
         if ctx.placement is not None:  # the next cache keeps the input's shardings (donation)
             new = ctx.placement.constrain_cache(new)

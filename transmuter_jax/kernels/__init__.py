@@ -153,11 +153,14 @@ def matmul_nbits(
     block_size: int,
     reference: Callable[..., jax.Array],
     int8: bool = False,
+    packed: bool = False,
 ) -> jax.Array:
     """The kernel of MatMulNBits without bias: ``x [..., K]`` float32 -> ``[..., N]`` float32.
 
     ``int8``: quantize ``x`` to int8 per row and block, as onnxruntime does for accuracy_level 4
     (the steps of :func:`transmuter_jax.onnx.ops.quant.int8_product`).
+    ``packed``: ``b`` is in the layout of :func:`nbits_pack` (int8, block size 32, integer zero
+    points or none); ``reference`` then receives it unpacked (:func:`nbits_unpack`).
     ``reference(x, b, scales, zero_points)`` is the same computation in pure JAX, used for
     gradients and for vmap over the weights. Call only when :func:`nbits_supported` says so.
     """
@@ -173,13 +176,94 @@ def matmul_nbits(
             block_size=np.int64(block_size),
             int8=bool(int8),
             portable=os.environ.get(PORTABLE_ENV, "") == "1",
+            packed=bool(packed),
         )
 
     def ref(x, b, scales, zp):
+        b = nbits_unpack(b) if packed else b
         return reference(x, b, scales, None if zp.size == 0 else zp)
 
     fn = _wrapped(kernel, ref)
     return fn(jnp.asarray(x, jnp.float32), jnp.asarray(b), jnp.asarray(scales), zp)
+
+
+# ---------------------------------------------------------------- RMS norms
+
+
+RMS_SIMPLIFIED, RMS_SKIP = 0, 1  # the float steps of onnxruntime's two RMS norm ops
+
+
+def rms_norm(
+    x: jax.Array, gamma: jax.Array, epsilon: float, mode: int, reference: Callable
+) -> jax.Array:
+    """``x / rms(x) * gamma`` over the last axis in float32, with the float steps of
+    onnxruntime's SimplifiedLayerNormalization (``mode`` :data:`RMS_SIMPLIFIED`: 8 FMA partial
+    sums) or SkipSimplifiedLayerNormalization (:data:`RMS_SKIP`: squares summed in order).
+
+    ``reference(x, gamma)`` computes the same in pure JAX: without the kernels, for gradients and
+    vmap over gamma. ``gamma`` has shape ``[K]``.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    gamma = jnp.asarray(gamma, jnp.float32)
+    if not enabled() or x.shape[-1] == 0 or gamma.shape != x.shape[-1:]:
+        return reference(x, gamma)
+
+    def kernel(x, gamma):
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        return jax.ffi.ffi_call("tj_rms_norm", out)(
+            x, gamma, epsilon=np.float32(epsilon), mode=np.int64(mode)
+        )
+
+    return _wrapped(kernel, reference)(x, gamma)
+
+
+def _nbits_order(blocks: int) -> np.ndarray:
+    """For the packed layout of one column (:func:`nbits_pack`), which stored byte and nibble
+    each packed nibble holds: index ``2 * byte + high`` of the stored column, for the packed
+    column's nibbles in the same order."""
+    values = np.arange(blocks * 32).reshape(-1)  # value i sits at stored nibble i
+    low, high = [], []
+    groups = blocks // 4
+    for g in range(groups):
+        group = values[g * 128 : (g + 1) * 128]
+        low.append(group[:64])
+        high.append(group[64:])
+    for b in range(groups * 4, blocks):
+        block = values[b * 32 : (b + 1) * 32]
+        low.append(block[:16])
+        high.append(block[16:])
+    if not low:
+        return np.zeros(0, np.int64)
+    low_all, high_all = np.concatenate(low), np.concatenate(high)
+    return np.stack([low_all, high_all], axis=-1).reshape(-1)
+
+
+def nbits_pack(b: np.ndarray) -> np.ndarray:
+    """MatMulNBits weights ``uint8 [N, blocks, 16]`` (4 bits, block size 32, as stored: byte j of a
+    block holds values 2j and 2j + 1) in the kernel's layout, same shape.
+
+    Per column, each whole group of 4 blocks becomes 64 bytes, byte t holding value t of the
+    group (low nibble) and value 64 + t (high nibble); each block left over becomes 16 bytes,
+    byte t holding values t and 16 + t. The kernel unpacks it with a mask and a shift, in order.
+    """
+    b = np.asarray(b, np.uint8)
+    n, blocks, half = b.shape
+    if half != 16:
+        raise ValueError(f"nbits_pack: blocks of 32 values (16 bytes), not {half} bytes")
+    stored = np.stack([b & 15, b >> 4], axis=-1).reshape(n, blocks * 32)
+    nibbles = stored[:, _nbits_order(blocks)].reshape(n, blocks * 16, 2)
+    packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    return np.ascontiguousarray(packed.reshape(n, blocks, 16), dtype=np.uint8)
+
+
+def nbits_unpack(packed: jax.Array) -> jax.Array:
+    """The stored MatMulNBits layout of weights packed by :func:`nbits_pack` (jax.numpy)."""
+    packed = jnp.asarray(packed)
+    n, blocks, _ = packed.shape
+    nibbles = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks * 32)
+    inverse = np.argsort(_nbits_order(blocks))
+    stored = nibbles[:, inverse].reshape(n, blocks * 16, 2)
+    return (stored[..., 0] | (stored[..., 1] << 4)).astype(jnp.uint8).reshape(n, blocks, 16)
 
 
 # ---------------------------------------------------------------- autodiff and vmap

@@ -37,11 +37,15 @@ from ..runtime import switch
 ENV = switch.KERNELS_ENV
 OFF = switch.OFF_VALUES
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("pool.cc", "gemm.cc", "nbits.cc")  # and the headers beside them
+SOURCES = ("pool.cc", "gemm.cc", "nbits.cc", "norm.cc")  # and the headers beside them
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
 STRIP = 32  # columns per strip of a packed float32 weight, as gemm.cc's kStrip
-TARGETS = {"tj_gemm_f32": "TjGemmF32", "tj_matmul_nbits": "TjMatMulNBits"}
+TARGETS = {
+    "tj_gemm_f32": "TjGemmF32",
+    "tj_matmul_nbits": "TjMatMulNBits",
+    "tj_rms_norm": "TjRmsNorm",
+}
 LIBRARY = "libtj_kernels.so"
 CHECKSUM = LIBRARY + ".sha256"
 # /proc/cpuinfo fields that name what -march=native compiles for (x86, then Arm).

@@ -30,6 +30,7 @@ from ..runtime.switch import TRACE_ENVIRONMENT, trace_environment  # noqa: F401
 from . import (
     inline,
     ops,  # noqa: F401  (registers the op implementations)
+    packed_store,
     prepack,
 )
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
@@ -249,13 +250,16 @@ class Model:
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original
         # (not for weights kept on the host to be split over a mesh: packed strips do not split).
         packings = prepack.plan(graph) if kernels.enabled() and not host else {}
+        nbits = prepack.plan_nbits(graph) if kernels.enabled() and not host else {}
+        packings = {**packings, **nbits}
         for tensor in graph.initializer:
             array = in_place.pop(tensor.name, None)
             if array is None:
                 array = _tensor_array(tensor, folder, path)
             if tensor.name in packings:
                 # device_put may keep the packed array without copying it (CPU, aligned).
-                params[tensor.name] = jax.device_put(packings[tensor.name].pack(array))
+                packed = packed_store.packed(packings[tensor.name], tensor, folder, array)
+                params[tensor.name] = jax.device_put(packed)
             elif _is_weight(array):
                 array = to_device_dtype(np.asarray(array))  # a view of a memmap when it fits
                 params[tensor.name] = array if host else jnp.asarray(array)
@@ -263,7 +267,8 @@ class Model:
                 constants[tensor.name] = np.array(array)
         # Weights now live on the device (or in params on the host): drop them from the graph.
         del graph.initializer[:]
-        prepack.rewrite(graph, packings)
+        prepack.rewrite(graph, {k: v for k, v in packings.items() if k not in nbits})
+        prepack.rewrite_nbits(graph, nbits)
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]
@@ -473,14 +478,15 @@ class Model:
         output: str = "logits",
     ) -> dict[str, jax.Array]:
         """:meth:`trace`, with ``output`` [B, S, V] computed for one position of each row only:
-        [B, 1, V] at ``last`` [B]. Where ``output`` comes from a hidden state [B, S, H] through a
-        matrix product by weights and element-wise nodes (an LM head), the head runs on that
-        row alone; elsewhere the whole output is computed and the row taken from it."""
+        [B, 1, V] at ``last`` [B] (or P positions: [B, P, V] at ``last`` [B, P]). Where
+        ``output`` comes from a hidden state [B, S, H] through a matrix product by weights and
+        element-wise nodes (an LM head), the head runs on those rows alone; elsewhere the whole
+        output is computed and the rows taken from it."""
         found = self._head(output)
         if found is None:
             outputs = self.trace(static, params, inputs)
             full = outputs[output]
-            outputs[output] = full[jnp.arange(full.shape[0]), last][:, None]
+            outputs[output] = _at(full, last)
             return outputs
         hidden, tail = found
         skip = {id(n) for n in tail}
@@ -491,7 +497,7 @@ class Model:
             given = self._split.names
         run_nodes(self._graph, scope, nodes=body, given=given)
         rows = scope[hidden]  # [B, S, H]
-        scope = scope.new_child({hidden: rows[jnp.arange(rows.shape[0]), last][:, None]})
+        scope = scope.new_child({hidden: _at(rows, last)})
         run_nodes(self._graph, scope, nodes=tail)
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
 
@@ -568,6 +574,14 @@ class Model:
 
 # The nodes of an LM head (see Model.trace_last): matrix products by weights whose rows are
 # the hidden state's positions, then element-wise nodes (softcapping, a cast).
+def _at(values: jax.Array, last: jax.Array) -> jax.Array:
+    """values [B, S, ...] at each row's positions ``last``: [B] gives [B, 1, ...], [B, P] gives
+    [B, P, ...]."""
+    if jnp.ndim(last) == 1:
+        return values[jnp.arange(values.shape[0]), last][:, None]
+    return values[jnp.arange(values.shape[0])[:, None], last]
+
+
 _PRODUCTS = ("MatMul", "PackedMatMul", "MatMulNBits")
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Identity")
 

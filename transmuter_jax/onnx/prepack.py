@@ -5,6 +5,11 @@ it is a matrix product or an embedding lookup: MatMul or Gemm reading it (or its
 right operand, and Gather along axis 0 of it (or of its Transpose). Those nodes become the
 internal ops PackedMatMul, PackedGemm and PackedGather of the domain :data:`DOMAIN`, reading the
 packed array under the initializer's name, and the Transpose nodes go: the weight is held once.
+
+The 4-bit weights of MatMulNBits nodes that quantize their input to int8 (accuracy_level 4,
+blocks of 32, integer zero points or none) are rearranged into the layout the int4 kernel reads
+(:func:`transmuter_jax.kernels.nbits_pack`, same shape and size), and those nodes become
+PackedMatMulNBits.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import GraphProto, NodeProto, TensorProto, helper
 
+from ..runtime import switch
 from .trace import outer_names, subgraphs
 
 DOMAIN = "transmuter_jax"
+MS = "com.microsoft"
 # Smaller matrices (elements) stay as they are: the kernel's call overhead would dominate.
 PACK_MIN = 1 << 15
 
@@ -30,11 +37,35 @@ class Packing:
     transposed: bool
     k: int
     n: int
+    dtype = np.float32
 
     def pack(self, array: np.ndarray) -> np.ndarray:
         from ..kernels import pack
 
         return pack(np.asarray(array).T if self.transposed else array)
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the packed array (strips of the kernels' width)."""
+        from ..kernels import STRIP
+
+        return (-(-self.n // STRIP), self.k, STRIP)
+
+
+@dataclass(frozen=True)
+class NBitsPacking:
+    """A MatMulNBits weight ``uint8 [N, blocks, 16]`` rearranged for the int4 kernel."""
+
+    name: str
+    dtype = np.uint8
+
+    def pack(self, array: np.ndarray) -> np.ndarray:
+        from ..kernels import nbits_pack
+
+        return nbits_pack(array)
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the packed array: the stored one."""
+        return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -135,6 +166,55 @@ def plan(graph: GraphProto, minimum: int | None = None) -> dict[str, Packing]:
         k, n = (dims[1], dims[0]) if transposed else dims
         plans[tensor.name] = Packing(tensor.name, transposed, k, n)
     return plans
+
+
+def _int8_nbits(node: NodeProto, name: str, uint8_initializers: set[str]) -> bool:
+    """Whether ``node`` is a MatMulNBits reading ``name`` as its weight (only there) that the int4
+    kernel runs with int8 input on weights in its own layout."""
+    inputs = list(node.input) + [""] * (5 - len(node.input))
+    return (
+        node.op_type == "MatMulNBits"
+        and node.domain == MS
+        and inputs[1] == name
+        and name not in inputs[:1] + inputs[2:]
+        and _attr(node, "bits", 4) == 4
+        and _attr(node, "block_size", 0) == 32
+        and not _attr(node, "weight_prepacked", 0)
+        and switch.int8_activations(_attr(node, "accuracy_level", 0))
+        and (not inputs[3] or inputs[3] in uint8_initializers)
+        and not inputs[4]
+    )
+
+
+def plan_nbits(graph: GraphProto) -> dict[str, NBitsPacking]:
+    """The MatMulNBits weights of ``graph`` to rearrange for the int4 kernel, by name."""
+    consumers = _consumers(graph)
+    fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        for sub in subgraphs(node):
+            fixed |= outer_names(sub)
+    uint8 = {t.name for t in graph.initializer if t.data_type == TensorProto.UINT8}
+    plans = {}
+    for tensor in graph.initializer:
+        dims = tuple(tensor.dims)
+        if tensor.data_type != TensorProto.UINT8 or len(dims) != 3 or dims[2] != 16:
+            continue
+        uses = consumers.get(tensor.name, ())
+        if tensor.name in fixed or not uses:
+            continue
+        if all(_int8_nbits(node, tensor.name, uint8) for node in uses):
+            plans[tensor.name] = NBitsPacking(tensor.name)
+    return plans
+
+
+def rewrite_nbits(graph: GraphProto, plans: dict[str, NBitsPacking]) -> None:
+    """MatMulNBits nodes reading a rearranged weight become PackedMatMulNBits (in place)."""
+    if not plans:
+        return
+    for node in graph.node:
+        if node.op_type == "MatMulNBits" and node.domain == MS and node.input[1] in plans:
+            node.op_type = "PackedMatMulNBits"
+            node.domain = DOMAIN
 
 
 def rewrite(graph: GraphProto, plans: dict[str, Packing]) -> None:

@@ -36,6 +36,12 @@ def trace_environment() -> tuple[tuple[str, str | None], ...]:
     return tuple((name, os.environ.get(name)) for name in TRACE_ENVIRONMENT)
 
 
+def int8_activations(accuracy_level: int) -> bool:
+    """Whether a MatMulNBits node of ``accuracy_level`` quantizes its input to int8: at level 4,
+    unless ``TRANSMUTER_JAX_NBITS_INT8=0``."""
+    return accuracy_level == 4 and os.environ.get(INT8_ENV, "").strip() != "0"
+
+
 def wanted() -> bool:
     """Whether ``TRANSMUTER_JAX_KERNELS`` leaves the kernels on."""
     return os.environ.get(KERNELS_ENV, "").strip().lower() not in OFF_VALUES

@@ -312,6 +312,13 @@ def _submission(
         options["min_new_tokens"] = int(body.min_tokens)
     if body.ignore_eos:
         options["eos_token_id"] = []
+    lookup = body.prompt_lookup_num_tokens or body.num_speculative_tokens
+    if lookup:
+        if body.n > 1:
+            raise ApiError(
+                400, "prompt_lookup_num_tokens: speculative decoding takes n=1", param="n"
+            )
+        options["prompt_lookup_num_tokens"] = int(lookup)
     if body.logit_bias:
         options["sequence_bias"] = _logit_bias(body.logit_bias, served.vocab_size)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -112,6 +112,9 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    # speculative decoding by prompt lookup (docs/speculative.md; at most MAX_DRAFT, 32, tokens)
+    prompt_lookup_num_tokens: int | None = Field(default=None, ge=1, le=32)
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=32)
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
 

@@ -196,6 +196,7 @@ class SlotBackend:
             top_logprobs=int(o.get("top_logprobs") or 0),
             logit_bias=tuple((ids[-1], bias) for ids, bias in o.get("sequence_bias") or ()),
             min_new_tokens=int(o.get("min_new_tokens") or 0),
+            prompt_lookup_num_tokens=o.get("prompt_lookup_num_tokens"),  # docs/speculative.md
         )
         groups = [[j] for j in range(sub.n)] if sampling else [list(range(sub.n))]
         seed = seed_value(sub.seed)

@@ -44,12 +44,29 @@ def compiled(
     processors: Sequence[Any],
     batch: int,
     mesh: Any,
+    assistant: tuple[str, Model, Model | None] | None = None,
 ) -> gen.Engine:
     """An engine compiled for ``batch`` rows with ``options`` and a task's own ``processors``
-    (after the others); engines of one decoder share their programs through the program cache."""
+    (after the others); engines of one decoder share their programs through the program cache.
+    ``assistant``: a draft model's (folder, decoder, embed) for speculative decoding."""
+    helper = None
+    if assistant is not None:
+        helper = gen.context(assistant[0], assistant[1], embed=assistant[2])
     spec = gen.context(folder, model, given=tuple(given), embed=embed, tokenizer=tokenizer,
-                       processors=processors, **options)  # fmt: skip
+                       processors=processors, assistant=helper, **options)  # fmt: skip
     return gen.compile(spec, batch, mesh=mesh)
+
+
+def check_assistant(
+    folder: str, model: Model, embed: Model | None, assistant: tuple[str, Model, Model | None]
+) -> None:
+    """Raises GenerationError when the draft model ``assistant`` (folder, decoder, embed) cannot
+    draft for ``model`` (another vocabulary, a cache that cannot run slots)."""
+    helper = gen.context(assistant[0], assistant[1], embed=assistant[2])
+    gen.context(folder, model, embed=embed, assistant=helper)
+    refusal = helper.cache_mode.slot_refusal()
+    if refusal:
+        raise gen.GenerationError(f"the assistant model {assistant[0]!r} cannot draft: {refusal}")
 
 
 def compiled_shapes(shapes: set[tuple], engines: Iterable[gen.Engine]) -> int:

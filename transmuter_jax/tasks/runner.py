@@ -147,6 +147,7 @@ class Runner:
         self.options, self.tokenizer = dict(options), tokenizer
         self._contexts: OrderedDict[tuple, Any] = OrderedDict()
         self._shapes: set[tuple] = set()  # the step shapes of every engine this runner made
+        self.assistant: tuple[str, Model, Model | None] | None = None  # a draft model
         self.defaults = decoding.defaults(
             folder, model, given=self.given, embed=embed, tokenizer=tokenizer,
             options=stop_option(self.options)[0],
@@ -167,7 +168,7 @@ class Runner:
         ctx = decoding.compiled(
             self.folder, self.model, given=self.given, embed=self.embed,
             tokenizer=self.tokenizer, options=merged, processors=processors, batch=batch,
-            mesh=self.mesh,
+            mesh=self.mesh, assistant=self.assistant,
         )  # fmt: skip
         self._contexts[key] = ctx
         while len(self._contexts) > KEEP_CONTEXTS:

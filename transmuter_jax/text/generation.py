@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..tasks import detect
+from ..tasks import decoding, detect
 from ..tasks.pipeline import OnToken, Pipeline, Request
 from ..tasks.runner import Result, prompt_kind
 from .tokenizer import Tokenizer
@@ -28,13 +28,29 @@ class TextGeneration(Pipeline):
     ALSO = (detect.IMAGE_TEXT_TO_TEXT,)  # a vision-language model's text decoder runs alone
 
     def __init__(
-        self, repo, *, dtype=None, file=None, chat_template=None, mesh=None, devices=None, **options
+        self,
+        repo,
+        *,
+        dtype=None,
+        file=None,
+        chat_template=None,
+        mesh=None,
+        devices=None,
+        assistant_model=None,
+        **options,
     ):
         super().__init__(repo, dtype=dtype, file=file, mesh=mesh, devices=devices, **options)
         self.tokenizer = Tokenizer.from_folder(self.files.folder)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.start()
+        if assistant_model is not None:  # speculative decoding with a draft model
+            if not isinstance(assistant_model, TextGeneration):
+                assistant_model = TextGeneration(assistant_model, mesh=mesh, devices=devices)
+            draft = assistant_model
+            helper = (draft.files.folder, draft.decoder, draft.embed)
+            decoding.check_assistant(self.files.folder, self.decoder, self.embed, helper)
+            self._started().assistant = helper
 
     @property
     def has_chat_template(self) -> bool:
@@ -158,6 +174,7 @@ def generation(
     chat_template: str | None = None,
     mesh: Any = None,
     devices: Sequence[Any] | None = None,
+    assistant_model: Any = None,
     **options: Any,
 ) -> TextGeneration:
     """A text-generation pipeline.
@@ -172,6 +189,10 @@ def generation(
         mesh: a ``jax.sharding.Mesh`` with axes "model" and/or "data": the decoder's weights
             are split over it at load and its steps run over it (docs/distributed.md).
         devices: without ``mesh``, the devices of a mesh that puts them all on "model".
+        assistant_model: a draft model of the same tokenizer (a folder, a hub id, "default-int4",
+            or a loaded :class:`TextGeneration`): speculative decoding drafts
+            ``num_assistant_tokens`` tokens with it, verified in one step of this model
+            (docs/speculative.md).
         **options: default generation options, transformers' names (max_new_tokens, do_sample,
             temperature, top_k, top_p, num_beams, repetition_penalty, token_logprobs, ...).
 
@@ -185,6 +206,7 @@ def generation(
         chat_template=chat_template,
         mesh=mesh,
         devices=devices,
+        assistant_model=assistant_model,
         **options,
     )
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import hub
 from .images import ImageInput, load_image
-from .processing import RESAMPLE, normalize, rescale
+from .processing import MAX_SIDE, RESAMPLE, check_values, normalize, rescale, whole
 
 MAX_IMAGE_SIZE = 4096  # transformers' bound on the longest edge after the first resize
 
@@ -82,6 +82,30 @@ def multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
+MAX_IMAGE_TOKENS = 1 << 16
+"""The most image tokens one tile may take in the prompt (image_seq_len)."""
+
+
+def check_idefics3(s: Mapping[str, Any], processor: str) -> None:
+    """Refuses, by name, Idefics3 settings that are zero, huge or degenerate: ``size`` (a
+    ``longest_edge``, or a height and a width) and ``max_image_size``'s ``longest_edge`` outside
+    1..:data:`~.processing.MAX_SIDE`, and the shared values (:func:`.processing.check_values`).
+
+    Raises:
+        ValueError: naming the setting and its value.
+    """
+    for name, keys in (("size", ("longest_edge", "height")), ("max_image_size", ("longest_edge",))):
+        value = s[name]
+        if not isinstance(value, Mapping) or not any(k in value for k in keys):
+            shape = "{'longest_edge': N}"
+            shape += " or {'height': H, 'width': W}" if len(keys) > 1 else ""
+            raise ValueError(f"{processor}: {name} is {value!r}; it must be {shape}")
+        sides = ("longest_edge",) if "longest_edge" in value else ("height", "width")
+        for side in sides:
+            whole(value.get(side), f"{name}[{side!r}]", 1, MAX_SIDE, processor)
+    check_values(s, processor)
+
+
 class Idefics3ImageProcessor:
     """transformers' ``Idefics3ImageProcessor`` / ``SmolVLMImageProcessor`` (the slow ones).
 
@@ -104,11 +128,14 @@ class Idefics3ImageProcessor:
         "do_pad": True,
     }
 
+    NAME = "Idefics3ImageProcessor"
+
     def __init__(self, config: Mapping[str, Any]):
         self.config = {k: config.get(k, v) for k, v in self.DEFAULTS.items()}
         for k in ("image_mean", "image_std", "size", "max_image_size"):
             if self.config[k] is None:
                 self.config[k] = self.DEFAULTS[k]
+        check_idefics3(self.config, self.NAME)
 
     def settings(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """The settings with ``options`` (transformers' names) in place of the configured ones."""
@@ -117,7 +144,9 @@ class Idefics3ImageProcessor:
             raise TypeError(
                 f"unknown image processor options {unknown}; known: {sorted(self.DEFAULTS)}"
             )
-        return {**self.config, **{k: v for k, v in options.items() if v is not None}}
+        merged = {**self.config, **{k: v for k, v in options.items() if v is not None}}
+        check_idefics3(merged, self.NAME)
+        return merged
 
     def frames(self, image: ImageInput, s: Mapping[str, Any]) -> tuple[list[np.ndarray], int, int]:
         """The uint8 RGB frames of one image (tiles, then the global image), rows, columns."""
@@ -278,12 +307,15 @@ class Idefics3Processor:
         self.images = Idefics3ImageProcessor(config)
         self.tokenizer = tokenizer
         seq_len = hub.read_json(folder, "processor_config.json").get("image_seq_len")
+        where = "processor_config.json: image_seq_len"
         if seq_len is None:
             model = hub.read_json(folder, "config.json")
-            vision = model.get("vision_config", {})
-            patches = (vision.get("image_size", 512) // vision.get("patch_size", 16)) ** 2
-            seq_len = int(patches / model.get("scale_factor", 4) ** 2)
-        self.image_seq_len = int(seq_len)
+            vision = model.get("vision_config") or {}
+            size = whole(vision.get("image_size", 512), "image_size", 1, MAX_SIDE, "config.json")
+            patch = whole(vision.get("patch_size", 16), "patch_size", 1, size, "config.json")
+            scale = whole(model.get("scale_factor", 4), "scale_factor", 1, size, "config.json")
+            seq_len, where = (size // patch) ** 2 / scale**2, "config.json: the image tokens"
+        self.image_seq_len = whole(seq_len, where, 1, MAX_IMAGE_TOKENS, "Idefics3Processor")
         self.tokens = ImageTokens()
 
     @staticmethod

@@ -37,6 +37,29 @@ def community_vision_encoder(repo: Any, files: Any) -> str:
     return path
 
 
+def real_frame_features(features: np.ndarray, pixels: Sequence[int], processed: Any) -> np.ndarray:
+    """The features of the real frames, in order ([tokens, hidden]), from a vision encoder's
+    output for pixel values of shape ``pixels`` ([batch, frames, 3, H, W], padded with all-zero
+    frames): one row per frame (padding frames included), or one per real frame (transformers'
+    ``get_image_features`` drops the padding frames itself)."""
+    batch, count = pixels[0], pixels[1]
+    frames = [
+        sum(r * c + 1 for r, c in zip(rows, cols, strict=True))
+        for rows, cols in zip(processed.rows, processed.cols, strict=True)
+    ]
+    hidden = features.shape[-1]
+    if features.ndim == 3 and features.shape[0] == sum(frames):
+        return features.reshape(-1, hidden)  # the padding frames were dropped by the graph
+    if features.ndim != 3 or features.shape[0] != batch * count:
+        raise ValueError(
+            f"the vision encoder gives features of shape {features.shape} for {batch * count} "
+            f"frames ({sum(frames)} of them images, the others padding); it must give one row "
+            "per frame or one per image frame"
+        )
+    features = features.reshape(batch, count, -1, hidden)
+    return np.concatenate([features[b, :n].reshape(-1, hidden) for b, n in enumerate(frames)])
+
+
 class ImageTextToText(Pipeline):
     """A vision encoder, the token embeddings and a decoder of inputs_embeds, with the processor,
     from :func:`image_text_to_text`.
@@ -106,13 +129,7 @@ class ImageTextToText(Pipeline):
             }
         )
         features = np.asarray(out.get("image_features", next(iter(out.values()))), np.float32)
-        count = processed.pixel_values.shape[1]
-        features = features.reshape(len(ids), count, -1, features.shape[-1])
-        kept = []
-        for b, (r_list, c_list) in enumerate(zip(processed.rows, processed.cols, strict=True)):
-            frames = sum(r * c + 1 for r, c in zip(r_list, c_list, strict=True))
-            kept.append(features[b, :frames].reshape(-1, features.shape[-1]))
-        merged = np.concatenate(kept)
+        merged = real_frame_features(features, processed.pixel_values.shape, processed)
         tokens = sum(row.count(self.image_token_id) for row in ids)
         if tokens != merged.shape[0]:
             raise ValueError(

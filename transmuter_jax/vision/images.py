@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime.paths import not_a_file
+
 ImageInput = Any
 """A path (str or os.PathLike), bytes, a PIL.Image.Image, or a numpy uint8 array (HW or HWC)."""
 
@@ -78,8 +80,9 @@ def load_image(image: ImageInput) -> Any:
             raise ImageError(
                 f"{where} is a URL; images are never fetched: download it and pass the file"
             )
-        if not os.path.isfile(image):
-            raise ImageError(f"no image file {where}")
+        why = not_a_file(image, "an image")
+        if why is not None:
+            raise ImageError(why)
         image = _open(Image, image, where, "is")
     elif isinstance(image, bytes | bytearray | memoryview):
         where = f"the {len(image)} bytes given"

@@ -108,6 +108,34 @@ def check_settings(s: Mapping[str, Any], processor: str) -> None:
         for side, value in size_dict(s[name], name).items():
             if not 1 <= value <= MAX_SIDE:
                 raise bad(f"{name}[{side!r}]", value, f"it must be from 1 to {MAX_SIDE}")
+    check_values(s, processor)
+
+
+def whole(value: Any, name: str, least: int, most: int, processor: str) -> int:
+    """``value`` as an int when it is a whole number from ``least`` to ``most``.
+
+    Raises:
+        ValueError: naming the processor, the setting and its value.
+    """
+    number = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{processor}: {name} is {value!r}; it must be a whole number")
+    if not least <= int(value) <= most:
+        raise ValueError(f"{processor}: {name} is {value!r}; it must be from {least:,} to {most:,}")
+    return int(value)
+
+
+def check_values(s: Mapping[str, Any], processor: str) -> None:
+    """Refuses, by name, a non-finite rescale factor or mean, a zero or non-finite std, and an
+    unknown resampling filter (the settings every image processor shares).
+
+    Raises:
+        ValueError: naming the setting and its value.
+    """
+
+    def bad(name: str, value: Any, rule: str) -> ValueError:
+        return ValueError(f"{processor}: {name} is {value!r}; {rule}")
+
     for name in ("image_mean", "image_std", "rescale_factor"):
         value = s.get(name)
         values = value if isinstance(value, list | tuple) else [value]

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import hub
 from .images import ImageInput, load_image
-from .processing import RESAMPLE, normalize, rescale, resize
+from .processing import MAX_SIDE, RESAMPLE, check_values, normalize, rescale, resize, whole
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # transformers' OPENAI_CLIP_MEAN
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]  # transformers' OPENAI_CLIP_STD
@@ -82,12 +82,41 @@ class Qwen2VLImages:
         return [int(np.prod(g)) // self.merge_size**2 for g in self.image_grid_thw]
 
 
+MAX_PIXELS = MAX_SIDE * MAX_SIDE
+"""The most pixels an image is resized to (min_pixels and max_pixels are at most this)."""
+
+
+def check_qwen2vl(s: Mapping[str, Any], processor: str) -> None:
+    """Refuses, by name, Qwen2-VL settings that are zero, huge or degenerate: a patch size,
+    merge size or temporal patch size that is not a positive whole number (a patch block of
+    ``patch_size * merge_size`` pixels at most :data:`~.processing.MAX_SIDE`), min_pixels or
+    max_pixels outside 1..:data:`MAX_PIXELS` or in the wrong order, and the shared values
+    (:func:`.processing.check_values`).
+
+    Raises:
+        ValueError: naming the setting and its value.
+    """
+    patch = whole(s["patch_size"], "patch_size", 1, MAX_SIDE, processor)
+    whole(s["merge_size"], "merge_size", 1, MAX_SIDE // patch, processor)
+    whole(s["temporal_patch_size"], "temporal_patch_size", 1, 64, processor)
+    least = whole(s["min_pixels"], "min_pixels", 1, MAX_PIXELS, processor)
+    most = whole(s["max_pixels"], "max_pixels", 1, MAX_PIXELS, processor)
+    if least > most:
+        raise ValueError(
+            f"{processor}: min_pixels is {least:,}, more than max_pixels ({most:,}); it must be "
+            "at most max_pixels"
+        )
+    check_values(s, processor)
+
+
 class Qwen2VLImageProcessor:
     """transformers' ``Qwen2VLImageProcessor`` (the slow one, for Qwen2-VL and Qwen2.5-VL).
 
     Attributes:
         config: the settings, by transformers' names.
     """
+
+    NAME = "Qwen2VLImageProcessor"
 
     DEFAULTS: Mapping[str, Any] = {
         "do_convert_rgb": True,
@@ -116,6 +145,7 @@ class Qwen2VLImageProcessor:
         for k, v in self.DEFAULTS.items():
             if self.config[k] is None:
                 self.config[k] = v
+        check_qwen2vl(self.config, self.NAME)
 
     def settings(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """The settings with ``options`` (transformers' names) in place of the configured ones;
@@ -132,6 +162,7 @@ class Qwen2VLImageProcessor:
             if not {"shortest_edge", "longest_edge"} <= set(size):
                 raise ValueError(f"size must have 'shortest_edge' and 'longest_edge', not {size!r}")
             s["min_pixels"], s["max_pixels"] = size["shortest_edge"], size["longest_edge"]
+        check_qwen2vl(s, self.NAME)
         return s
 
     def patches(self, image: ImageInput, s: Mapping[str, Any]) -> tuple[np.ndarray, tuple]:
@@ -228,7 +259,8 @@ class RopeConfig:
             if config.get(name) is None:
                 raise ValueError(f"config.json of a {kind} model has no {name}")
             ids[name] = int(config[name])
-        merge = int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
+        merge = (config.get("vision_config") or {}).get("spatial_merge_size", 2)
+        merge = whole(merge, "vision_config.spatial_merge_size", 1, MAX_SIDE, "config.json")
         return cls(kind, spatial_merge_size=merge, **ids)
 
 

@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "common.h"
+#include "nbits_block32.h"
 #include "nbits_int8.h"
+#include "nbits_lanes.h"
 #include "nbits_vnni.h"
 #include "pool.h"
 
@@ -235,6 +237,132 @@ static void int8_chunk(void* ctx, int64_t chunk) {
   }
 }
 
+// int8 activations, block sizes that are multiples of 32, integer zero points (nbits_lanes.h):
+// chunks of columns; per column, rows in groups of at most 4 held in registers.
+struct LanesJob {
+  const NbitsJob* job;
+  Int8Rows xs;
+  LaneSums sums;
+  bool portable;
+  int64_t cols_per_chunk;
+};
+
+static void lanes_chunk(void* ctx, int64_t chunk) {
+  const LanesJob& w = *static_cast<const LanesJob*>(ctx);
+  const NbitsJob& job = *w.job;
+  const int64_t blocks = job.blocks, row_bytes = job.groups * 16;
+  const int64_t n0 = chunk * w.cols_per_chunk, n1 = std::min(job.n, n0 + w.cols_per_chunk);
+  thread_local std::vector<int32_t> zp;
+  zp.resize(static_cast<size_t>(blocks));
+  for (int64_t col = n0; col < n1; ++col) {
+    const uint8_t* bytes = job.b + col * row_bytes;
+    const float* sw = job.scales + col * blocks;
+    const int32_t* z = nullptr;
+    if (job.zp_kind == kPacked) {
+      for (int64_t b = 0; b < blocks; ++b) zp[b] = static_cast<int32_t>(zero_point(job, col, b));
+      z = zp.data();
+    }
+    float* y = job.y + col;
+#ifdef TJ_HAVE_LANES_AVX2
+    if (!w.portable) {
+      using Fn = void (*)(const Int8Rows&, const LaneSums&, int64_t, const uint8_t*,
+                          const float*, const int32_t*, float*, int64_t);
+      static constexpr Fn kRows[5] = {nullptr, lanes_column<1>, lanes_column<2>,
+                                      lanes_column<3>, lanes_column<4>};
+      for (int64_t r0 = 0; r0 < job.m; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, job.m - r0);
+        kRows[rows](w.xs, w.sums, r0, bytes, sw, z, y + r0 * job.n, job.n);
+      }
+      continue;
+    }
+#endif
+    lanes_column_portable(w.xs, w.sums, 0, job.m, bytes, sw, z, y, job.n);
+  }
+}
+
+// int8 activations, blocks of 32, integer zero points (nbits_block32.h): chunks of columns,
+// in slices of kB32Slice columns: per column, the rows in groups of at most 4 (the weights
+// unpacked once per block for all rows), then the zero-point term of the slice.
+constexpr int64_t kB32Slice = 64;
+
+struct B32Job {
+  const NbitsJob* job;
+  B32Rows xs;
+  bool portable, packed;
+  int64_t cols_per_chunk;
+};
+
+static void b32_chunk(void* ctx, int64_t chunk) {
+  const B32Job& w = *static_cast<const B32Job*>(ctx);
+  const NbitsJob& job = *w.job;
+  const int64_t blocks = job.blocks, row_bytes = job.groups * 16, m = job.m;
+  const int64_t n0 = chunk * w.cols_per_chunk, n1 = std::min(job.n, n0 + w.cols_per_chunk);
+  const int64_t tail = job.n - job.n % 4;  // columns from here fold in the other order
+  thread_local std::vector<uint8_t> values;
+  thread_local std::vector<float> z;
+  values.resize(static_cast<size_t>(blocks * kB32));
+  z.resize(static_cast<size_t>(blocks * kB32Slice));
+  for (int64_t s0 = n0; s0 < n1; s0 += kB32Slice) {
+    const int64_t s1 = std::min(n1, s0 + kB32Slice), cols = s1 - s0;
+    for (int64_t col = s0; col < s1; ++col) {
+      const float* sw = job.scales + col * blocks;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float zp = job.zp_kind == kPacked ? zero_point(job, col, b) : 8.0f;
+        z[b * cols + (col - s0)] = -(sw[b] * zp);
+      }
+    }
+    for (int64_t col = s0; col < s1; ++col) {
+      const uint8_t* bytes = job.b + col * row_bytes;
+      const float* sw = job.scales + col * blocks;
+      float* y = job.y + col;
+      const bool last = col >= tail;
+#ifdef TJ_B32_AVX2
+      if (!w.portable && !w.packed && m == 1 && col + 4 <= std::min(s1, tail)) {
+        // one row, weights as stored: 4 columns at a time, unpacked in registers, the row's
+        // values loaded once for the 4 (packed weights: one column at a time was faster)
+        const float* sws[4] = {sw, sw + blocks, sw + 2 * blocks, sw + 3 * blocks};
+        const B32Weights<kB32Stored> ws[4] = {
+            {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
+        b32_row4<kB32Stored>(w.xs, 0, ws, sws, y);
+        col += 3;
+        continue;
+      }
+      if (!w.portable) {
+        if (w.packed && m <= 4) {  // few rows: unpacked in registers
+          using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Packed>, const float*,
+                              bool, float*, int64_t);
+          static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32Packed>,
+                                          b32_main<2, kB32Packed>, b32_main<3, kB32Packed>,
+                                          b32_main<4, kB32Packed>};
+          kRows[m](w.xs, 0, B32Weights<kB32Packed>{bytes}, sw, last, y, job.n);
+          continue;
+        }
+        b32_values(bytes, blocks, w.packed, values.data());
+        using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Values>, const float*, bool,
+                            float*, int64_t);
+        static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32Values>,
+                                        b32_main<2, kB32Values>, b32_main<3, kB32Values>,
+                                        b32_main<4, kB32Values>};
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+          const int64_t rows = std::min<int64_t>(4, m - r0);
+          kRows[rows](w.xs, r0, B32Weights<kB32Values>{values.data()}, sw, last,
+                      y + r0 * job.n, job.n);
+        }
+        continue;
+      }
+#endif
+      b32_values(bytes, blocks, w.packed, values.data());
+      for (int64_t r = 0; r < m; ++r) {
+        y[r * job.n] = b32_main_portable(w.xs.q.data() + r * blocks * kB32,
+                                         w.xs.scale.data() + r * blocks, values.data(), sw,
+                                         blocks, last);
+      }
+    }
+    b32_zero_term(w.xs.blksum.data(), m, blocks, z.data(), cols, job.y + s0, job.n,
+                  w.portable);
+  }
+}
+
 static void direct_chunk(void* ctx, int64_t chunk) {
   const NbitsJob& job = *static_cast<const NbitsJob*>(ctx);
   const int64_t n0 = chunk * job.rows_per_chunk;
@@ -309,7 +437,7 @@ static void rearrange(const float* x, int64_t m, int64_t k, int64_t groups, floa
 static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
                             ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
                             ffi::ResultBuffer<ffi::F32> y, int64_t block_size, bool int8,
-                            bool portable) {
+                            bool portable, bool packed) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (xd.size() < 1 || yd.size() != xd.size()) {
@@ -344,6 +472,25 @@ static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   const int64_t target = 8 * static_cast<int64_t>(pool.threads());
   job.rows_per_chunk = std::max<int64_t>(4, (n + target - 1) / target);
   const int64_t chunks = (job.n + job.rows_per_chunk - 1) / job.rows_per_chunk;
+  const bool block32 = int8 && kind != kFloat && block_size == 32;
+  if (packed && !block32) {
+    return ffi::Error::InvalidArgument(
+        "tj_matmul_nbits: packed weights need int8, block_size 32 and integer zero points");
+  }
+  if (block32) {
+    const int64_t cols = 4 * std::max<int64_t>(1, (n + 4 * target - 1) / (4 * target));
+    B32Job w{&job, {}, portable, packed, cols};
+    b32_quantize(xin, m, k, &w.xs);
+    pool.run((n + cols - 1) / cols, b32_chunk, &w);
+    return ffi::Error::Success();
+  }
+  if (int8 && kind != kFloat && block_size % 32 == 0) {
+    LanesJob w{&job, {}, {}, portable, std::max<int64_t>(4, (n + target - 1) / target)};
+    int8_quantize(xin, m, k, block_size, blocks, &w.xs);
+    lane_sums(w.xs, m, &w.sums);
+    pool.run((n + w.cols_per_chunk - 1) / w.cols_per_chunk, lanes_chunk, &w);
+    return ffi::Error::Success();
+  }
   if (int8) {
     Int8Job w{&job, {}, portable, 8 * ((job.rows_per_chunk + 7) / 8)};
     int8_quantize(xin, m, k, block_size, blocks, &w.xs);
@@ -379,4 +526,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("block_size")
                                   .Attr<bool>("int8")
-                                  .Attr<bool>("portable"));
+                                  .Attr<bool>("portable")
+                                  .Attr<bool>("packed"));

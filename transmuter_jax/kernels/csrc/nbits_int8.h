@@ -1,7 +1,7 @@
 // MatMulNBits with int8 activations (accuracy_level 4), onnxruntime's CompInt8 scheme, computed
 // strictly per row of X, so that a row's result never depends on the other rows:
 //
-//   per row r and block b of K:  s = max|x| / 127,  q = round_half_even(x * (1 / s))  (int8)
+//   per row r and block b of K:  s = max|x| / 127,  q = round_half_even(x * (127 / max|x|))
 //   per column n:  d = sum(q * value) - zero_point * sum(q)     (exact, in integers)
 //                  y[r, n] = fma(d_b, s_b * scale[n, b], ...)   in order b = 0, 1, ... from 0
 //
@@ -48,7 +48,7 @@ inline void int8_quantize(const float* x, int64_t m, int64_t k, int64_t block_si
       float amax = 0.0f;
       for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float s = amax / 127.0f;
-      const float inv = s != 0.0f ? 1.0f / s : 0.0f;
+      const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;  // as MLAS
       int8_t* q = out->q.data() + (r * blocks + b) * block_size;
       int32_t sum = 0;
       for (int64_t i = 0; i < len; ++i) {

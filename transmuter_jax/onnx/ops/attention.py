@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ... import kernels
 from ..registry import op
 from ._util import precision, write_rows, xp
 from .attention_core import (
@@ -669,7 +670,14 @@ def SkipSimplifiedLayerNormalization(input, skip, gamma, bias=None, *, epsilon=1
     total = _skip_sum(input, skip, bias)
     x = total.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
-    y = x * inv * gamma
+    if total.dtype == jnp.float32 and jnp.shape(gamma) == (x.shape[-1],):
+        # onnxruntime's float steps (an int8 product after it turns one ulp into a step)
+        ref = lambda v, g: (
+            v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * g
+        )  # noqa: E731
+        y = kernels.rms_norm(x, gamma, epsilon, kernels.RMS_SKIP, ref)
+    else:
+        y = x * inv * gamma
     return _norm_outputs(y.astype(total.dtype), jnp.zeros_like(inv), inv, total, ctx.num_outputs)
 
 

@@ -56,6 +56,7 @@ def Gather(data, indices, *, axis=0):
 def GatherElements(data, indices, *, axis=0):
     m = xp(data, indices)
     axis %= data.ndim
+    data = m.asarray(data)  # a numpy table indexed by traced indices indexes as JAX
     return data[_along(m, _wrap(m, indices, data.shape[axis]), axis)]
 
 
@@ -65,7 +66,8 @@ def GatherND(data, indices, *, batch_dims=0):
     m = xp(data, indices)
     b, k = batch_dims, indices.shape[-1]
     count = math.prod(data.shape[:b])
-    flat = m.reshape(data, (count,) + data.shape[b:])
+    # m.asarray: jnp.reshape keeps a numpy table numpy, which traced indices cannot index
+    flat = m.reshape(m.asarray(data), (count,) + data.shape[b:])
     index = m.reshape(indices, (count, math.prod(indices.shape[b:-1]), k))
     index = _wrap(m, index, np.asarray(data.shape[b : b + k], np.int64))
     batch = m.arange(count)[:, None]

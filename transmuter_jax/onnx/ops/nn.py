@@ -512,8 +512,24 @@ def SimplifiedLayerNormalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=
     m = xp(x, scale)
     xs = _stash(x, stash_type)
     inv = _rms_inv(m, xs, axis, epsilon)
+    if m is jnp and _last_axis_f32(x, xs, scale, axis) and xs.shape[-1] % 8 == 0:
+        # onnxruntime's float steps (an int8 product after it turns one ulp into a step)
+        ref = lambda v, g: (v * _rms_inv(jnp, v, -1, epsilon)) * g  # noqa: E731
+        y = kernels.rms_norm(xs, scale, epsilon, kernels.RMS_SIMPLIFIED, ref)
+        return (y, inv)[: ctx.num_outputs]
     y = (xs * inv).astype(x.dtype) * scale
     return (y, inv)[: ctx.num_outputs]
+
+
+def _last_axis_f32(x, xs, scale, axis: int) -> bool:
+    """Whether a norm over the last axis of float32 x with a [K] float32 scale."""
+    return (
+        axis % xs.ndim == xs.ndim - 1
+        and x.dtype == jnp.float32
+        and xs.dtype == jnp.float32
+        and jnp.shape(scale) == (xs.shape[-1],)
+        and jnp.asarray(scale).dtype == jnp.float32
+    )
 
 
 @op("LRN")

@@ -3,14 +3,13 @@ the com.microsoft block-quantized MatMulNBits and GatherBlockQuantized."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ... import kernels
 from ...runtime import switch
+from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ._util import onnx_dtype, precision, xp
 
@@ -20,10 +19,7 @@ MS = "com.microsoft"
 INT8_ENV = switch.INT8_ENV
 
 
-def int8_activations(accuracy_level: int) -> bool:
-    """Whether a MatMulNBits node of ``accuracy_level`` quantizes its input to int8: at level 4,
-    unless ``TRANSMUTER_JAX_NBITS_INT8=0``."""
-    return accuracy_level == 4 and os.environ.get(INT8_ENV, "").strip() != "0"
+int8_activations = switch.int8_activations
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -181,6 +177,37 @@ def MatMulNBits(
     """
     if weight_prepacked:
         raise NotImplementedError("MatMulNBits with weight_prepacked")
+    return _matmul_nbits(
+        a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, False
+    )
+
+
+@op("PackedMatMulNBits", domain=PACKED, fold=False)
+def PackedMatMulNBits(
+    a,
+    b,
+    scales,
+    zero_points=None,
+    g_idx=None,
+    bias=None,
+    *,
+    K,
+    N,
+    block_size,
+    bits=4,
+    accuracy_level=0,
+    weight_prepacked=0,
+):
+    """MatMulNBits whose weight was rearranged at load for the int4 kernel
+    (:func:`transmuter_jax.kernels.nbits_pack`; see :mod:`transmuter_jax.onnx.prepack`)."""
+    return _matmul_nbits(
+        a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, True
+    )
+
+
+def _matmul_nbits(
+    a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, packed
+):
     a = jnp.asarray(a)
     # onnxruntime quantizes the input only with 4 bits and integer zero points (or none).
     int8 = (
@@ -201,13 +228,22 @@ def MatMulNBits(
     if (
         np.size(b)
         and (int8 or rows <= kernels.NBITS_MAX_ROWS)
+        and (int8 or not packed)
         and kernels.nbits_supported(bits, block_size, K, g_idx, scales, zero_points)
     ):
         y = kernels.matmul_nbits(
-            x, b, scales, zero_points, n=N, block_size=block_size, reference=reference, int8=int8
+            x,
+            b,
+            scales,
+            zero_points,
+            n=N,
+            block_size=block_size,
+            reference=reference,
+            int8=int8,
+            packed=packed,
         )
-    else:
-        y = reference(x, b, scales, zero_points)
+    else:  # the layout as stored (the switches changed since the weight was packed)
+        y = reference(x, kernels.nbits_unpack(b) if packed else b, scales, zero_points)
     if bias is not None:
         y = y + jnp.asarray(bias).astype(jnp.float32)
     return y.astype(a.dtype)
@@ -215,7 +251,7 @@ def MatMulNBits(
 
 def int8_quantize(x, block_size):
     """x [..., K] quantized per row and block of K as onnxruntime's CompInt8 does: with
-    s = max|x| / 127 per block, q = round_half_even(x * (1 / s)) (0 where s is 0).
+    s = max|x| / 127 per block, q = round_half_even(x * (127 / max|x|)) (0 where s is 0).
 
     Returns:
         q [..., blocks, block_size] (int8 values in float32, zero past K) and s [..., blocks].
@@ -224,9 +260,10 @@ def int8_quantize(x, block_size):
     blocks = -(-k // block_size)
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block_size - k)])
     v = padded.reshape(*x.shape[:-1], blocks, block_size)
-    scale = jnp.max(jnp.abs(v), axis=-1) / jnp.float32(127.0)
-    safe = jnp.where(scale != 0, scale, jnp.float32(1.0))
-    inv = jnp.where(scale != 0, jnp.float32(1.0) / safe, jnp.float32(0.0))
+    amax = jnp.max(jnp.abs(v), axis=-1)
+    scale = amax / jnp.float32(127.0)
+    safe = jnp.where(amax != 0, amax, jnp.float32(1.0))
+    inv = jnp.where(amax != 0, jnp.float32(127.0) / safe, jnp.float32(0.0))
     q = jnp.clip(jnp.round(v * inv[..., None]), -127.0, 127.0)
     return q, scale
 

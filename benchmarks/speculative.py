@@ -1,0 +1,119 @@
+"""Speculative decoding by prompt lookup against plain greedy decoding, in one run.
+
+``python benchmarks/speculative.py [--new 128] [--lookup 10] [--ngram 2] [--repeats 2]`` runs the
+default model (SmolLM2-135M-Instruct, fp32) greedy on input-grounded prompts (copy with edits,
+fix the spelling, reformat a list, change a line of code) and open-ended ones, at batch 1 (each
+prompt alone) and at batch 8 (a mix of both kinds), plain and with ``prompt_lookup_num_tokens``.
+It checks that the tokens are the same, and prints one JSON object: tokens/s (the new tokens
+over the whole call, prompts included, best of ``--repeats``), the ratios, the drafted and
+accepted tokens and the target steps saved, the load average and the CPU. See
+benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GROUNDED = [
+    "Copy this paragraph, replacing every 'cat' with 'dog', and change nothing else:\n"
+    "The cat sat on the mat in the morning. The cat looked at the window and waited for the sun."
+    " When the sun came, the cat stretched, yawned and walked to the kitchen, where the cat ate.",
+    "Fix the spelling mistakes in this text and write it out again:\n"
+    "Yesterday I went to the libary to borow a book about the histroy of Europe. The libarian "
+    "was very helpfull and showed me where the books about ancient civilisations were kept.",
+    "Reformat this list as a numbered list, one item per line:\n"
+    "- apples, - bananas, - carrots, - dates, - eggs, - flour, - grapes, - honey, - ice cream, "
+    "- jam, - kale, - lemons",
+    "Change the third line of this code so that it prints the total, and write out the whole "
+    "program:\n```python\ndef total(values):\n    result = 0\n    for v in values:\n"
+    "        result += v\n    return result\n\nprint(total([1, 2, 3]))\n```",
+]
+OPEN = [
+    "Write a short story about a dragon who learns to bake bread.",
+    "What are three good reasons to learn a second language?",
+    "Describe the ocean to someone who has never seen it.",
+    "Give me some ideas for a birthday party for a ten-year-old.",
+]
+
+
+def _call(runner, tokenizer, prompts, options) -> tuple[float, list]:
+    start = time.perf_counter()
+    out = runner.run(tokenizer, prompts, options, seed=0)
+    return time.perf_counter() - start, out
+
+
+def _measure(pipe, prompts, options, repeats) -> dict:
+    from transmuter_jax.generation import speculative
+
+    runner = pipe._runner
+    _call(runner, pipe.tokenizer, prompts, options)  # compile and warm up
+    best, out = min((_call(runner, pipe.tokenizer, prompts, options) for _ in range(repeats)),
+                    key=lambda pair: pair[0])  # fmt: skip
+    tokens = sum(len(r.token_ids) for r in out)
+    result = {"tokens": tokens, "seconds": round(best, 3), "tok_s": round(tokens / best, 1)}
+    if options.get("prompt_lookup_num_tokens"):
+        engine = runner.context(len(prompts), options)
+        from transmuter_jax.generation.loop import new_tokens
+
+        rows = [(p, new_tokens(engine, len(p)), 0) for p in prompts]
+        _, stats = speculative.run(engine, rows)
+        result.update(
+            drafted=stats.drafted,
+            accepted=stats.accepted,
+            steps=stats.steps,
+            steps_saved=stats.steps_saved,
+            acceptance=round(stats.acceptance, 3) if stats.drafted else None,
+        )
+    return result, [list(r.token_ids) for r in out]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--lookup", type=int, default=10)
+    parser.add_argument("--ngram", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repo", default=None, help="a model folder (default: the default model)")
+    args = parser.parse_args()
+
+    from transmuter_jax import text
+
+    pipe = text.generation(args.repo) if args.repo else text.generation()
+    plain = {"max_new_tokens": args.new}
+    spec = {**plain, "prompt_lookup_num_tokens": args.lookup, "max_matching_ngram_size": args.ngram}
+    report: dict = {"new": args.new, "lookup": args.lookup, "ngram": args.ngram, "runs": {}}
+    kinds = {"grounded": GROUNDED, "open": OPEN}
+    same = True
+    for kind, texts in kinds.items():
+        for i, prompt in enumerate(texts):
+            ids = [pipe.prompt_ids(prompt)]
+            a, tokens_a = _measure(pipe, ids, plain, args.repeats)
+            b, tokens_b = _measure(pipe, ids, spec, args.repeats)
+            same &= tokens_a == tokens_b
+            ratio = round(b["tok_s"] / a["tok_s"], 2)
+            report["runs"][f"{kind}-{i}"] = {"plain": a, "lookup": b, "ratio": ratio}
+            print(kind, i, ratio, b.get("acceptance"), flush=True)
+    for kind in kinds:
+        ratios = [r["ratio"] for k, r in report["runs"].items() if k.startswith(kind)]
+        report[f"{kind}_ratio_mean"] = round(sum(ratios) / len(ratios), 2)
+    mixed = [pipe.prompt_ids(p) for p in GROUNDED + OPEN]
+    a, tokens_a = _measure(pipe, mixed, plain, args.repeats)
+    b, tokens_b = _measure(pipe, mixed, spec, args.repeats)
+    same &= tokens_a == tokens_b
+    report["batch8_mixed"] = {"plain": a, "lookup": b, "ratio": round(b["tok_s"] / a["tok_s"], 2)}
+    report["same_tokens"] = same
+    report["load_average"] = os.getloadavg()
+    report["cpu"] = platform.processor() or platform.machine()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    report["avx512"] = "avx512f" in flags
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

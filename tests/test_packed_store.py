@@ -1,0 +1,111 @@
+"""Weights packed at load are kept on disk and memory-mapped by later loads
+(transmuter_jax.onnx.packed_store): used when valid, packed again when damaged or when the
+data file changed, and not kept when the store is off."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import transmuter_jax as tj
+from transmuter_jax import kernels
+from transmuter_jax.onnx import packed_store, prepack
+
+needs_kernels = pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels not available")
+
+
+def _model(tmp_path, rng, scale: float = 1.0):
+    """x [2, 64] @ w [64, 96] with w in an external data file."""
+    w = (rng.standard_normal((64, 96)) * scale).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 96])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    return path, w
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    from transmuter_jax.runtime import compile_cache
+
+    cache = str(tmp_path / "cache")
+    monkeypatch.setattr(compile_cache, "configure", lambda: cache)
+    monkeypatch.setattr(compile_cache, "directory", lambda: cache)
+    monkeypatch.setattr(prepack, "PACK_MIN", 0)
+    monkeypatch.delenv(packed_store.ENV, raising=False)
+    return tmp_path / "cache" / "packed"
+
+
+def _no_packing(monkeypatch):
+    def refuse(self, array):
+        raise AssertionError("packed again instead of read from the store")
+
+    monkeypatch.setattr(prepack.Packing, "pack", refuse)
+
+
+@needs_kernels
+def test_packed_weights_are_stored_then_mapped(tmp_path, rng, store, monkeypatch):
+    path, w = _model(tmp_path, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    first = np.asarray(tj.load(path)({"x": x})["y"])
+    files = list(store.glob("*.npy"))
+    assert len(files) == 1
+    np.testing.assert_allclose(first, x @ w, rtol=1e-5, atol=1e-4)
+    with monkeypatch.context() as patch:
+        _no_packing(patch)
+        model = tj.load(path)
+        np.testing.assert_array_equal(np.asarray(model({"x": x})["y"]), first)
+    assert list(store.glob("*.npy")) == files
+
+
+@needs_kernels
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "other shape"])
+def test_a_damaged_stored_weight_is_packed_again(tmp_path, rng, store, damage):
+    path, w = _model(tmp_path, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    want = np.asarray(tj.load(path)({"x": x})["y"])
+    (file,) = store.glob("*.npy")
+    if damage == "truncated":
+        file.write_bytes(file.read_bytes()[:200])
+    elif damage == "garbage":
+        file.write_bytes(b"\x00" * 1000)
+    else:
+        np.save(file, np.zeros((1, 64, kernels.STRIP), np.float32))
+    np.testing.assert_array_equal(np.asarray(tj.load(path)({"x": x})["y"]), want)
+    assert np.load(file).shape == (-(-96 // kernels.STRIP), 64, kernels.STRIP)  # replaced
+
+
+@needs_kernels
+def test_changed_weights_are_not_read_from_the_store(tmp_path, rng, store):
+    path, _ = _model(tmp_path, rng)
+    tj.load(path)
+    path, w = _model(tmp_path, rng, scale=2.0)  # the same file names, other bytes
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_allclose(
+        np.asarray(tj.load(path)({"x": x})["y"]), x @ w, rtol=1e-5, atol=1e-4
+    )
+    assert len(list(store.glob("*.npy"))) == 2
+
+
+@needs_kernels
+def test_store_off(tmp_path, rng, store, monkeypatch):
+    monkeypatch.setenv(packed_store.ENV, "0")
+    path, w = _model(tmp_path, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_allclose(
+        np.asarray(tj.load(path)({"x": x})["y"]), x @ w, rtol=1e-5, atol=1e-4
+    )
+    assert not store.exists()

@@ -1,0 +1,333 @@
+"""Speculative decoding by prompt lookup: greedy with drafts gives plain greedy's tokens on every
+fixture family and cache mode, wherever a row ends (eos, max_new_tokens, a stop string) inside an
+accepted run; sampled, plain sampling's tokens for the seed; slots that speculate and slots that
+do not share a batch; bad options and grow caches are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from generation_cases import FIXTURES, case, context
+
+from transmuter_jax import generation
+from transmuter_jax.generation import Request, speculative
+
+IN_PLACE = ["llama-genai-fp32", "qwen2-genai-fp32", "gemma3-genai-fp32", "llama-genai-int4",
+            "qwen2-genai-int4", "gemma3-genai-int4", "granite-genai-fp32", "mistral-genai-fp32",
+            "mistral-window-genai-fp32", "phi3-genai-fp32", "qwen3-genai-fp32"]  # fmt: skip
+APPEND = ["llama-optimum", "qwen2-optimum", "gpt2-optimum", "cohere-optimum", "falcon-optimum",
+          "gpt-neox-optimum", "granite-optimum", "mistral-optimum", "olmo2-optimum",
+          "opt-optimum", "qwen3-optimum", "smollm3-optimum", "stablelm-optimum"]  # fmt: skip
+GROW = ["bloom-optimum", "gemma2-optimum", "gemma3-optimum", "mistral-window-optimum",
+        "phi3-optimum"]  # fmt: skip
+FAST = ["llama-optimum", "llama-genai-fp32"]  # one of each mode in the quick tier
+NEW = 20
+LOOKUP = 4
+
+
+def _tiered(names):
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("speculative")
+
+
+def _prompts(name):
+    """The batch case's prompts, each also followed by a copy of itself (drafts that hit)."""
+    prompts = [list(p) for p in case(name, "batch")["prompts"]]
+    return [prompts[0], prompts[0] + prompts[0], prompts[-1] + prompts[-1][:3] + prompts[-1]]
+
+
+@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND))
+def test_generate_with_prompt_lookup_equals_plain_greedy(name, workdir):
+    prompts = _prompts(name)
+    options = dict(max_new_tokens=NEW, token_logprobs=True)
+    plain = generation.compile(context(name, workdir, **options), len(prompts))
+    spec = generation.compile(
+        context(name, workdir, prompt_lookup_num_tokens=LOOKUP, max_matching_ngram_size=3,
+                **options),
+        len(prompts),
+    )  # fmt: skip
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    got = generation.generate(spec, prompts, [0] * len(prompts))
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose([p for _, p in a], [p for _, p in b], rtol=1e-4, atol=1e-4)
+    rows = [(p, NEW, 0) for p in prompts]
+    _, stats = speculative.run(spec, rows)
+    assert stats.accepted > 0 and stats.drafted >= stats.accepted  # drafts were kept
+    assert stats.steps + stats.accepted == stats.tokens
+
+
+@pytest.mark.parametrize("name", _tiered(["llama-genai-fp32", "qwen2-optimum"]))
+def test_processors_apply_at_every_verified_position(name, workdir):
+    prompts = _prompts(name)
+    options = dict(max_new_tokens=NEW, repetition_penalty=1.2, no_repeat_ngram_size=4,
+                   min_new_tokens=6, sequence_bias=[[[prompts[1][-1]], 2.0]])  # fmt: skip
+    plain = generation.compile(context(name, workdir, **options), len(prompts))
+    spec = generation.compile(
+        context(name, workdir, prompt_lookup_num_tokens=6, max_matching_ngram_size=1, **options),
+        len(prompts),
+    )
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    assert generation.generate(spec, prompts, [0] * len(prompts)) == want
+    _, stats = speculative.run(spec, [(p, NEW, 0) for p in prompts])
+    assert stats.drafted > 0
+
+
+# -- the slots: cuts inside accepted runs -------------------------------------------------------
+
+_ENGINES: dict = {}
+
+
+def _engine(name, workdir, **options):
+    key = (name, tuple(sorted(options.items())))
+    if key not in _ENGINES:
+        spec = context(name, workdir, max_new_tokens=NEW, **options)
+        _ENGINES[key] = generation.compile(spec, 3, capacity=128, top_logprobs=2)
+    return _ENGINES[key]
+
+
+def _solo(eng, request, steps=3):
+    state = eng.init_state()
+    prefix = eng.prefill(request)
+    state = eng.insert(prefix, state, 1)
+    tokens = [prefix.first] if prefix.first is not None else []
+    while state.live_slots:
+        state, more = eng.generate(state, steps)
+        tokens += more
+    return [(t.token, t.eos, t.done, t.finish_reason) for t in tokens], tokens, state
+
+
+def _lookup(request, k=LOOKUP, n=2):
+    return Request(**{**request.__dict__, "prompt_lookup_num_tokens": k,
+                      "max_matching_ngram_size": n})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", _tiered(IN_PLACE[:3] + APPEND[:3]))
+def test_every_cut_inside_accepted_runs_equals_plain(name, workdir):
+    eng = _engine(name, workdir)
+    prompt = _prompts(name)[1]
+    plain, _, _ = _solo(eng, Request(prompt, max_new_tokens=NEW))
+    ran, _, state = _solo(eng, _lookup(Request(prompt, max_new_tokens=NEW)))
+    assert ran == plain
+    assert speculative.stats(state, 1).accepted > 0
+    tokens = [t for t, *_ in plain]
+    for m in range(1, NEW + 1):  # max_new_tokens reached at every position
+        request = Request(prompt, max_new_tokens=m)
+        assert _solo(eng, _lookup(request))[0] == _solo(eng, request)[0], m
+    for e, token in enumerate(tokens):  # an eos id at every position where it first occurs
+        if token in tokens[:e]:
+            continue
+        request = Request(prompt, max_new_tokens=NEW, eos_token_id=(token,))
+        got = _solo(eng, _lookup(request))[0]
+        assert got == _solo(eng, request)[0] and got[-1] == (token, True, True, "stop"), e
+
+
+def test_drafts_hit_at_the_first_step_and_k_adapts(workdir):
+    name = "llama-optimum"
+    eng = _engine(name, workdir)
+    # a prompt that ends inside a greedy run, where its last token and the first new one occur
+    # before, first followed by the next greedy token: the first step's draft hits
+    for prompt in [list(p) for p in case(name, "batch")["prompts"]] + _prompts(name):
+        row = prompt + [t for t, *_ in _solo(eng, Request(prompt, max_new_tokens=NEW))[0]]
+        cuts = [j for j in range(len(prompt) + 1, len(row) - 2) if _hit(row, j)]
+        if cuts:
+            cut = cuts[0]
+            break
+    request = _lookup(Request(row[:cut], max_new_tokens=NEW), k=8)
+    state = eng.init_state()
+    state = eng.insert(eng.prefill(request), state, 0)
+    state, got = eng.generate(state, 1)
+    first = speculative.stats(state, 0)
+    assert first.steps == 1 and first.accepted > 0 and len(got) == first.accepted + 1
+    assert [t.token for t in got] == row[cut + 1 : cut + 1 + len(got)]
+    k = np.asarray(state.rows.drafts.k)[0]
+    assert (k == 8) == (first.accepted == first.drafted)  # all kept: k grew (capped at 8)
+
+
+def _hit(row, j):
+    """Whether the first earlier match of row[j - 1 : j + 1] drafts row[j + 1] (prompt lookup)."""
+    first = next((i for i in range(j - 1) if row[i : i + 2] == row[j - 1 : j + 1]), None)
+    return first is not None and row[first + 2] == row[j + 1]
+
+
+def test_stop_strings_inside_accepted_runs_equal_plain(workdir):
+    from transmuter_jax.generation.context import folder_texts
+
+    name = "llama-optimum"
+    texts = folder_texts(FIXTURES / name)
+    spec = generation.context(FIXTURES / name, context(name, workdir).model,
+                              max_new_tokens=NEW, tokenizer=_Texts(texts))  # fmt: skip
+    eng = generation.compile(spec, 2, capacity=128)
+    prompt = _prompts(name)[1]
+    plain, _, _ = _solo(eng, Request(prompt, max_new_tokens=NEW))
+    tokens = [t for t, *_ in plain]
+    tried = 0
+    for e in range(1, len(tokens)):
+        stop = (texts[tokens[e - 1]] or "") + (texts[tokens[e]] or "")
+        if not stop.strip():
+            continue
+        request = Request(prompt, max_new_tokens=NEW, stop_strings=(stop,))
+        want = _solo(eng, request)[0]
+        assert _solo(eng, _lookup(request))[0] == want, e
+        tried += want[-1][3] == "stop"
+    assert tried
+
+
+class _Texts:
+    def __init__(self, texts):
+        self.token_texts = texts
+
+
+@pytest.mark.parametrize("name", _tiered(["llama-optimum", "llama-genai-fp32"]))
+def test_speculating_and_plain_slots_share_a_batch(name, workdir):
+    eng = _engine(name, workdir)
+    prompts = _prompts(name)
+    sampled = dict(do_sample=True, temperature=0.8, top_k=20, seed=5, logprobs=True)
+    requests = [
+        _lookup(Request(prompts[1], max_new_tokens=NEW, logprobs=True, top_logprobs=2)),
+        Request(prompts[2], max_new_tokens=NEW - 3, repetition_penalty=1.3),
+        _lookup(Request(prompts[2], max_new_tokens=NEW, **sampled), k=6, n=1),
+    ]
+    alone = []
+    for r in requests:  # the plain run of each request, alone
+        plain = Request(**{**r.__dict__, "prompt_lookup_num_tokens": 0})
+        alone.append(_solo(eng, plain)[1])
+    state = eng.init_state()
+    got: dict = {}
+    for slot, r in enumerate(requests):
+        prefix = eng.prefill(r)
+        got[slot] = [prefix.first]
+        state = eng.insert(prefix, state, slot)
+    while state.live_slots:
+        state, tokens = eng.generate(state, 2)
+        for t in tokens:
+            got[t.slot].append(t)
+    for slot, want in enumerate(alone):
+        assert [t.token for t in got[slot]] == [t.token for t in want], slot
+        assert [t.finish_reason for t in got[slot]] == [t.finish_reason for t in want]
+        np.testing.assert_allclose(
+            [t.logprob for t in got[slot]], [t.logprob for t in want], rtol=1e-4, atol=1e-4
+        )
+    assert speculative.stats(state, 0).drafted > 0 and speculative.stats(state, 1).drafted == 0
+
+
+def test_sampling_with_prompt_lookup_is_reproducible_and_plain_sampling(workdir):
+    name = "llama-genai-fp32"
+    eng = _engine(name, workdir)
+    prompt = _prompts(name)[1]
+    for seed in (1, 2, 3):
+        request = Request(prompt, max_new_tokens=NEW, do_sample=True, temperature=1.3, seed=seed)
+        want = _solo(eng, request)[0]
+        assert _solo(eng, _lookup(request, k=5, n=1))[0] == want
+        assert _solo(eng, _lookup(request, k=5, n=1), steps=1)[0] == want
+
+
+def test_bad_options_and_grow_caches_are_refused(workdir):
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be in"):
+        generation.Options(prompt_lookup_num_tokens=-1)
+    with pytest.raises(ValueError, match="max_matching_ngram_size must be in"):
+        generation.Options(prompt_lookup_num_tokens=3, max_matching_ngram_size=0)
+    with pytest.raises(ValueError, match="does not run with beam search"):
+        generation.Options(prompt_lookup_num_tokens=3, num_beams=2)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an integer"):
+        generation.Options(prompt_lookup_num_tokens=2.5)
+    eng = _engine("llama-optimum", workdir)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens and num_assistant_tokens"):
+        eng.prefill(Request([1, 2], prompt_lookup_num_tokens=-2))
+    for name in GROW[:1]:
+        spec = generation.compile(context(name, workdir, prompt_lookup_num_tokens=3), 1)
+        with pytest.raises(ValueError, match="needs a cache whose rejected rows a mask hides"):
+            generation.generate(spec, [[1, 2, 3]], [0])
+
+
+# -- an assistant model -------------------------------------------------------------------------
+
+
+def test_an_assistant_model_drafts_and_greedy_and_sampling_equal_plain(workdir):
+    name, helper = "llama-optimum", "llama-genai-int4"  # one tokenizer, other weights
+    prompts = _prompts(name)
+    plain = generation.compile(context(name, workdir, max_new_tokens=NEW), len(prompts))
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    spec = context(name, workdir, max_new_tokens=NEW, num_assistant_tokens=4,
+                   num_assistant_tokens_schedule="heuristic",
+                   assistant=context(helper, workdir))  # fmt: skip
+    eng = generation.compile(spec, len(prompts), capacity=128)
+    assert generation.generate(eng, prompts, [0] * len(prompts)) == want
+    _, stats = speculative.run(eng, [(p, NEW, 0) for p in prompts])
+    assert stats.accepted > 0 and stats.steps < stats.tokens
+    # sampled: plain sampling's tokens for the seed, beside a slot that does not speculate
+    sampled = Request(prompts[1], max_new_tokens=NEW, do_sample=True, temperature=1.2, seed=4)
+    alone = _solo(eng, Request(**{**sampled.__dict__, "num_assistant_tokens": 0}))[0]
+    state = eng.init_state()
+    state = eng.insert(eng.prefill(sampled), state, 0)
+    state = eng.insert(eng.prefill(Request(prompts[0], num_assistant_tokens=0)), state, 2)
+    got = []
+    while state.live_slots:
+        state, tokens = eng.generate(state, 2)
+        got += [(t.token, t.eos, t.done, t.finish_reason) for t in tokens if t.slot == 0]
+    assert alone[1:] == got
+    assert speculative.stats(state, 0).drafted > 0 and speculative.stats(state, 2).drafted == 0
+
+
+def _other_tokenizer(folder, into):
+    """A copy of ``folder``'s json files whose tokenizer swaps the ids of two tokens."""
+    import json
+    import shutil
+
+    into.mkdir(exist_ok=True)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, into / name)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (into / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return into
+
+
+def test_an_assistant_of_another_vocabulary_is_refused(workdir):
+    from generation_cases import decoder
+
+    other = _other_tokenizer(FIXTURES / "gpt2-optimum", workdir / "other-tokenizer")
+    helper = generation.context(other, decoder("gpt2-optimum"))
+    with pytest.raises(ValueError, match="a draft model must share the target's tokenizer"):
+        context("llama-optimum", workdir, assistant=helper)
+    with pytest.raises(ValueError, match="not with beam search"):
+        context("llama-optimum", workdir, num_beams=2,
+                assistant=context("llama-genai-int4", workdir))  # fmt: skip
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule must be one of"):
+        generation.Options(num_assistant_tokens_schedule="fast")
+
+
+def test_the_pipeline_takes_prompt_lookup_and_an_assistant_model():
+    from transmuter_jax import text
+
+    pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=12)
+    prompt = "hello hello world hello world"
+    want = pipe(prompt, chat=False)
+    assert pipe(prompt, chat=False, prompt_lookup_num_tokens=3) == want
+    helped = text.generation(FIXTURES / "llama-optimum", max_new_tokens=12,
+                             assistant_model=FIXTURES / "llama-genai-int4")  # fmt: skip
+    assert helped(prompt, chat=False, num_assistant_tokens=3) == want
+
+
+def test_the_server_fields_switch_prompt_lookup_on():
+    from types import SimpleNamespace
+
+    from transmuter_jax.serving import app, protocol
+
+    served = SimpleNamespace(max_model_len=100, pipe=None, generation_config=False,
+                             vocab_size=512, decode_steps=0)  # fmt: skip
+    for field in ("prompt_lookup_num_tokens", "num_speculative_tokens"):
+        body = protocol.CompletionRequest(model="m", prompt="x", temperature=0, **{field: 4})
+        options = dict(app._submission(served, body, [1, 2, 3], 5, None, "prompt").options)
+        assert options["prompt_lookup_num_tokens"] == 4
+    body = protocol.CompletionRequest(model="m", prompt="x", n=2, prompt_lookup_num_tokens=4)
+    with pytest.raises(protocol.ApiError, match="speculative decoding takes n=1"):
+        app._submission(served, body, [1, 2, 3], 5, None, "prompt")
+    with pytest.raises(ValueError):
+        protocol.CompletionRequest(model="m", prompt="x", prompt_lookup_num_tokens=0)

@@ -1,0 +1,111 @@
+"""Prompt lookup's drafts: the per-slot state of speculative decoding and the n-gram proposer.
+
+A slot that speculates drafts up to ``lookup`` tokens each step by finding its last n tokens
+(n from ``ngram`` down to 1) earlier in its own tokens (prompt and new ones) and copying what
+followed them, as transformers' ``PromptLookupCandidateGenerator`` does (its first match). The
+search runs on the device, traced inside the decode loop (see :mod:`.speculative`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..runtime.stored import storable
+
+
+@storable
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Drafts:
+    """Each slot's speculation, on the device ([B] int32).
+
+    lookup: the most drafted tokens (prompt_lookup_num_tokens or num_assistant_tokens; 0: the
+    slot does not speculate). ngram: the longest n-gram matched (max_matching_ngram_size).
+    model: [B] bool the assistant model drafts (else prompt lookup). adaptive: [B] bool k
+    follows the heuristic schedule. k: the drafted tokens of the next step (1 to lookup).
+    drafted, accepted: tokens drafted and accepted so far. steps: verification steps so far.
+    cache: the assistant model's cache by input name (empty without one), its valid rows the
+    slot's (the same tokens as the target's).
+    """
+
+    lookup: jax.Array
+    ngram: jax.Array
+    k: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    steps: jax.Array
+    model: jax.Array
+    adaptive: jax.Array
+    cache: dict[str, jax.Array]
+
+
+def empty(
+    batch: int,
+    lookup: int = 0,
+    ngram: int = 0,
+    model: bool = False,
+    adaptive: bool = True,
+    cache: dict[str, jax.Array] | None = None,
+) -> Drafts:
+    """Drafts of ``batch`` slots that draft up to ``lookup`` tokens (from ``ngram``-grams, or
+    with the assistant model whose cache is ``cache``)."""
+    full = lambda v: jnp.full((batch,), v, jnp.int32)  # noqa: E731
+    flag = lambda v: jnp.full((batch,), v, bool)  # noqa: E731
+    return Drafts(full(lookup), full(ngram), full(lookup), full(0), full(0), full(0),
+                  flag(model), flag(adaptive), dict(cache or {}))  # fmt: skip
+
+
+def propose(history, length, drafts: Drafts, limit, width: int, longest: int):
+    """Each slot's drafted tokens (traced).
+
+    Args:
+        history: [B, H] int32 each slot's tokens (prompt, then new ones), -1 after them.
+        length: [B] int32 the slot's tokens (its last one is the next input).
+        drafts: the slots' :class:`Drafts`.
+        limit: [B] int32 the most tokens each slot may draft now.
+        width: the drafted tokens' columns (static).
+        longest: the longest n-gram of any slot (static).
+
+    Returns:
+        (tokens [B, width] int32, count [B] int32: the first ``count`` of a slot's tokens are
+        drafts, the rest padding)
+    """
+    batch, columns = history.shape
+    index = jnp.arange(columns)[None, :]
+    start = jnp.zeros(batch, jnp.int32)
+    have = jnp.zeros(batch, bool)
+    for n in range(longest, 0, -1):  # the longest n-gram that occurs earlier wins
+        match = (index + n < length[:, None]) & (n <= drafts.ngram)[:, None]
+        for i in range(n):  # window [p, p + n) equals the last n tokens
+            last = jnp.take_along_axis(history, jnp.maximum(length - n + i, 0)[:, None], axis=1)
+            shifted = jnp.pad(history, ((0, 0), (0, i)), constant_values=-1)[:, i:]
+            match = match & (shifted == last)
+        found = jnp.any(match, axis=1) & (length > n)
+        first = jnp.argmax(match, axis=1).astype(jnp.int32)  # transformers takes the first
+        start = jnp.where(found & ~have, first + n, start)
+        have = have | found
+    at = start[:, None] + jnp.arange(width)[None, :]
+    tokens = jnp.take_along_axis(history, jnp.minimum(at, columns - 1), axis=1)
+    k = jnp.minimum(jnp.minimum(drafts.k, drafts.lookup), limit)
+    valid = have[:, None] & (at < length[:, None]) & (jnp.arange(width)[None, :] < k[:, None])
+    count = jnp.sum(valid, axis=1).astype(jnp.int32)  # valid columns are a prefix
+    return jnp.where(valid, tokens, 0), count
+
+
+def adapted(drafts: Drafts, count, accepted, live) -> Drafts:
+    """The drafts after a verification: the counters, and each slot's next k by transformers'
+    heuristic schedule (all drafts accepted: k + 2, at most lookup; else k - 1, at least 1)."""
+    tried = live & (count > 0)
+    grown = jnp.minimum(drafts.k + 2, drafts.lookup)
+    shrunk = jnp.maximum(drafts.k - 1, 1)
+    k = jnp.where(tried & drafts.adaptive, jnp.where(accepted == count, grown, shrunk), drafts.k)
+    return dataclasses.replace(
+        drafts,
+        k=k.astype(jnp.int32),
+        drafted=drafts.drafted + jnp.where(live, count, 0),
+        accepted=drafts.accepted + jnp.where(live, accepted, 0),
+        steps=drafts.steps + live.astype(jnp.int32),
+    )

@@ -1,0 +1,478 @@
+"""Speculative decoding on the slots' step: draft, verify and accept inside one compiled loop.
+
+Each step of a speculating slot drafts up to K tokens by prompt lookup (:mod:`.drafts`, on the
+device), runs the target over its last token and the drafts as ONE step of length K + 1, and
+selects a token at every position with the slot's own processors and warpers (the history of
+position j holds the first j drafts, as transformers' ``_assisted_decoding``). It keeps the
+longest prefix of drafts equal to the selected tokens, plus the selected token after them.
+
+Greedy, every kept token is the target's argmax: the tokens are plain greedy decoding's. Sampled,
+position j draws with the key of new token ``count + j``, as plain sampling does; a draft is kept
+when the draw equals it, which is the speculative rule min(1, p/q) for a point-mass draft (with
+the residual draw on rejection), so the tokens are plain sampling's for the same seed.
+
+The cache is written for all K + 1 tokens; the slot's length advances by the kept ones, and the
+mask hides the rejected rows until they are overwritten. This needs a cache whose rows a mask
+hides (in_place, append): the slots' modes. A step runs at one of a few lengths (1, 2, 4, K + 1),
+the shortest that holds every slot's drafts, so a step without drafts costs one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..runtime.jit import jit_options
+from . import drafts as drafting
+from . import slots
+from .cache import PREFILL_CAP, bucket
+from .decode import end_of_row
+from .errors import GenerationError
+from .processors import Rows, static_masks
+from .programs import program
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """What speculation did in a call.
+
+    Attributes:
+        tokens: new tokens of the steps after the prompts (eos ids included).
+        steps: steps of the target after the prompts (each gives one token or more).
+        drafted: drafted tokens verified.
+        accepted: drafted tokens kept.
+    """
+
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def steps_saved(self) -> int:
+        """Target steps plain decoding would have run in addition (accepted drafts)."""
+        return self.accepted
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted over drafted tokens (NaN when none was drafted)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+def lengths_of(width: int) -> tuple[int, ...]:
+    """The step lengths of a chunk whose slots draft at most ``width`` tokens."""
+    return tuple(sorted({n for n in (1, 2, 4) if n <= width} | {width + 1}))
+
+
+def speculating(engine: Engine, state: slots.SlotState) -> tuple[int, int]:
+    """(the most drafted tokens, the longest n-gram) of the live slots of ``state``."""
+    width = longest = 0
+    for s in state.live_slots:
+        r = slots._resolved(engine, state.hosts[s].request)
+        if r["lookup"]:
+            width, longest = max(width, r["lookup"]), max(longest, r["ngram"])
+    return width, longest
+
+
+# -- the device program -------------------------------------------------------------------------
+
+
+def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: int):
+    """The pure ``verify(params, rows, tokens [B, width], count [B]) -> (rows, StepOut [B, W],
+    accepted [B])`` of steps of ``length`` tokens (W = width + 1)."""
+    spec, mode = engine.spec, engine.cache_mode
+    step = engine.compiled.steps.function(True, None)
+    masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+    names = {i.name for i in engine.model.inputs}
+    axes, pad = slots._axes(engine), slots._pad_token(engine)
+    drafted = length - 1
+
+    def verify(params, rows: slots.Rows_, tokens, count):
+        batch, columns = rows.history.shape
+        live = ~rows.done
+        count = jnp.where(live, jnp.minimum(count, drafted), 0)
+        drafts = tokens[:, :drafted]  # [B, L - 1]
+        fed = jnp.concatenate([rows.token[:, None], drafts], axis=1)  # [B, L]
+        feed = {"tokens": jnp.where(live[:, None], fed, pad).astype(jnp.int32)}
+        if "attention_mask" in names:
+            feed["attention_mask"] = mode.mask(rows.lengths, length, capacity, xp=jnp)
+        if axes:
+            positions = (rows.lengths[:, None] + jnp.arange(length)[None, :]).astype(jnp.int32)
+            feed["position_ids"] = (
+                jnp.broadcast_to(positions, (3, batch, length)) if axes == 3 else positions
+            )
+        last = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
+        logits, cache = step(params, {}, rows.cache, feed, rows.lengths, last)  # logits [B, L, V]
+        # position j selects after the slot's tokens and the first j drafts
+        have = rows.prompt + rows.count  # [B]
+        at = have[:, None] + jnp.arange(drafted)[None, :]
+        full = rows.history.at[jnp.arange(batch)[:, None], at].set(drafts, mode="drop")
+        seen = have[:, None] + jnp.arange(length)[None, :]  # [B, L] tokens each position sees
+        visible = jnp.arange(columns)[None, None, :] < seen[..., None]  # [B, L, H]
+        history = jnp.where(visible, full[:, None, :], -1).reshape(batch * length, columns)
+        each = dataclasses.replace(rows, cache={}, history=rows.history[:, :0])
+        each = jax.tree.map(lambda a: jnp.repeat(a, length, axis=0), each)
+        steps = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
+        each = dataclasses.replace(each, history=history, count=each.count + steps)
+        views = Rows(history, each.prompt, each.prompt + each.count, each.prompt + each.max_new)
+        scores = logits.reshape(batch * length, logits.shape[-1])
+        chosen, logprob, top_ids, top_values = slots._choose(spec, masks, k, scores, each, views)
+        chosen = chosen.reshape(batch, length)
+        agree = (drafts == chosen[:, :drafted]) & (jnp.arange(drafted)[None, :] < count[:, None])
+        accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # [B]
+        # keep positions 0..accepted in order: eos or max_new_tokens may end the slot first
+        history, token, counted, ended = rows.history, rows.token, rows.count, rows.done
+        alive, out_token, out_done, out_ends = live, [], [], []
+        for j in range(length):
+            take = alive & (j <= accepted)
+            ends, kept, after, done = end_of_row(
+                chosen[:, j], take, rows.eos, counted, rows.max_new
+            )
+            where = jnp.where(kept, rows.prompt + counted, columns)
+            history = history.at[jnp.arange(batch), where].set(chosen[:, j], mode="drop")
+            token = jnp.where(kept, chosen[:, j], token)
+            counted, ended, alive = after, ended | done, alive & ~done
+            out_token.append(jnp.where(take, chosen[:, j], -1))
+            out_done.append(ended | ~live)
+            out_ends.append(ends)
+        lengths = mode.advance(rows.lengths, jnp.where(live, accepted + 1, 0), length)
+        pad_to = (
+            lambda a, fill: jnp.concatenate(  # noqa: E731
+                [a, jnp.full((batch, width + 1 - length) + a.shape[2:], fill, a.dtype)], axis=1
+            )
+        )
+        out = slots.StepOut(
+            pad_to(jnp.stack(out_token, axis=1), -1),
+            pad_to(logprob.reshape(batch, length), 0.0),
+            pad_to(top_ids.reshape(batch, length, k), 0),
+            pad_to(top_values.reshape(batch, length, k), 0.0),
+            pad_to(jnp.stack(out_done, axis=1), True),
+            pad_to(jnp.stack(out_ends, axis=1), False),
+        )
+        rows = dataclasses.replace(
+            rows,
+            token=token,
+            lengths=lengths.astype(jnp.int32),
+            history=history,
+            count=counted,
+            done=ended,
+            cache=cache,
+            drafts=drafting.adapted(rows.drafts, count, accepted, live),
+        )
+        return rows, out, jnp.where(live, count, 0)
+
+    return verify
+
+
+def _draft_function(engine: Engine, capacity: int, width: int):
+    """The pure ``draft(params, rows, feeds) -> (tokens [B, width], cache)``: the assistant
+    model's greedy tokens after each slot's last token, ``feeds`` steps of one token into its
+    cache from the slot's length (so that the cache holds the tokens the target verifies)."""
+    assistant = engine.assistant
+    step = assistant.compiled.steps.function(True, None)
+    mode = assistant.cache_mode
+    names = {i.name for i in assistant.model.inputs}
+    axes, pad = slots._axes(assistant), slots._pad_token(assistant)
+
+    def draft(params, rows: slots.Rows_, feeds):
+        batch = rows.token.shape[0]
+        live = ~rows.done & rows.drafts.model
+
+        def body(carry):
+            i, token, cache, tokens = carry
+            at = (rows.lengths + i).astype(jnp.int32)
+            feed = {"tokens": jnp.where(live, token, pad)[:, None].astype(jnp.int32)}
+            if "attention_mask" in names:
+                feed["attention_mask"] = mode.mask(at, 1, capacity, xp=jnp)
+            if axes:
+                feed["position_ids"] = (
+                    jnp.broadcast_to(at[:, None], (3, batch, 1)) if axes == 3 else at[:, None]
+                )
+            logits, cache = step(params, {}, cache, feed, at, jnp.zeros(batch, jnp.int32))
+            chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tokens = tokens.at[:, i].set(chosen, mode="drop")  # the last feed's token: dropped
+            return i + 1, chosen, cache, tokens
+
+        start = (jnp.int32(0), rows.token, rows.drafts.cache, jnp.zeros((batch, width), jnp.int32))
+        _, _, cache, tokens = jax.lax.while_loop(lambda c: c[0] < feeds, body, start)
+        return tokens, cache
+
+    return draft
+
+
+def _assistant_key(engine: Engine) -> tuple | None:
+    helper = engine.assistant
+    return None if helper is None else helper.compiled.steps.key("slots", True, None)
+
+
+def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest: int):
+    """The jitted ``(params, assistant params, rows, limit) -> (rows, StepOut [size, B,
+    width + 1], drafted [size, B])``: up to ``limit`` speculative steps in a
+    ``lax.while_loop``, the cache donated."""
+    lengths = lengths_of(width)
+    key = (
+        "slots-speculative",
+        engine.compiled.steps.key("slots", True, None),
+        engine.spec.options.program_key,
+        engine.spec.processors,
+        capacity,
+        k,
+        size,
+        width,
+        longest,
+        engine.compiled.steps.local(),
+        _assistant_key(engine),
+    )
+
+    def make():
+        branches = [_verify_function(engine, capacity, k, n, width) for n in lengths]
+        sizes = jnp.asarray(lengths, jnp.int32)
+        draft = None if engine.assistant is None else _draft_function(engine, capacity, width)
+
+        def run(params, helper, rows: slots.Rows_, limit):
+            batch, w = rows.token.shape[0], width + 1
+            out = slots.StepOut(
+                jnp.full((size, batch, w), -1, jnp.int32),
+                jnp.zeros((size, batch, w)),
+                jnp.zeros((size, batch, w, k), jnp.int32),
+                jnp.zeros((size, batch, w, k)),
+                jnp.ones((size, batch, w), bool),
+                jnp.zeros((size, batch, w), bool),
+            )
+            drafted = jnp.zeros((size, batch), jnp.int32)
+
+            def more(carry):
+                i, r, _, _ = carry
+                return (i < limit) & ~jnp.all(r.done)
+
+            def body(carry):
+                i, r, out, drafted = carry
+                live = ~r.done
+                room = capacity - r.lengths  # the most tokens a step may write
+                most = jnp.minimum(r.max_new - r.count - 1, room - 1)
+                most = jnp.where(live & (r.drafts.lookup > 0), jnp.maximum(most, 0), 0)
+                have = r.prompt + r.count
+                tokens, count = drafting.propose(r.history, have, r.drafts, most, width, longest)
+                if draft is not None:  # the assistant model's slots
+                    model = live & r.drafts.model
+                    wanted = jnp.minimum(jnp.minimum(r.drafts.k, r.drafts.lookup), most)
+                    wanted = jnp.where(model, wanted, 0)
+                    feeds = jnp.where(jnp.any(model), jnp.max(wanted) + 1, 0)
+                    drafted_by, cache = draft(helper, r, feeds)
+                    r = dataclasses.replace(r, drafts=dataclasses.replace(r.drafts, cache=cache))
+                    tokens = jnp.where(model[:, None], drafted_by, tokens)
+                    count = jnp.where(model, wanted, count)
+                want = jnp.max(count) + 1
+                fits = jnp.min(jnp.where(live, room, capacity))
+                shortest = jnp.sum(sizes < want)  # the shortest length that holds every draft
+                longest_fit = jnp.sum(sizes <= fits) - 1
+                index = jnp.clip(jnp.minimum(shortest, longest_fit), 0, len(lengths) - 1)
+                r, o, d = jax.lax.switch(index, branches, params, r, tokens, count)
+                out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
+                return i + 1, r, out, drafted.at[i].set(d)
+
+            start = (jnp.int32(0), rows, out, drafted)
+            _, rows, out, drafted = jax.lax.while_loop(more, body, start)
+            return rows, out, drafted
+
+        return jax.jit(run, donate_argnums=(2,), **jit_options(dict(engine.jit_options)))
+
+    return program(key, make, engine.compiled.steps.held)
+
+
+# -- the slots' verb ----------------------------------------------------------------------------
+
+
+def generate(
+    engine: Engine, state: slots.SlotState, steps: int
+) -> tuple[slots.SlotState, list[slots.Token]]:
+    """:func:`.slots.generate` where some live slot speculates: up to ``steps`` steps, each of
+    which gives a slot one token or more. The tokens come in order (slot order within a step's
+    position)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise GenerationError(f"steps must be a positive integer, got {steps!r}")
+    width, longest = speculating(engine, state)
+    if not width or state.live_table is not None:
+        # no slot speculates, or a live slot is constrained (the verify step reads no constraint
+        # table): plain steps, which give a speculating slot the same tokens, one at a time
+        return slots.generate(engine, state, steps)
+    live = state.live_slots
+    size = 1 << (steps - 1).bit_length()
+    run = _chunk(engine, state.capacity, state.top_logprobs, size, width, longest)
+    helper = {} if engine.assistant is None else engine.assistant.model.params
+    rows, out, _ = run(engine.model.params, helper, state.rows, np.int32(steps))
+    out = jax.device_get(out)
+    out = jax.tree.map(_positions_in_order, out)
+    hosts, tokens, ended = list(state.hosts), [], []
+    for i in range(out.token.shape[0]):
+        taking = [s for s in live if out.token[i, s] >= 0 and not hosts[s].done]
+        for s in taking:
+            token, host = slots._tokens(out, hosts[s].request, [s], i, True)[0], hosts[s]
+            if host.stops is not None and not token.eos:
+                tail = (host.tail + (token.token,))[-host.stops.window :]
+                if host.stops.hit(list(tail)) and not token.done:
+                    token = dataclasses.replace(token, done=True, finish_reason="stop")
+                    ended.append(s)
+                host = dataclasses.replace(host, tail=tail)
+            hosts[s] = dataclasses.replace(host, done=token.done)
+            tokens.append(token)
+    if ended:
+        rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(ended)].set(True))
+    return dataclasses.replace(state, rows=rows, hosts=tuple(hosts)), tokens
+
+
+def _positions_in_order(a: np.ndarray) -> np.ndarray:
+    """[size, B, W, ...] -> [size * W, B, ...]: the positions of a step one after another."""
+    return np.swapaxes(a, 1, 2).reshape((a.shape[0] * a.shape[2], a.shape[1]) + a.shape[3:])
+
+
+def stats(state: slots.SlotState, slot: int) -> Stats:
+    """What speculation did for the request in ``slot`` so far: its new tokens after the first,
+    the target's steps, the drafted and the accepted tokens."""
+    d, count = jax.device_get((state.rows.drafts, state.rows.count))
+    tokens = max(int(count[slot]) - 1, 0)
+    return Stats(tokens, int(d.steps[slot]), int(d.drafted[slot]), int(d.accepted[slot]))
+
+
+# -- generate() ---------------------------------------------------------------------------------
+
+
+def check(engine: Engine, inputs: dict[str, Any]) -> None:
+    """Raises GenerationError when ``engine`` cannot decode speculatively, saying why."""
+    refusal = engine.cache_mode.slot_refusal()
+    if refusal:
+        raise GenerationError(
+            f"prompt_lookup_num_tokens (speculative decoding) needs a cache whose rejected rows "
+            f"a mask hides (in_place or append), and {engine.spec.model.path!r} has a grow "
+            f"cache: {refusal}. Generate without prompt_lookup_num_tokens"
+        )
+    try:
+        slots.check(engine)
+    except GenerationError as error:
+        raise GenerationError(
+            f"prompt_lookup_num_tokens (speculative decoding) runs on the slots' step, which "
+            f"refuses this: {error}. Generate without prompt_lookup_num_tokens"
+        ) from None
+    extra = sorted(set(inputs) - {"encoder_input_ids"})
+    if extra:
+        raise GenerationError(
+            f"prompt_lookup_num_tokens (speculative decoding) takes token prompts only, not {extra}"
+        )
+
+
+def run(
+    engine: Engine,
+    rows: Sequence[tuple[Sequence[int], int, int]],
+    on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
+) -> tuple[list[list[Any]], Stats]:
+    """generate() with speculation: each (prompt, max_new_tokens, seed) in a slot of its own.
+
+    Returns each row's new tokens (as :func:`.loop.generate` gives them: without the eos id,
+    with log-probabilities where the options ask) and the call's :class:`Stats`.
+    """
+    options = engine.options
+    need = [
+        max(bucket(len(p) + n), bucket(len(p)) if len(p) <= PREFILL_CAP else bucket(len(p) + 1))
+        for p, n, _ in rows
+        if p
+    ]
+    capacity = bucket(max([*need, 64]))
+    limit = engine.position_limit
+    if limit is not None:
+        capacity = min(capacity, bucket(limit))
+    # the top_logprobs the options ask for, no more: top k of every position costs
+    engine = dataclasses.replace(
+        engine, slot_capacity=capacity, slot_top_logprobs=options.top_logprobs
+    )
+    state = slots.init(engine)
+    n = len(rows)
+    kept: list[list[Any]] = [[] for _ in rows]
+    finished = np.array([not p or m == 0 for p, m, _ in rows])
+    first = np.full(n, -1, np.int32)
+    first_logprob = np.full(n, np.nan, np.float32)
+    first_top: list[tuple] = [()] * n
+    for i, (prompt, max_new, seed) in enumerate(rows):
+        if finished[i]:
+            continue
+        request = slots.Request(
+            tuple(prompt),
+            max_new_tokens=max_new,
+            seed=int(seed),
+            stop_strings=options.stop_strings or (),
+            logprobs=options.logprobs,
+            top_logprobs=options.top_logprobs,
+        )
+        prefix = slots.prefill(engine, request)
+        if prefix.first is not None:
+            t = prefix.first
+            first[i], first_logprob[i], first_top[i] = t.token, t.logprob, t.top
+            finished[i] = t.done
+            _keep(kept[i], t, options)
+        state = slots.insert(engine, prefix, state, i)
+    _emit(on_token, options, first, finished, first_logprob, first_top)
+    made = 0
+    while state.live_slots:
+        state, tokens = generate(engine, state, options.decode_steps)
+        _events(on_token, options, tokens, finished)
+        made += len(tokens)
+        for t in tokens:
+            _keep(kept[t.slot], t, options)
+    d = jax.device_get(state.rows.drafts)
+    used = [i for i, (p, m, _) in enumerate(rows) if p and m]
+    total = lambda a: int(np.sum(a[used])) if used else 0  # noqa: E731
+    return kept, Stats(made, total(d.steps), total(d.drafted), total(d.accepted))
+
+
+def _keep(into: list, token: slots.Token, options) -> None:
+    if token.eos:
+        return
+    if options.top_logprobs:
+        into.append((token.token, token.logprob, list(token.top)))
+    elif options.token_logprobs:
+        into.append((token.token, token.logprob))
+    else:
+        into.append(token.token)
+
+
+def _events(on_token, options, tokens: list[slots.Token], finished: np.ndarray) -> None:
+    """One on_token event per position: a slot's tokens in order, the others -1."""
+    if on_token is None or not tokens:
+        return
+    n = len(finished)
+    queues: dict[int, list[slots.Token]] = {}
+    for t in tokens:
+        queues.setdefault(t.slot, []).append(t)
+    for j in range(max(len(q) for q in queues.values())):
+        token = np.full(n, -1, np.int32)
+        logprob = np.full(n, np.nan, np.float32)
+        top: list[tuple] = [()] * n
+        for s, q in queues.items():
+            if j < len(q):
+                token[s], logprob[s], top[s] = q[j].token, q[j].logprob, q[j].top
+                finished[s] = q[j].done
+        _emit(on_token, options, token, finished, logprob, top)
+
+
+def _emit(on_token, options, token, finished, logprob, top) -> None:
+    if on_token is None or not np.any(token >= 0):
+        return
+    event = {"token": token.copy(), "finished": finished.copy()}
+    if options.logprobs:
+        event["logprob"] = np.where(token >= 0, logprob, np.nan).astype(np.float32)
+    if options.top_logprobs:
+        k = options.top_logprobs
+        ids = np.full((len(token), k), -1, np.int32)
+        values = np.full((len(token), k), np.nan, np.float32)
+        for i, pairs in enumerate(top):
+            for j, (a, b) in enumerate(pairs[:k]):
+                ids[i, j], values[i, j] = a, b
+        event["top_ids"], event["top_logprobs"] = ids, values
+    on_token(event)

@@ -1,0 +1,451 @@
+// MatMulNBits with 4-bit weights in blocks of 32 and int8 activations (accuracy_level 4), with
+// the float steps of onnxruntime's MLAS (its AVX512-VNNI CompInt8 kernel for blocks of 32), done
+// alike on every CPU and strictly per row of X.
+//
+// X per row and block b:  s_b = max|x| / 127,  q = round_half_even(x * (127 / max|x|)) (int8),
+//                         t_b = s_b * sum(q)
+// Per column (raw weight values v in 0..15, scales w_b, zero points z_b, 8 when absent):
+//   main: 16 float lanes. Each group of 4 blocks g = 4j .. 4j + 3 splits each block into the
+//         parts P0 = positions 0-3 and 8-11, P1 = 4-7 and 12-15, P2 = 16-19 and 24-27,
+//         P3 = 20-23 and 28-31; part p of block 4j + i goes to lane kLane[i][p] as
+//         lane = fma(float(sum(q * v) over the part), w_b * s_b, lane). Then 8 lanes
+//         a_i = lane_i + lane_{i + 8}; each block left over (fewer than 4) adds
+//         a_i = fma(float(sum(q * v) over positions 4i .. 4i + 3), s_b * w_b, a_i).
+//         main = (((a0 + a1) + a2) + a3) + (((a4 + a5) + a6) + a7), or for the last N % 4
+//         columns ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+//   zero points: c = fma(t_b, -(w_b * z_b), c) over the blocks in order, from 0.
+//   y = main + c.
+// The integer sums are exact, so any SIMD width gives the same lanes; the SIMD code (AVX-512
+// VNNI, AVX2 with or without VNNI) and the portable code do the same float steps and give the
+// same bits.
+//
+// Weights come either as stored (ONNX: byte j of a block holds values 2j and 2j + 1) or
+// prepacked at load (kernels.nbits_pack): per column, each whole group of 4 blocks as 64 bytes,
+// byte t holding value t of the group (low nibble) and value 64 + t (high nibble); each block
+// left over as 16 bytes, byte t holding values t and 16 + t. Unpacking that layout is a mask and
+// a shift per 64 bytes, giving the values in order.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define TJ_B32_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__)
+#define TJ_B32_512 1  // two blocks per 512-bit vpdpbusd
+#define TJ_B32_VNNI 1
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TJ_B32_VNNI 1
+#elif defined(__AVXVNNI__)
+#define TJ_B32_VNNI 1
+#define TJ_B32_AVXVNNI 1
+#endif
+#endif
+
+namespace tj {
+
+constexpr int64_t kB32 = 32;
+
+// X quantized per row and block of 32, positions in order, zero past K.
+struct B32Rows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;      // [rows, blocks, 32]
+  std::vector<float> scale;   // [rows, blocks]
+  std::vector<float> blksum;  // [rows, blocks]: scale * sum(q)
+};
+
+inline void b32_quantize(const float* x, int64_t m, int64_t k, B32Rows* out) {
+  const int64_t blocks = (k + kB32 - 1) / kB32;
+  out->blocks = blocks;
+  out->q.assign(static_cast<size_t>(m * blocks * kB32), 0);
+  out->scale.assign(static_cast<size_t>(m * blocks), 0.0f);
+  out->blksum.assign(static_cast<size_t>(m * blocks), 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + r * k + b * kB32;
+      const int64_t len = std::min(kB32, k - b * kB32);
+      float amax = 0.0f;
+      for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float s = amax / 127.0f;
+      const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* q = out->q.data() + (r * blocks + b) * kB32;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const float rounded = std::clamp(std::nearbyint(v[i] * inv), -128.0f, 127.0f);
+        q[i] = static_cast<int8_t>(rounded);
+        sum += q[i];
+      }
+      out->scale[r * blocks + b] = s;
+      out->blksum[r * blocks + b] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+// The values of one column in order (32 bytes per block), from the stored or the packed layout.
+inline void b32_values(const uint8_t* col, int64_t blocks, bool packed, uint8_t* w) {
+  const int64_t groups = packed ? blocks / 4 : 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = col + g * 64;
+    uint8_t* o = w + g * 128;
+    int64_t t = 0;
+#if defined(__SSE2__)
+    const __m128i low = _mm_set1_epi8(15);
+    for (; t < 64; t += 16) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + t), _mm_and_si128(v, low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 64 + t),
+                       _mm_and_si128(_mm_srli_epi16(v, 4), low));
+    }
+#endif
+    for (; t < 64; ++t) {
+      o[t] = p[t] & 15;
+      o[64 + t] = p[t] >> 4;
+    }
+  }
+  for (int64_t b = groups * 4; b < blocks; ++b) {
+    const uint8_t* p = col + b * 16;
+    uint8_t* o = w + b * kB32;
+#if defined(__SSE2__)
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    if (packed) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), lo);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), hi);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi8(lo, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm_unpackhi_epi8(lo, hi));
+    }
+#else
+    for (int t = 0; t < 16; ++t) {
+      if (packed) {
+        o[t] = p[t] & 15;
+        o[16 + t] = p[t] >> 4;
+      } else {
+        o[2 * t] = p[t] & 15;
+        o[2 * t + 1] = p[t] >> 4;
+      }
+    }
+#endif
+  }
+}
+
+// The lane of part p of block i of a group of 4.
+constexpr int kB32Lane[4][4] = {{0, 1, 4, 5}, {8, 9, 12, 13}, {2, 3, 6, 7}, {10, 11, 14, 15}};
+
+inline float b32_fold(const float* a, bool tail) {
+  if (tail) return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  return (((a[0] + a[1]) + a[2]) + a[3]) + (((a[4] + a[5]) + a[6]) + a[7]);
+}
+
+// main (above) of one row and one column: q [blocks, 32], scales sx [blocks], values w in order,
+// weight scales sw [blocks].
+inline float b32_main_portable(const int8_t* q, const float* sx, const uint8_t* w,
+                               const float* sw, int64_t blocks, bool tail) {
+  float lanes[16] = {};
+  const int64_t groups = blocks / 4;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < 4; ++i) {
+      const int64_t b = 4 * g + i;
+      int32_t four[8] = {};
+      for (int t = 0; t < 32; ++t) four[t / 4] += q[b * 32 + t] * w[b * 32 + t];
+      const int32_t part[4] = {four[0] + four[2], four[1] + four[3], four[4] + four[6],
+                               four[5] + four[7]};
+      const float s = sw[b] * sx[b];
+      for (int p = 0; p < 4; ++p) {
+        float& lane = lanes[kB32Lane[i][p]];
+        lane = std::fma(static_cast<float>(part[p]), s, lane);
+      }
+    }
+  }
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = lanes[i] + lanes[i + 8];
+  for (int64_t b = groups * 4; b < blocks; ++b) {
+    const float s = sx[b] * sw[b];
+    for (int i = 0; i < 8; ++i) {
+      int32_t d = 0;
+      for (int t = 0; t < 4; ++t) d += q[b * 32 + 4 * i + t] * w[b * 32 + 4 * i + t];
+      a[i] = std::fma(static_cast<float>(d), s, a[i]);
+    }
+  }
+  return b32_fold(a, tail);
+}
+
+#ifdef TJ_B32_AVX2
+// acc + per 4-byte lane the products of unsigned bytes w (0..15) and signed bytes q.
+inline __m256i b32_dot(__m256i acc, __m256i w, __m256i q) {
+#if defined(TJ_B32_AVXVNNI)
+  return _mm256_dpbusd_avx_epi32(acc, w, q);
+#elif defined(TJ_B32_VNNI)
+  return _mm256_dpbusd_epi32(acc, w, q);
+#else
+  // no saturation: 2 * 15 * 128 < 2^15
+  return _mm256_add_epi32(acc,
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i b32_load(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Where a column's weights come from: the packed layout, values in order (32 bytes a block), or
+// the stored layout (byte j of a block holding values 2j and 2j + 1).
+enum B32Source { kB32Packed, kB32Values, kB32Stored };
+
+// Values 0-15 and 16-31 of the stored block at p, in order.
+inline __m256i b32_stored_block(const uint8_t* p) {
+  const __m128i low = _mm_set1_epi8(15);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+  return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+}
+
+// The weights of group g (blocks 4g .. 4g + 3, in order) and of a block left over.
+template <B32Source Source>
+struct B32Weights {
+  const uint8_t* p;
+  inline void group(int64_t g, __m256i wb[4]) const {
+    if constexpr (Source == kB32Packed) {
+      const __m256i low = _mm256_set1_epi8(15);
+      const __m256i v0 = b32_load(p + g * 64), v1 = b32_load(p + g * 64 + 32);
+      wb[0] = _mm256_and_si256(v0, low);
+      wb[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+      wb[1] = _mm256_and_si256(v1, low);
+      wb[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+    } else if constexpr (Source == kB32Stored) {
+      for (int i = 0; i < 4; ++i) wb[i] = b32_stored_block(p + (4 * g + i) * 16);
+    } else {
+      for (int i = 0; i < 4; ++i) wb[i] = b32_load(p + (4 * g + i) * 32);
+    }
+  }
+  inline __m256i block(int64_t b) const {
+    if constexpr (Source == kB32Packed) {
+      const __m128i low = _mm_set1_epi8(15);
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * 16));
+      return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    } else if constexpr (Source == kB32Stored) {
+      return b32_stored_block(p + b * 16);
+    } else {
+      return b32_load(p + b * 32);
+    }
+  }
+#ifdef TJ_B32_512
+  inline void group512(int64_t g, __m512i* lo, __m512i* hi) const {
+    if constexpr (Source == kB32Packed) {
+      const __m512i low = _mm512_set1_epi8(15);
+      const __m512i v = _mm512_loadu_si512(p + g * 64);
+      *lo = _mm512_and_si512(v, low);
+      *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    } else if constexpr (Source == kB32Stored) {
+      const uint8_t* q = p + g * 64;
+      *lo = _mm512_inserti64x4(_mm512_castsi256_si512(b32_stored_block(q)),
+                               b32_stored_block(q + 16), 1);
+      *hi = _mm512_inserti64x4(_mm512_castsi256_si512(b32_stored_block(q + 32)),
+                               b32_stored_block(q + 48), 1);
+    } else {
+      *lo = _mm512_loadu_si512(p + g * 128);
+      *hi = _mm512_loadu_si512(p + g * 128 + 64);
+    }
+  }
+#endif
+};
+
+// main (above) for R rows from r0 and one column; y[r * ldy] = main.
+template <int R, B32Source Source>
+inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const float* sw,
+                     bool tail, float* y, int64_t ldy) {
+  const int64_t blocks = xs.blocks, groups = blocks / 4;
+  const int8_t* q0 = xs.q.data() + r0 * blocks * kB32;
+  const float* sx0 = xs.scale.data() + r0 * blocks;
+  __m256 a[R];
+#ifdef TJ_B32_512
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i pattern = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i lo, hi;  // blocks 4g, 4g + 1 and 4g + 2, 4g + 3
+    w.group512(g, &lo, &hi);
+    const __m128 swg = _mm_loadu_ps(sw + 4 * g);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = q0 + (r * blocks + 4 * g) * kB32;
+      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+      const __m512i d1 =
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
+      const __m512i parts =
+          _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
+      const __m128 s = _mm_mul_ps(swg, _mm_loadu_ps(sx0 + r * blocks + 4 * g));
+      const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    a[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+  }
+#else
+  __m256 lo_acc[R], hi_acc[R];
+  for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
+  const __m256i pattern_lo = _mm256_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2);
+  const __m256i pattern_hi = _mm256_setr_epi32(1, 1, 3, 3, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wb[4];
+    w.group(g, wb);
+    const __m128 swg = _mm_loadu_ps(sw + 4 * g);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = q0 + (r * blocks + 4 * g) * kB32;
+      const __m256i zero = _mm256_setzero_si256();
+      const __m256i d0 = b32_dot(zero, wb[0], b32_load(q));
+      const __m256i d1 = b32_dot(zero, wb[1], b32_load(q + 32));
+      const __m256i d2 = b32_dot(zero, wb[2], b32_load(q + 64));
+      const __m256i d3 = b32_dot(zero, wb[3], b32_load(q + 96));
+      const __m256i p02 =
+          _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
+      const __m256i p13 =
+          _mm256_add_epi32(_mm256_unpacklo_epi64(d1, d3), _mm256_unpackhi_epi64(d1, d3));
+      const __m128 s4 = _mm_mul_ps(swg, _mm_loadu_ps(sx0 + r * blocks + 4 * g));
+      const __m256 s = _mm256_castps128_ps256(s4);
+      lo_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p02),
+                                  _mm256_permutevar8x32_ps(s, pattern_lo), lo_acc[r]);
+      hi_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p13),
+                                  _mm256_permutevar8x32_ps(s, pattern_hi), hi_acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) a[r] = _mm256_add_ps(lo_acc[r], hi_acc[r]);
+#endif
+  for (int64_t b = groups * 4; b < blocks; ++b) {
+    const __m256i wv = w.block(b);
+    for (int r = 0; r < R; ++r) {
+      const __m256i d =
+          b32_dot(_mm256_setzero_si256(), wv, b32_load(q0 + (r * blocks + b) * kB32));
+      a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx0[r * blocks + b] * sw[b]),
+                             a[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, a[r]);
+    y[r * ldy] = b32_fold(lanes, tail);
+  }
+}
+
+// The 8 lanes of 4 columns folded as b32_fold (not tail): y[c] for c < 4.
+inline void b32_fold4(const __m256 a[4], float* y) {
+  const __m256 t01lo = _mm256_unpacklo_ps(a[0], a[1]), t01hi = _mm256_unpackhi_ps(a[0], a[1]);
+  const __m256 t23lo = _mm256_unpacklo_ps(a[2], a[3]), t23hi = _mm256_unpackhi_ps(a[2], a[3]);
+  auto pick = [](__m256 x, __m256 y, bool high) {
+    const __m256d xd = _mm256_castps_pd(x), yd = _mm256_castps_pd(y);
+    return _mm256_castpd_ps(high ? _mm256_unpackhi_pd(xd, yd) : _mm256_unpacklo_pd(xd, yd));
+  };
+  // lane c of the low half: value i of column c; of the high half: value 4 + i
+  __m256 sum = _mm256_add_ps(pick(t01lo, t23lo, false), pick(t01lo, t23lo, true));
+  sum = _mm256_add_ps(sum, pick(t01hi, t23hi, false));
+  sum = _mm256_add_ps(sum, pick(t01hi, t23hi, true));
+  _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1)));
+}
+
+// main (above) for one row r and 4 columns (weights w[c], scales sw[c]), none of them among the
+// last N % 4 columns: y[c] = main of column c. The row's values are loaded once for the 4.
+template <B32Source Source>
+inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4],
+                     const float* const sw[4], float* y) {
+  const int64_t blocks = xs.blocks, groups = blocks / 4;
+  const int8_t* q = xs.q.data() + r * blocks * kB32;
+  const float* sx = xs.scale.data() + r * blocks;
+  __m256 a[4];
+#ifdef TJ_B32_512
+  __m512 acc[4];
+  for (int c = 0; c < 4; ++c) acc[c] = _mm512_setzero_ps();
+  const __m512i pattern = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i qa = _mm512_loadu_si512(q + 4 * g * kB32);
+    const __m512i qb = _mm512_loadu_si512(q + 4 * g * kB32 + 64);
+    const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo, hi;
+      w[c].group512(g, &lo, &hi);
+      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa);
+      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
+      const __m512i parts =
+          _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
+      const __m128 s4 = _mm_mul_ps(_mm_loadu_ps(sw[c] + 4 * g), sxg);
+      const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s4));
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[c]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    a[c] = _mm256_add_ps(_mm512_castps512_ps256(acc[c]), _mm512_extractf32x8_ps(acc[c], 1));
+  }
+#else
+  __m256 lo_acc[4], hi_acc[4];
+  for (int c = 0; c < 4; ++c) lo_acc[c] = hi_acc[c] = _mm256_setzero_ps();
+  const __m256i pattern_lo = _mm256_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2);
+  const __m256i pattern_hi = _mm256_setr_epi32(1, 1, 3, 3, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* qg = q + 4 * g * kB32;
+    const __m256i q0 = b32_load(qg), q1 = b32_load(qg + 32);
+    const __m256i q2 = b32_load(qg + 64), q3 = b32_load(qg + 96);
+    const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
+    for (int c = 0; c < 4; ++c) {
+      __m256i wb[4];
+      w[c].group(g, wb);
+      const __m256i zero = _mm256_setzero_si256();
+      const __m256i d0 = b32_dot(zero, wb[0], q0), d1 = b32_dot(zero, wb[1], q1);
+      const __m256i d2 = b32_dot(zero, wb[2], q2), d3 = b32_dot(zero, wb[3], q3);
+      const __m256i p02 =
+          _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
+      const __m256i p13 =
+          _mm256_add_epi32(_mm256_unpacklo_epi64(d1, d3), _mm256_unpackhi_epi64(d1, d3));
+      const __m256 s = _mm256_castps128_ps256(_mm_mul_ps(_mm_loadu_ps(sw[c] + 4 * g), sxg));
+      lo_acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p02),
+                                  _mm256_permutevar8x32_ps(s, pattern_lo), lo_acc[c]);
+      hi_acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p13),
+                                  _mm256_permutevar8x32_ps(s, pattern_hi), hi_acc[c]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) a[c] = _mm256_add_ps(lo_acc[c], hi_acc[c]);
+#endif
+  for (int64_t b = groups * 4; b < blocks; ++b) {
+    const __m256i qv = b32_load(q + b * kB32);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i d = b32_dot(_mm256_setzero_si256(), w[c].block(b), qv);
+      a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx[b] * sw[c][b]), a[c]);
+    }
+  }
+  b32_fold4(a, y);
+}
+#endif
+
+// y[r, c] += the zero-point term c (above) for rows [0, m) and columns [0, cols): t [m, blocks]
+// the rows' t_b, z [blocks, cols] the columns' -(w_b * z_b).
+inline void b32_zero_term(const float* t, int64_t m, int64_t blocks, const float* z,
+                          int64_t cols, float* y, int64_t ldy, bool portable) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* tr = t + r * blocks;
+    float* yr = y + r * ldy;
+    int64_t c = 0;
+#ifdef TJ_B32_AVX2
+    if (!portable) {
+      for (; c + 8 <= cols; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(tr[b]), _mm256_loadu_ps(z + b * cols + c), acc);
+        }
+        _mm256_storeu_ps(yr + c, _mm256_add_ps(_mm256_loadu_ps(yr + c), acc));
+      }
+    }
+#endif
+    for (; c < cols; ++c) {
+      float acc = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) acc = std::fma(tr[b], z[b * cols + c], acc);
+      yr[c] = yr[c] + acc;
+    }
+  }
+}
+
+}  // namespace tj

@@ -1,0 +1,69 @@
+// RMS norms with onnxruntime's CPU float steps, strictly per row (y = x / rms * gamma):
+//
+// mode 0 (SimplifiedLayerNormalization, rows of a multiple of 8; onnxruntime's tail differs):
+//   8 partial sums, s[i % 8] = fma(x_i, x_i, s[i % 8]) over the row in order, then
+//   ((s0 + s4) + (s2 + s6)) +
+//   ((s1 + s5) + (s3 + s7)); rms = sqrt(sum / K + epsilon); y = (x * (1 / rms)) * gamma.
+// mode 1 (SkipSimplifiedLayerNormalization): sum = ((x_0 * x_0) + x_1 * x_1) + ... in order,
+//   each square rounded first; rms = sqrt(sum / K + epsilon); y = (x / rms) * gamma.
+//
+// Int8 products amplify one ulp of their input into a quantization step (see docs/kernels.md),
+// so a norm that rounds as onnxruntime's keeps the int4 models' logits close to its own.
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+
+namespace tj {
+
+static float sum_of_squares(const float* x, int64_t k, int64_t mode) {
+  if (mode == 1) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float square = x[i] * x[i];  // rounded: no contraction (-std=c++17)
+      sum = sum + square;
+    }
+    return sum;
+  }
+  float s[8] = {};
+  for (int64_t i = 0; i < k; ++i) s[i % 8] = std::fma(x[i], x[i], s[i % 8]);
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+static ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gamma,
+                              ffi::ResultBuffer<ffi::F32> y, float epsilon, int64_t mode) {
+  auto dims = x.dimensions();
+  if (dims.size() < 1 || (mode != 0 && mode != 1)) {
+    return ffi::Error::InvalidArgument("tj_rms_norm: bad rank or mode");
+  }
+  const int64_t k = dims.back(), rows = product(dims, 0, dims.size() - 1);
+  if (static_cast<int64_t>(gamma.element_count()) != k) {
+    return ffi::Error::InvalidArgument("tj_rms_norm: gamma must have K elements");
+  }
+  const float* in = x.typed_data();
+  const float* g = gamma.typed_data();
+  float* out = y->typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = in + r * k;
+    float* o = out + r * k;
+    const float rms =
+        std::sqrt(sum_of_squares(row, k, mode) / static_cast<float>(k) + epsilon);
+    if (mode == 1) {
+      for (int64_t i = 0; i < k; ++i) o[i] = (row[i] / rms) * g[i];
+    } else {
+      const float inv = 1.0f / rms;
+      for (int64_t i = 0; i < k; ++i) o[i] = (row[i] * inv) * g[i];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace tj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjRmsNorm, tj::RmsNormImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("epsilon")
+                                  .Attr<int64_t>("mode"));
