@@ -4,11 +4,12 @@ Generator; decode tokens/s of generate() and of the slots; and a Poisson stream 
 through the slots against the same requests sent one at a time to generate().
 
 Usage: python benchmarks/engine.py [--genai-path DIR] [--requests 32] [--new 64] [--rates 1,4]
-           [--out benchmarks/results]
+           [--out benchmarks/results] [--ttft-only]
 
 --genai-path: a folder holding onnxruntime_genai (``pip install --target DIR
 onnxruntime-genai==0.18.0``), put first on the path of the genai worker. Figures are the best of
-a few warm calls, in one run; the machine may be shared, so compare ratios of one run only.
+a few warm calls, in one run; the machine may be shared, so compare ratios of one run only
+(``ttft_interleaved_s``: ours and the Generator taking turns, so that both see the same load).
 """
 
 from __future__ import annotations
@@ -53,6 +54,78 @@ def _genai_worker(folder: str, prompts: list[list[int]], repeats: int) -> list[f
     return best
 
 
+def _genai_serve(folder: str, prompts: list[list[int]]) -> None:
+    """Reads prompt indexes from stdin, one a line, and prints the time to the first token of
+    each (warm: each prompt runs once first)."""
+    import onnxruntime_genai as og
+
+    config = og.Config(folder)
+    config.clear_providers()
+    threads = {"intra_op_num_threads": os.cpu_count()}  # as many threads as ours (it runs one)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": threads}}}))
+    model = og.Model(config)
+
+    def once(prompt):
+        start = time.perf_counter()
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + 1, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.array([prompt], np.int32))
+        generator.generate_next_token()
+        generator.get_next_tokens()
+        return time.perf_counter() - start
+
+    for prompt in prompts:
+        once(prompt)
+    print(json.dumps(["ready", og.__version__]), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(once(prompts[int(line)])), flush=True)
+
+
+def interleaved_ttft(engine, prompts: dict, folder: str, path: str | None, repeats: int) -> dict:
+    """Warm time to the first token of ours and of onnxruntime-genai's Generator (in its own
+    process), the two taking turns, so that both see the same load: the best of ``repeats``."""
+    from transmuter_jax import generation
+
+    env = dict(os.environ)
+    if path:
+        env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+    here = os.path.join(ROOT, "benchmarks")
+    code = (
+        f"import json, sys; sys.path.insert(0, {here!r}); from engine import _genai_serve; "
+        "a = json.loads(sys.stdin.readline()); _genai_serve(a[0], a[1])"
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    worker.stdin.write(json.dumps([folder, list(prompts.values())]) + "\n")
+    worker.stdin.flush()
+    ready = worker.stdout.readline()
+    if not ready:
+        return {"genai_skipped": "the onnxruntime-genai worker did not start"}
+    version = json.loads(ready)[1]
+    ours = {name: [] for name in prompts}
+    theirs = {name: [] for name in prompts}
+    for prompt in prompts.values():
+        generation.generate(engine, [prompt], [0])  # warm
+    for _ in range(repeats):
+        for i, (name, prompt) in enumerate(prompts.items()):
+            start = time.perf_counter()
+            generation.generate(engine, [prompt], [0])
+            ours[name].append(time.perf_counter() - start)
+            worker.stdin.write(f"{i}\n")
+            worker.stdin.flush()
+            theirs[name].append(json.loads(worker.stdout.readline()))
+    worker.stdin.close()
+    worker.wait()
+    out: dict = {"genai_version": version}
+    for name in prompts:
+        out[f"jax {name}"], out[f"genai {name}"] = min(ours[name]), min(theirs[name])
+        out[f"ratio {name}"] = min(ours[name]) / min(theirs[name])
+    return out
+
+
 def genai_ttft(folder: str, prompts: list[list[int]], path: str | None, repeats: int):
     """onnxruntime-genai's warm time to the first token of each prompt, in its own process."""
     env = dict(os.environ)
@@ -93,6 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument(
+        "--ttft-only", action="store_true", help="only the times to first token taking turns"
+    )
     args = parser.parse_args(argv)
 
     from transmuter_jax import default, generation, hub, text
@@ -105,7 +181,7 @@ def main(argv=None) -> int:
     figures: dict = {"prompts": {k: len(v) for k, v in prompts.items()}, "ttft_s": {}}
 
     # -- warm time to the first token ------------------------------------------------------------
-    for rule in generation.PREFILLS:
+    for rule in () if args.ttft_only else generation.PREFILLS:
         spec = generation.context(folder, model, max_new_tokens=1, prefill=rule)
         engine = generation.compile(spec, 1)
         for name, prompt in prompts.items():
@@ -114,13 +190,25 @@ def main(argv=None) -> int:
             )
             figures["ttft_s"][f"jax {rule} {name}"] = seconds
         figures[f"shapes {rule}"] = engine.compiled.shapes
-    version, times = genai_ttft(folder, list(prompts.values()), args.genai_path, args.repeats)
+    version, times = (
+        (None, "--ttft-only")
+        if args.ttft_only
+        else genai_ttft(folder, list(prompts.values()), args.genai_path, args.repeats)
+    )
     if version is not None:
         figures["genai_version"] = version
         for name, seconds in zip(prompts, times, strict=True):
             figures["ttft_s"][f"genai {name}"] = seconds
     else:
         figures["genai_skipped"] = times
+
+    # -- the same, taking turns with onnxruntime-genai ------------------------------------------
+    spec = generation.context(folder, model, max_new_tokens=1)
+    figures["ttft_interleaved_s"] = interleaved_ttft(
+        generation.compile(spec, 1), prompts, folder, args.genai_path, 2 * args.repeats
+    )
+    if args.ttft_only:
+        return _write(figures, args.out)
 
     # -- decode tokens/s, batch 1 ----------------------------------------------------------------
     spec = generation.context(folder, model, max_new_tokens=args.new, eos_token_id=[])

@@ -400,6 +400,27 @@ def test_slots_mix_constrained_and_free_requests(model):
         assert gen.generate(host, [list(request.prompt)], [request.seed])[0] == ids
 
 
+def test_prefill_many_selects_each_first_token_with_its_own_table(model):
+    spec = gen.context(str(FIXTURE), model, max_new_tokens=20)
+    engine = gen.compile(spec, 4, capacity=128, top_logprobs=0)
+    requests = [
+        gen.Request(PROMPTS[0], constraint={"regex": r"[0-9]{2,5}(-[a-z]{1,4}){1,3}"}),
+        gen.Request(PROMPTS[1], max_new_tokens=12, do_sample=True, seed=1),  # free
+        gen.Request(
+            PROMPTS[2], constraint={"choice": ["alpha", "beta gamma", "b"]}, do_sample=True, seed=3
+        ),  # fmt: skip
+    ]
+    state, out = engine.init_state(), {}
+    for slot, prefix in enumerate(engine.prefill_many(requests)):  # one prompt step, two tables
+        state = engine.insert(prefix, state, slot)
+        out[slot] = [prefix.first]
+    _drain(engine, state, out)
+    for slot, request in enumerate(requests):
+        solo = {0: [engine.prefill(request).first]}
+        _drain(engine, engine.insert(engine.prefill(request), engine.init_state(), 0), solo)
+        assert [t.token for t in solo[0]] == [t.token for t in out[slot]]  # as alone
+
+
 def test_slots_refuse_bad_and_host_only_constraints(model):
     spec = gen.context(str(FIXTURE), model, max_new_tokens=8)
     engine = gen.compile(spec, 2, capacity=128, top_logprobs=0)

@@ -10,7 +10,6 @@ See docs/generation.md and docs/engine.md.
 from ..parallel import sharding  # documented here before it moved to transmuter_jax.parallel
 from .cache import CacheEntry, CacheLayout, Mode
 from .context import PREFILLS, Context, cache_mode, context, max_new_tokens, outputs
-from .decode import DecodeState
 from .engine import Compiled, Engine
 from .errors import GenerationError
 from .loop import compile, generate, new_tokens, on_device, return_seed
@@ -18,6 +17,7 @@ from .options import Options
 from .processors import Rows
 from .prompt import prompt_inputs
 from .select import from_bits, to_bits
+from .slots import DecodeRows as DecodeState
 from .slots import Prefix, Request, SlotState, Token
 
 __all__ = [

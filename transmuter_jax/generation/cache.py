@@ -182,6 +182,13 @@ def write(
     return new
 
 
+def prompt_bucket(tokens: int) -> int:
+    """The padded length of a prompt step of ``tokens`` tokens: a multiple of 16 up to 64 (short
+    chat prompts pay little padding), then a multiple of 64."""
+    tokens = max(tokens, 1)
+    return -(-tokens // 16) * 16 if tokens <= 64 else bucket(tokens)
+
+
 def chunk(remaining: int) -> int:
     """The largest power of two at most ``remaining`` (45 tokens run as 32, 8, 4, 1)."""
     return 1 << (max(remaining, 1).bit_length() - 1)
@@ -219,11 +226,12 @@ class Mode:
 
     def prompt_step(self, remaining: int, rule: str) -> int:
         """Tokens of the next prompt step of rows with at most ``remaining`` prompt tokens left:
-        "buckets": all of them padded to a multiple of 64 (at most :data:`PREFILL_CAP`, longer
-        prompts in chunks of it); "pow2": the largest power of two at most ``remaining``."""
+        "buckets": all of them padded to a bucket (:func:`prompt_bucket`; at most
+        :data:`PREFILL_CAP`, longer prompts in chunks of it); "pow2": the largest power of two at
+        most ``remaining``."""
         if rule == "pow2":
             return chunk(remaining)
-        return min(bucket(max(remaining, 1)), PREFILL_CAP)
+        return min(prompt_bucket(remaining), PREFILL_CAP)
 
     def groups(self, lengths: dict[int, int]) -> list[list[int]]:
         """The rows that share a cache, from each live row's prompt length: all of them (in
@@ -234,6 +242,11 @@ class Mode:
         """The decode steps a chunk of at most ``size`` can run (a padded grow bucket may hold
         fewer more tokens)."""
         return size
+
+    def chunk_size(self, decode_steps: int) -> int:
+        """The most steps of a decode chunk on the device for ``decode_steps`` (below 2: every
+        step runs on the host)."""
+        return decode_steps if self.on_device and decode_steps >= 2 else 0
 
     def grown(self, capacity: int | None, length: int, step: int) -> int | None:
         """The capacity for a step of ``step`` tokens after ``length`` cached ones (None where

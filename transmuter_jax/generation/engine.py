@@ -9,9 +9,11 @@ engine that agrees on what determines them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from ..onnx.model import Model
+from . import prefill as prefills
 from . import slots, speculative
 from .cache import CacheLayout, Mode
 from .context import Context
@@ -50,7 +52,7 @@ class Compiled:
     @property
     def padded(self) -> bool:
         """Whether grow steps run on a padded cache (a few shapes) rather than exact lengths."""
-        return self.steps.mode.padded
+        return self.steps.padding is not None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,6 +92,28 @@ class Engine:
     def prefill(self, request: slots.Request) -> slots.Prefix:
         """Runs ``request``'s prompt alone (one padded step) and selects its first token."""
         return slots.prefill(self, request)
+
+    def prefill_many(self, requests: Sequence[slots.Request]) -> list[slots.Prefix]:
+        """Runs the prompts of ``requests`` together (one step per bucket chunk for all of
+        them) and selects each one's first token: their prefixes, in order."""
+        return prefills.prefill_many(self, requests)
+
+    def begin_prefill(
+        self, requests: Sequence[slots.Request], chunk: int = 512
+    ) -> prefills.Pending:
+        """Admits ``requests`` for a prefill run step by step (:meth:`advance_prefill`), at most
+        ``chunk`` prompt tokens of each per step (a multiple of 64 up to 512), so that decode
+        chunks of the running slots can go between the chunks of long prompts."""
+        return prefills.begin(self, requests, chunk)
+
+    def advance_prefill(self, pending: prefills.Pending) -> prefills.Pending:
+        """One prefill step of every prompt of ``pending`` with tokens left (its next part,
+        padded to a bucket); ``pending.done`` once all are fed."""
+        return prefills.advance(self, pending)
+
+    def end_prefill(self, pending: prefills.Pending) -> list[slots.Prefix]:
+        """The prefixes of a fed ``pending`` (each request's first token selected)."""
+        return prefills.end(self, pending)
 
     def insert(self, prefix: slots.Prefix, state: slots.SlotState, slot: int) -> slots.SlotState:
         """``state`` with ``prefix`` in the free slot ``slot`` (``state`` is donated)."""

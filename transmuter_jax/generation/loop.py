@@ -25,8 +25,9 @@ from ..parallel import sharding
 from . import cache as cache_modes
 from . import constraints, slots, speculative
 from .beam import BeamPrompt
+from .chunk import Decoder, choose
+from .chunk import rows as device_rows
 from .context import Context
-from .decode import NOT_RUN, Decoder, DecodeState
 from .engine import Compiled, Engine
 from .errors import GenerationError
 from .processors import Rows, static_masks
@@ -138,15 +139,14 @@ def _selection(ctx: Context, jit_options: Mapping[str, Any]):
 
 
 def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
-    """The decode chunks, or None where decode runs step by step on the host."""
+    """The decode chunks (the slots' step on the device), or None where decode runs step by
+    step on the host."""
     custom = any(not isinstance(p, str) for p in constraints.program_names(ctx.processors))
-    if options.decode_steps < 2 or options.num_beams > 1 or custom or not steps.mode.on_device:
+    size = steps.mode.chunk_size(options.decode_steps)
+    if size < 2 or options.num_beams > 1 or custom:
         return None
-    axes = _position_axes(ctx)
-    width = 1 + options.logprobs + 2 * options.top_logprobs  # the selection's columns
     mask = constraints.device_mask(ctx.processors)  # a finite constraint: its table on device
-    return Decoder(steps, select, options.eos_token_id, _pad(ctx), options.decode_steps,
-                   width, axes, mask)  # fmt: skip
+    return Decoder(size, int(options.top_logprobs), mask)
 
 
 def on_device(ctx: Engine) -> bool:
@@ -463,35 +463,22 @@ class _Run:
 
     def chunk(self, decoder: Decoder, state: cache_modes.State, room: int) -> None:
         """Up to ``room`` decode steps on the device; then the host takes their tokens."""
-        rows, members = self.rows, self.members
+        rows, members, ctx = self.rows, self.members, self.ctx
         live = np.array([members[i] and not r.done for i, r in enumerate(rows)])
-        history = _history(rows, self.width)
-        device = DecodeState(
-            token=np.array([r.generated[-1] if r.generated else 0 for r in rows], np.int32),
-            lengths=state.lengths.astype(np.int32),
-            history=history,
-            prompt=np.array([len(r.prompt) for r in rows], np.int32),
-            count=np.array([len(r.generated) for r in rows], np.int32),
-            max_new=np.array([r.max_new for r in rows], np.int32),
-            delta=np.array([r.delta for r in rows], np.int32),
-            seeds=_seeds(rows),
-            done=~live,
-            cache=state.arrays,
-            encoder=_encoder(rows, self.ctx),
-        )
+        constraint = None
         if decoder.mask is not None:  # each row's state of the constraint's table
             walk = decoder.mask.walk
-            device.constraint = np.array([walk(r.generated) for r in rows], np.int32)
+            constraint = np.array([walk(r.generated) for r in rows], np.int32)
+        device = self.device_rows(live, state.lengths.astype(np.int32), state.arrays, constraint)
         state.arrays = None  # donated
-        result, out = decoder(device, self.given, room, state.capacity)
+        result, out = decoder(ctx, device, self.given, room, state.capacity)
         state.arrays = result.cache
-        eos = self.ctx.eos
-        for i in range(out.shape[0]):
-            if out[i, 0, 0] == NOT_RUN:
+        eos, options = ctx.eos, ctx.options
+        for i in range(out.token.shape[0]):
+            token = out.token[i]
+            if not (token >= 0).any():  # a step the loop did not run
                 break
-            token = out[i, :, 0]
-            logprob = out[i, :, 2].view(np.float32) if out.shape[2] > 2 else None
-            top = out[i, :, 3:] if out.shape[2] > 3 else None
+            logprob, top = _columns(out, i, options)
             shown = token.copy()  # a row a stop string ended takes no more of the chunk's tokens
             for b in np.flatnonzero(token >= 0):
                 row = rows[b]
@@ -500,11 +487,34 @@ class _Run:
                     continue
                 if int(token[b]) not in eos:
                     _keep(row, int(token[b]), logprob, top, b)
-                row.done = bool(out[i, b, 1]) or _stopped(self.ctx, row)
+                row.done = bool(out.done[i, b]) or _stopped(ctx, row)
             self.emit(shown, logprob, top)
             state.advance((token >= 0).astype(np.int32), 1)
             if not self.live():  # stop strings ended every row before the chunk's end
                 break
+
+    def device_rows(
+        self, live: np.ndarray, lengths: np.ndarray, cache, constraint: np.ndarray | None = None
+    ) -> Any:
+        """The rows as the slots' per-row arrays (:func:`.chunk.rows`); ``live``: [B] the rows
+        that take a token; ``constraint``: [B] their states in a constraint's table, or None."""
+        rows, ctx = self.rows, self.ctx
+        delta = np.array([r.delta for r in rows], np.int32)
+        return device_rows(
+            ctx,
+            token=np.array([r.generated[-1] if r.generated else 0 for r in rows], np.int32),
+            lengths=lengths,
+            history=_history(rows, self.width),
+            prompt=np.array([len(r.prompt) for r in rows], np.int32),
+            count=np.array([len(r.generated) for r in rows], np.int32),
+            max_new=np.array([r.max_new for r in rows], np.int32),
+            seeds=_seeds(rows),
+            done=~live,
+            delta=delta if _position_axes(ctx) and delta.any() else None,
+            encoder=_encoder(rows, ctx),
+            cache=cache,
+            constraint=constraint,
+        )
 
     def emit(self, token: np.ndarray, logprob: np.ndarray | None, top: np.ndarray | None) -> None:
         """Calls on_token with one step's event of the caller's rows."""
@@ -596,8 +606,16 @@ class Sampler:
         """Gives each row that finished its prompt, or is generating, its selected token."""
         ctx, rows = run.ctx, run.rows
         token = np.full(len(rows), -1, np.int32)
-        chosen = logprob = top = None
-        if any(run.members[i] and not rows[i].done for i in step.taking()):
+        chosen = logprob = top = ends = done = None
+        taking = np.zeros(len(rows), bool)
+        taking[step.taking()] = True
+        taking &= run.members & np.array([not r.done for r in rows])
+        if taking.any() and not run.states():  # the slots' selection and end-of-row rule
+            lengths = np.zeros(len(rows), np.int32)
+            out = choose(ctx, logits, run.device_rows(taking, lengths, {}))
+            chosen, ends, done = out.token, out.ends, out.done
+            logprob, top = _columns(out, None, ctx.options)
+        elif taking.any():  # a task's own processors, whose state the host computes
             counts = np.array([len(r.generated) for r in rows], np.int32)
             views, states = run.views(), run.states()
             out = np.asarray(ctx.compiled.select(logits, _seeds(rows), counts, views, states))
@@ -613,7 +631,11 @@ class Sampler:
                 if row.fed < len(row.prompt):
                     continue
             t = token[i] = int(chosen[i])
-            if t in ctx.eos:
+            if ends is not None:  # decode.end_of_row's verdict
+                if not ends[i]:
+                    _keep(row, t, logprob, top, i)
+                row.done = bool(done[i]) or (not ends[i] and _stopped(ctx, row))
+            elif t in ctx.eos:
                 row.done = True
             else:
                 _keep(row, t, logprob, top, i)
@@ -713,6 +735,19 @@ class BeamSearch:
                 out = [list(t) for t, _, _ in best]
             results.append(out if r > 1 else out[0])
         return results
+
+
+def _columns(out, i: int | None, options) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The log-probabilities [B] float32 (None unless asked) and top_logprobs pairs [B, 2k]
+    int32 (id, bits of the log-probability; None unless asked) of step ``i`` of a host StepOut
+    (``i`` None: a StepOut of one step)."""
+    at = (lambda a: a) if i is None else (lambda a: a[i])  # noqa: E731
+    logprob = at(out.logprob).astype(np.float32) if options.logprobs else None
+    k, top = options.top_logprobs, None
+    if k:
+        ids, values = at(out.top_ids), at(out.top_logprobs).astype(np.float32).view(np.int32)
+        top = np.stack([ids, values], axis=-1).reshape(len(ids), 2 * k)
+    return logprob, top
 
 
 def _keep(row: _Row, token: int, logprob, top, i: int) -> None:

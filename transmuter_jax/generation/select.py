@@ -112,6 +112,12 @@ def warp(scores: jax.Array, options: Options) -> jax.Array:
         scores = _top_p(scores, float(options.top_p), keep)
     if options.min_p is not None:
         scores = _min_p(scores, float(options.min_p), keep)
+    return cutoffs(scores, options, keep)
+
+
+def cutoffs(scores: jax.Array, options: Options, keep: int = 1) -> jax.Array:
+    """The warpers after min-p, in transformers' order: typical-p, epsilon and eta cutoffs
+    (each off unless ``options`` set it), keeping the ``keep`` best tokens of each row."""
     if options.typical_p is not None and options.typical_p < 1.0:
         scores = _typical(scores, float(options.typical_p), keep)
     if options.epsilon_cutoff is not None and 0 < options.epsilon_cutoff < 1:

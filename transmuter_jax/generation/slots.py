@@ -33,6 +33,7 @@ from .errors import GenerationError
 from .options import MAX_DRAFT, MAX_NGRAM, NGRAM_DEFAULT
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
+from .select import cutoffs
 from .stops import StopStrings
 
 if TYPE_CHECKING:
@@ -158,7 +159,9 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     frequency penalty. bias_ids, bias_values [B, BIAS_WIDTH]: logit_bias (ids -1 after them).
     min_new: eos ids are masked before this many new tokens. constraint: the state in the
     slots' constraint table (-1: no constraint). drafts: speculative decoding's per-slot state
-    (:class:`.drafts.Drafts`).
+    (:class:`.drafts.Drafts`). delta (or None: 0): a new token's position minus its index in
+    the row (M-RoPE positions). encoder [B, E] (or None): the encoder's input ids, -1 after
+    them, where a processor reads them.
     """
 
     token: jax.Array
@@ -185,6 +188,8 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     min_new: jax.Array
     constraint: jax.Array
     drafts: drafting.Drafts
+    delta: jax.Array | None = None
+    encoder: jax.Array | None = None
 
 
 DecodeRows = Rows_
@@ -293,10 +298,6 @@ def check(engine: Engine) -> None:
         raise GenerationError("slots run decoder-only text prompts (no given inputs, no images)")
     if options.num_return_sequences > 1:
         raise GenerationError("num_return_sequences > 1 needs generate()")
-    off = {"typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0)}
-    for name, values in off.items():
-        if getattr(options, name) not in values:
-            raise GenerationError(f"{name} is not a per-slot option: use generate()")
     if engine.placement is not None:
         raise GenerationError("slots run without a mesh for now: use generate()")
     if engine.assistant is not None:
@@ -317,31 +318,47 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
     scores = _requested(scores, rows, vocab)
-    names = [p for p in spec.processors if p != "repetition_penalty"]
-    names = sorted([*names, "repetition_penalty"], key=ORDER.index)
+    # the specification's order (generate()'s; a finite constraint's DeviceMask, the last
+    # processor, is ``table``: restricted below), and where it has no repetition penalty, the
+    # per-slot one in transformers' order
+    names = [p for p in spec.processors if isinstance(p, str)]
+    if "repetition_penalty" not in names:  # has none, the per-slot penalty in transformers'
+        names = sorted([*names, "repetition_penalty"], key=ORDER.index)
+    same = lambda s: s  # noqa: E731 - a branch that changes nothing
     for name in names:
-        if name == "repetition_penalty":  # per slot (1.0 changes nothing)
-            penalty = rows.repetition[:, None]
-            seen = _seen(views.history, vocab)
-            changed = jnp.where(scores < 0, scores * penalty, scores / penalty)
-            scores = jnp.where(seen, changed, scores)
+        if name == "repetition_penalty":  # per slot (1.0 changes nothing: skipped then)
+
+            def repeat(scores):
+                penalty = rows.repetition[:, None]
+                changed = jnp.where(scores < 0, scores * penalty, scores / penalty)
+                return jnp.where(_seen(views.history, vocab), changed, scores)
+
+            scores = jax.lax.cond(jnp.any(rows.repetition != 1.0), repeat, same, scores)
         else:
             scores = apply_builtin(name, scores, views, options, masks)
         scores = jnp.maximum(scores, LOWEST)
     generated = jnp.where(
         jnp.arange(views.history.shape[1])[None, :] >= rows.prompt[:, None], views.history, -1
     )
-    scores = scores - rows.presence[:, None] * _seen(generated, vocab)
+
+    def presence(scores):
+        return scores - rows.presence[:, None] * _seen(generated, vocab)
+
+    scores = jax.lax.cond(jnp.any(rows.presence != 0.0), presence, same, scores)
     scores = jax.lax.cond(
         jnp.any(rows.frequency != 0),
         lambda s: s - rows.frequency[:, None] * _counts(generated, vocab),
-        lambda s: s,
+        same,
         scores,
     )
     scores = jnp.maximum(scores, LOWEST)
-    scores = constraints.restrict(scores, table, rows.constraint)
-    warped = _warp(scores, rows)
-    scores = jnp.where(rows.sample[:, None], warped, scores)
+    scores = constraints.restrict(scores, table, rows.constraint)  # after every processor
+    sampling = jnp.any(rows.sample)
+
+    def warp(scores):  # typical, epsilon and eta are the specification's
+        return jnp.where(rows.sample[:, None], cutoffs(_warp(scores, rows), options), scores)
+
+    scores = jax.lax.cond(sampling, warp, same, scores)
     if options.renormalize_logits:
         scores = jnp.maximum(jax.nn.log_softmax(scores, axis=-1), LOWEST)
 
@@ -349,7 +366,11 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
         key = jax.random.fold_in(jax.random.key(seed), step)
         return jax.random.categorical(key, row_scores)
 
-    drawn = jax.vmap(draw)(scores, rows.seeds, rows.count).astype(jnp.int32)
+    def drawn(scores):
+        return jax.vmap(draw)(scores, rows.seeds, rows.count).astype(jnp.int32)
+
+    none = lambda s: jnp.zeros(s.shape[0], jnp.int32)  # noqa: E731 - greedy rows only
+    drawn = jax.lax.cond(sampling, drawn, none, scores)
     tokens = jnp.where(rows.sample, drawn, jnp.argmax(scores, axis=-1).astype(jnp.int32))
     total = jax.nn.logsumexp(scores, axis=-1)
     chosen = jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - total
@@ -417,31 +438,47 @@ def _warp(scores, rows: Rows_):
 # -- the step -----------------------------------------------------------------------------------
 
 
-def _step_function(engine: Engine, capacity: int, k: int):
-    """The pure ``step(params, rows) -> (rows, StepOut)``: one new token of every live slot."""
+def _step_function(
+    engine: Engine, capacity: int | None, k: int, branch: bool = True, padded: int | None = None
+):
+    """The pure ``step(params, rows, table=None, embed_params=None, given=None) -> (rows,
+    StepOut)``: one new token of every live slot (``table``: the constraint table the rows'
+    ``constraint`` states index, or None). ``capacity``: the cache's rows (None: read from its
+    shape); ``branch``: the cache branch; ``padded``: a padded grow cache's rows (generate()
+    groups)."""
     spec, mode = engine.spec, engine.cache_mode
-    step = engine.compiled.steps.function(True, None)
+    step = engine.compiled.steps.function(branch, padded)
     masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
     names = {i.name for i in engine.model.inputs}
     axes = _axes(engine)
     pad = _pad_token(engine)
+    first = next(e.input for e in engine.cache.entries if not e.cross)
 
-    def one(params, rows: Rows_, table=None):
+    def one(params, rows: Rows_, table=None, embed_params=None, given=None):
         batch = rows.token.shape[0]
         live = ~rows.done
         feed = {"tokens": jnp.where(live, rows.token, pad)[:, None].astype(jnp.int32)}
         if "attention_mask" in names:
-            feed["attention_mask"] = mode.mask(rows.lengths, 1, capacity, xp=jnp)
+            width = padded or capacity or rows.cache[first].shape[2]
+            feed["attention_mask"] = mode.mask(rows.lengths, 1, width, xp=jnp)
         if axes:
-            positions = rows.lengths[:, None].astype(jnp.int32)
+            at = rows.lengths
+            if rows.delta is not None:  # M-RoPE: a new token's position minus its index
+                at = at + jnp.where(live, rows.delta, 0)
+            positions = at[:, None].astype(jnp.int32)
             feed["position_ids"] = (
                 jnp.broadcast_to(positions, (3, batch, 1)) if axes == 3 else positions
             )
+        feed |= given or {}
         logits, cache = step(
-            params, {}, rows.cache, feed, rows.lengths, jnp.zeros(batch, jnp.int32)
+            params, embed_params or {}, rows.cache, feed, rows.lengths, jnp.zeros(batch, jnp.int32)
         )
         views = Rows(
-            rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
+            rows.history,
+            rows.prompt,
+            rows.prompt + rows.count,
+            rows.prompt + rows.max_new,
+            rows.encoder,
         )
         chosen, logprob, top_ids, top_values = _choose(spec, masks, k, logits, rows, views, table)
         ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
@@ -464,14 +501,42 @@ def _step_function(engine: Engine, capacity: int, k: int):
     return one
 
 
+def run_steps(one, size: int, k: int, params, rows: Rows_, limit, **extra):
+    """Traced: up to ``limit`` (at most ``size``) calls of the step ``one`` in a
+    ``lax.while_loop`` that stops when every slot is done. Returns the rows after them and the
+    StepOut of each step, [size, B] (steps not run: token -1, done)."""
+    batch = rows.token.shape[0]
+    out = StepOut(
+        jnp.full((size, batch), -1, jnp.int32),
+        jnp.zeros((size, batch)),
+        jnp.zeros((size, batch, k), jnp.int32),
+        jnp.zeros((size, batch, k)),
+        jnp.ones((size, batch), bool),
+        jnp.zeros((size, batch), bool),
+    )
+
+    def more(carry):
+        i, r, _ = carry
+        return (i < limit) & ~jnp.all(r.done)
+
+    def body(carry):
+        i, r, out = carry
+        r, o = one(params, r, **extra)
+        out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
+        return i + 1, r, out
+
+    _, rows, out = jax.lax.while_loop(more, body, (jnp.int32(0), rows, out))
+    return rows, out
+
+
 def _chunk(engine: Engine, capacity: int, k: int, size: int):
-    """The jitted ``(params, rows, limit) -> (rows, StepOut [size, B])``: up to ``limit`` steps
-    in a ``lax.while_loop`` that stops when every slot is done; the cache donated."""
+    """The jitted ``(params, rows, limit, table) -> (rows, StepOut [size, B])``: up to ``limit``
+    steps in a ``lax.while_loop`` that stops when every slot is done; the cache donated."""
     key = (
         "slots",
         engine.compiled.steps.key("slots", True, None),
         engine.spec.options.program_key,
-        engine.spec.processors,
+        constraints.program_names(engine.spec.processors),
         capacity,
         k,
         size,
@@ -482,28 +547,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
         one = _step_function(engine, capacity, k)
 
         def run(params, rows: Rows_, limit, table):
-            batch = rows.token.shape[0]
-            out = StepOut(
-                jnp.full((size, batch), -1, jnp.int32),
-                jnp.zeros((size, batch)),
-                jnp.zeros((size, batch, k), jnp.int32),
-                jnp.zeros((size, batch, k)),
-                jnp.ones((size, batch), bool),
-                jnp.zeros((size, batch), bool),
-            )
-
-            def more(carry):
-                i, r, _ = carry
-                return (i < limit) & ~jnp.all(r.done)
-
-            def body(carry):
-                i, r, out = carry
-                r, o = one(params, r, table)
-                out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
-                return i + 1, r, out
-
-            _, rows, out = jax.lax.while_loop(more, body, (jnp.int32(0), rows, out))
-            return rows, out
+            return run_steps(one, size, k, params, rows, limit, table=table)
 
         return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
 
@@ -511,12 +555,13 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
 
 
 def _first(engine: Engine, k: int):
-    """The jitted selection of a prefix's first token (batch 1)."""
+    """The jitted ``(logits [B, V], rows, table) -> (rows, StepOut)``: the selection of the
+    slots' step alone (a prefix's first token; generate()'s tokens on the host)."""
     spec = engine.spec
     key = (
         "slots-first",
         spec.options.program_key,
-        spec.processors,
+        constraints.program_names(spec.processors),
         spec.vocab_size,
         k,
         jit_key(engine.jit_options),
@@ -527,13 +572,17 @@ def _first(engine: Engine, k: int):
 
         def first(logits, rows: Rows_, table):
             views = Rows(
-                rows.history, rows.prompt, rows.prompt + rows.count, rows.prompt + rows.max_new
+                rows.history,
+                rows.prompt,
+                rows.prompt + rows.count,
+                rows.prompt + rows.max_new,
+                rows.encoder,
             )
             chosen, logprob, ids, values = _choose(spec, masks, k, logits, rows, views, table)
             live = ~rows.done
             ends, kept, count, done = end_of_row(chosen, live, rows.eos, rows.count, rows.max_new)
             at = jnp.where(kept, rows.prompt + rows.count, rows.history.shape[1])
-            history = rows.history.at[jnp.arange(1), at].set(chosen, mode="drop")
+            history = rows.history.at[jnp.arange(rows.token.shape[0]), at].set(chosen, mode="drop")
             rows = dataclasses.replace(
                 rows,
                 token=jnp.where(kept, chosen, rows.token),
@@ -664,27 +713,47 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
     )
 
 
+def _admit(engine: Engine, request: Request) -> tuple[dict[str, Any], StopStrings | None]:
+    """``request``'s resolved options and stop strings; raises GenerationError for a request
+    the engine cannot take (bad ids, options, top_logprobs, logit_bias, stop strings without
+    texts)."""
+    check(engine)
+    if not isinstance(request, Request):
+        raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
+    r = _resolved(engine, request)
+    vocab = engine.vocab_size or 2**31
+    bad = [t for t in request.prompt if not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"the prompt has token ids outside the vocabulary of {vocab}: {bad}")
+    for token, _ in request.logit_bias:
+        if not 0 <= token < vocab:
+            raise GenerationError(f"logit_bias: token id {token} is outside the vocabulary")
+    if request.top_logprobs > engine.slot_top_logprobs:
+        raise GenerationError(
+            f"top_logprobs {request.top_logprobs} is more than the engine's "
+            f"{engine.slot_top_logprobs} (compile(..., top_logprobs=))"
+        )
+    stops = None
+    if request.stop_strings:
+        if engine.spec.token_texts is None:
+            raise GenerationError("stop strings need token texts: context(tokenizer=...)")
+        stops = StopStrings(request.stop_strings, engine.spec.token_texts)
+    return r, stops
+
+
 def prefill(
     engine: Engine, request: Request, past: tuple[dict[str, jax.Array], int] | None = None
 ) -> Prefix:
     """Runs ``request``'s prompt alone and selects its first token.
 
-    The prompt runs as one step padded to a multiple of 64 tokens (chunks of
-    :data:`~.cache.PREFILL_CAP` past it), into a cache of the state's capacity.
-    ``past``: a cache (batch 1, the slots' capacity rows, donated) whose first n rows hold the
-    keys and values of the prompt's first n tokens (0 < n < the prompt's length); only the rest
-    of the prompt runs (see :mod:`.prefixes`).
+    The prompt runs as one step padded to a bucket (chunks of :data:`~.cache.PREFILL_CAP` past
+    it), into a cache of the state's capacity. ``past``: a cache (batch 1, the slots' capacity
+    rows, donated) whose first n rows hold the keys and values of the prompt's first n tokens
+    (0 < n < the prompt's length); only the rest of the prompt runs (see :mod:`.prefixes`).
     """
-    check(engine)
-    if not isinstance(request, Request):
-        raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
-    spec, capacity = engine.spec, engine.slot_capacity
-    r = _resolved(engine, request)
+    capacity = engine.slot_capacity
+    r, stops = _admit(engine, request)
     prompt = list(request.prompt)
-    vocab = engine.vocab_size or 2**31
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise GenerationError(f"the prompt has token ids outside the vocabulary of {vocab}: {bad}")
     start = 0 if past is None else int(past[1])
     if not 0 <= start < len(prompt):
         raise GenerationError(f"past holds {start} rows of a prompt of {len(prompt)} tokens")
@@ -694,38 +763,61 @@ def prefill(
             f"the request needs {need} cache rows (a prompt of {len(prompt)} tokens, padded, and "
             f"{r['max_new']} new ones): more than the slots' capacity of {capacity}"
         )
-    if request.top_logprobs > engine.slot_top_logprobs:
-        raise GenerationError(
-            f"top_logprobs {request.top_logprobs} is more than the engine's "
-            f"{engine.slot_top_logprobs} (compile(..., top_logprobs=))"
-        )
     table = _table_of(engine, request, r["eos"])
-    stops = None
-    if request.stop_strings:
-        if spec.token_texts is None:
-            raise GenerationError("stop strings need token texts: context(tokenizer=...)")
-        stops = StopStrings(request.stop_strings, spec.token_texts)
     cache = None if past is None else past[0]
     logits, cache, lengths = _prompt(engine, prompt, capacity, cache, start)
-    drafted = {}
-    if engine.assistant is not None:  # the draft model's cache of the whole prompt
-        last, drafted, _ = _prompt(engine.assistant, prompt, capacity)
-        last.delete()
+    drafted = _drafted(engine, prompt)
+    rows = _request_rows(engine, request, r, jnp.asarray(lengths), cache, table, drafted)
+    if r["max_new"] == 0:
+        logits.delete()
+        return Prefix(request, rows, None, table)
+    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows, table)
+    logits.delete()
+    out = jax.device_get(out)
+    token = _tokens(out, request, [0], 0, None)[0]
+    if stops is not None and not token.done and not token.eos:
+        if stops.hit([*prompt, token.token]):
+            token = dataclasses.replace(token, done=True, finish_reason="stop")
+            rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
+    return Prefix(request, rows, token, table)
+
+
+def _drafted(engine: Engine, prompt: Sequence[int]) -> dict[str, jax.Array]:
+    """The draft model's cache of the whole prompt (empty without an assistant model)."""
+    if engine.assistant is None:
+        return {}
+    last, drafted, _ = _prompt(engine.assistant, list(prompt), engine.slot_capacity)
+    last.delete()
+    return drafted
+
+
+def _request_rows(
+    engine: Engine,
+    request: Request,
+    r: dict[str, Any],
+    lengths,
+    cache,
+    table: constraints.TokenTable | None = None,
+    drafted: dict[str, jax.Array] | None = None,
+) -> Rows_:
+    """The device rows (batch 1) of ``request`` after its prompt: ``r`` its resolved options,
+    ``lengths`` [1] its cached tokens, ``cache`` its cache, ``table`` its constraint's table
+    (its state 0; None: no constraint), ``drafted`` the draft model's cache of the prompt."""
+    capacity, prompt = engine.slot_capacity, request.prompt
+    vocab = engine.vocab_size or 2**31
     history = np.full((1, capacity), -1, np.int32)
     history[0, : len(prompt)] = prompt
     eos = np.full((1, EOS_WIDTH), -1, np.int32)
     eos[0, : len(r["eos"])] = r["eos"]
     bias_ids = np.full((1, BIAS_WIDTH), -1, np.int32)
     bias_values = np.zeros((1, BIAS_WIDTH), np.float32)
-    for j, (token, value) in enumerate(request.logit_bias):
-        if not 0 <= token < vocab:
-            raise GenerationError(f"logit_bias: token id {token} is outside the vocabulary")
+    for j, (token, value) in enumerate(request.logit_bias):  # checked by _admit
         bias_ids[0, j], bias_values[0, j] = token, value
     one = lambda v, t: jnp.asarray(np.array([v], t))  # noqa: E731
     seed = np.array([request.seed & 0xFFFFFFFF], np.uint32).view(np.int32)
     rows = Rows_(
         token=one(0, np.int32),
-        lengths=jnp.asarray(lengths),
+        lengths=lengths,
         history=jnp.asarray(history),
         prompt=one(len(prompt), np.int32),
         count=one(0, np.int32),
@@ -748,21 +840,10 @@ def prefill(
         min_new=one(int(request.min_new_tokens), np.int32),
         constraint=one(-1 if table is None else 0, np.int32),
         drafts=drafting.empty(
-            1, r["lookup"], r["ngram"], r["assisted"], r["adaptive"], cache=drafted
+            1, r["lookup"], r["ngram"], r["assisted"], r["adaptive"], cache=drafted or {}
         ),
     )
-    if r["max_new"] == 0:
-        logits.delete()
-        return Prefix(request, rows, None, table)
-    rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows, table)
-    logits.delete()
-    out = jax.device_get(out)
-    token = _tokens(out, request, [0], 0, None)[0]
-    if stops is not None and not token.done and not token.eos:
-        if stops.hit([*prompt, token.token]):
-            token = dataclasses.replace(token, done=True, finish_reason="stop")
-            rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
-    return Prefix(request, rows, token, table)
+    return rows
 
 
 def written(start: int, length: int) -> int:

@@ -214,11 +214,12 @@ def _step_function(
         if padding is not None:  # the rows before each row's valid ones (all rows alike)
             have = cache_modes.cache_length(cache, layout)
             inputs[padding.input] = jnp.int32(have) - lengths[0]
-        with switch.off_over_mesh(placed):
-            outputs = model.trace(static, params, inputs)  # a mesh: no custom calls
-        logits = outputs["logits"]  # [B, S, V]
-        index = jnp.arange(logits.shape[0]).reshape((-1,) + (1,) * (jnp.ndim(last) - 1))
-        last_logits = logits[index, last].astype(jnp.float32)  # [B, V] ([B, P, V]: last [B, P])
+        with switch.off_over_mesh(placed):  # a mesh: no custom calls
+            # the LM head of each row's last real token only: [B, 1, V] ([B, P, V]: last [B, P])
+            outputs = model.trace_last(static, params, inputs, last)
+        logits = outputs["logits"]
+        logits = logits[:, 0] if jnp.ndim(last) == 1 else logits
+        last_logits = logits.astype(jnp.float32)  # [B, V] ([B, P, V]: last [B, P])
         new = mode.write(layout, cache, outputs, lengths, rows)
         if ctx.placement is not None:  # the next cache keeps the input's shardings (donation)
             new = ctx.placement.constrain_cache(new)

@@ -469,6 +469,78 @@ class Model:
             ) from error
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
 
+    def trace_last(
+        self,
+        static: Mapping[str, np.ndarray],
+        params: Mapping[str, jax.Array],
+        inputs,
+        last: jax.Array,
+        output: str = "logits",
+    ) -> dict[str, jax.Array]:
+        """:meth:`trace`, with ``output`` [B, S, V] computed for one position of each row only:
+        [B, 1, V] at ``last`` [B] (or P positions: [B, P, V] at ``last`` [B, P]). Where
+        ``output`` comes from a hidden state [B, S, H] through a matrix product by weights and
+        element-wise nodes (an LM head), the head runs on those rows alone; elsewhere the whole
+        output is computed and the rows taken from it."""
+        found = self._head(output)
+        if found is None:
+            outputs = self.trace(static, params, inputs)
+            full = outputs[output]
+            outputs[output] = _at(full, last)
+            return outputs
+        hidden, tail = found
+        skip = {id(n) for n in tail}
+        body = [n for n in self._graph.proto.node if id(n) not in skip]
+        scope = self._scope(static, params, inputs)
+        given = frozenset()
+        if self._split is not None and all(n in scope for n in self._split.names):
+            given = self._split.names
+        run_nodes(self._graph, scope, nodes=body, given=given)
+        rows = scope[hidden]  # [B, S, H]
+        scope = scope.new_child({hidden: _at(rows, last)})
+        run_nodes(self._graph, scope, nodes=tail)
+        return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
+
+    def _head(self, output: str) -> tuple[str, list] | None:
+        """The hidden state's name and the nodes that make ``output`` from it row by row (a
+        matrix product by weights, then element-wise nodes with weight-only other inputs), or
+        None."""
+        if not hasattr(self, "_heads"):
+            self._heads: dict[str, Any] = {}
+        if output in self._heads:
+            return self._heads[output]
+        nodes = list(self._graph.proto.node)
+        producer = {o: n for n in nodes for o in n.output}
+        fixed = set(self._graph.constants) | set(self.params) | {""}
+        for node in nodes:  # values computed from weights alone
+            if all(i in fixed for i in node.input):  # Constant nodes too
+                fixed.update(node.output)
+        users: dict[str, int] = {}
+        for node in nodes:
+            for i in node.input:
+                users[i] = users.get(i, 0) + 1
+        outputs = {o.name for o in self.outputs}
+        tail, name, found = [], output, None
+        while name in producer and len(tail) < 8:
+            node = producer[name]
+            used = users.get(name, 0) != (0 if name == output else 1)
+            if len(node.output) != 1 or used or (name != output and name in outputs):
+                break
+            moving = [i for i in node.input if i not in fixed]
+            if len(moving) != 1:
+                break
+            tail.insert(0, node)
+            if node.op_type in _PRODUCTS and node.input[0] == moving[0]:
+                found = (moving[0], tail)
+                break
+            if node.op_type not in _ELEMENTWISE or node.domain not in ("", "ai.onnx"):
+                break
+            name = moving[0]
+        if self._split is not None:
+            found = None  # a graph split for the host: the whole graph runs as it is
+        self._heads[output] = found
+        return found
+
     # The generation package's name for :meth:`trace` until it moves to the public seam.
     _function = trace
 
@@ -498,6 +570,20 @@ class Model:
                 dynamic[info.name] = value
         _check_together(self, {**dynamic, **static})
         return dynamic, static
+
+
+# The nodes of an LM head (see Model.trace_last): matrix products by weights whose rows are
+# the hidden state's positions, then element-wise nodes (softcapping, a cast).
+def _at(values: jax.Array, last: jax.Array) -> jax.Array:
+    """values [B, S, ...] at each row's positions ``last``: [B] gives [B, 1, ...], [B, P] gives
+    [B, P, ...]."""
+    if jnp.ndim(last) == 1:
+        return values[jnp.arange(values.shape[0]), last][:, None]
+    return values[jnp.arange(values.shape[0])[:, None], last]
+
+
+_PRODUCTS = ("MatMul", "PackedMatMul", "MatMulNBits")
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Identity")
 
 
 def _shape_text(shape) -> str:

@@ -1,0 +1,216 @@
+"""Several requests' prompts in one prefill step, and long prompts chunk by chunk.
+
+:func:`begin` admits requests (the checks of :func:`.slots.prefill`) and gives a
+:class:`Pending`; each :func:`advance` runs ONE step of every prompt that has tokens left (the
+next part of each, padded to a bucket of 64 tokens, at most :data:`~.cache.PREFILL_CAP`), so
+a server can run the slots' decode chunks between the chunks of a long prompt; :func:`end`
+selects each request's first token and gives its :class:`~.slots.Prefix`, ready for
+:func:`.slots.insert`. One request through them is :func:`.slots.prefill`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import slots
+from .cache import PREFILL_CAP
+from .errors import GenerationError
+from .stops import StopStrings
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pending:
+    """Requests whose prompts are being fed, one step at a time.
+
+    Attributes:
+        requests: the requests, one row each.
+        resolved: each request's options (the specification's where it gives None).
+        stops: each request's stop strings, or None.
+        fed: [n] prompt tokens fed so far.
+        lengths: [n] valid cached tokens.
+        cache: the rows' cache (batch n, the slots' capacity).
+        logits: [n, V] each row's logits after its last prompt token (rows that are done), or
+            None before the first step.
+        chunk: the most prompt tokens of one step.
+        tables: each request's constraint table (:func:`.slots.prefill`'s), or None.
+    """
+
+    requests: tuple[slots.Request, ...]
+    resolved: tuple[dict[str, Any], ...]
+    stops: tuple[StopStrings | None, ...]
+    fed: np.ndarray
+    lengths: np.ndarray
+    cache: dict[str, jax.Array]
+    logits: jax.Array | None = None
+    chunk: int = PREFILL_CAP
+    tables: tuple[Any, ...] = ()
+
+    @property
+    def remaining(self) -> np.ndarray:
+        """[n] prompt tokens each row has still to feed."""
+        return np.array([len(r.prompt) for r in self.requests]) - self.fed
+
+    @property
+    def done(self) -> bool:
+        """Whether every prompt is fed (then :func:`end` gives the prefixes)."""
+        return not self.remaining.any()
+
+
+def _size(engine: Engine, remaining: int, chunk: int) -> int:
+    """Tokens of the next step of prompts with at most ``remaining`` tokens left."""
+    return engine.cache_mode.prompt_step(min(remaining, chunk), engine.spec.prefill)
+
+
+def _schedule(engine: Engine, lengths: Sequence[int], chunk: int) -> list[int]:
+    """The step sizes that feed prompts of ``lengths`` together."""
+    left, sizes = np.array(lengths), []
+    while left.max() > 0:
+        size = _size(engine, int(left.max()), chunk)
+        sizes.append(size)
+        left = np.maximum(left - size, 0)
+    return sizes
+
+
+def begin(engine: Engine, requests: Sequence[slots.Request], chunk: int = PREFILL_CAP) -> Pending:
+    """Admits ``requests`` (raises GenerationError, naming the request, for one the engine
+    cannot take) and gives their prompts to feed, in a cache of the slots' capacity, at most
+    ``chunk`` tokens (a multiple of 64 up to 512) of each per step."""
+    requests = tuple(requests)
+    if not requests:
+        raise GenerationError("prefill needs at least one request")
+    if (
+        isinstance(chunk, bool)
+        or not isinstance(chunk, int)
+        or not 64 <= chunk <= PREFILL_CAP
+        or chunk % 64
+    ):
+        raise GenerationError(f"chunk must be a multiple of 64 up to {PREFILL_CAP}, got {chunk!r}")
+    admitted, tables = [], []
+    for i, request in enumerate(requests):
+        try:
+            admitted.append(slots._admit(engine, request))
+            tables.append(slots._table_of(engine, request, admitted[-1][0]["eos"]))
+        except GenerationError as error:
+            raise GenerationError(f"request {i}: {error}") from None
+    capacity = engine.slot_capacity
+    prompts = [len(r.prompt) for r in requests]
+    # every step writes its padded width after each row's valid rows: the cache must hold it
+    written = np.zeros(len(requests), int)
+    fed = np.zeros(len(requests), int)
+    for size in _schedule(engine, prompts, chunk):
+        written = np.maximum(written, fed + size)
+        fed = np.minimum(fed + size, prompts)
+    for i, (r, _) in enumerate(admitted):
+        need = max(prompts[i] + r["max_new"], int(written[i]))
+        if need > capacity:
+            raise GenerationError(
+                f"request {i} needs {need} cache rows (a prompt of {prompts[i]} tokens, padded, "
+                f"and {r['max_new']} new ones): more than the slots' capacity of {capacity}"
+            )
+    n = len(requests)
+    return Pending(
+        requests,
+        tuple(r for r, _ in admitted),
+        tuple(s for _, s in admitted),
+        np.zeros(n, np.int32),
+        np.zeros(n, np.int32),
+        engine.cache.empty(n, capacity),
+        chunk=chunk,
+        tables=tuple(tables),
+    )
+
+
+def advance(engine: Engine, pending: Pending) -> Pending:
+    """One step of every prompt with tokens left: its next part, padded (the cache of
+    ``pending`` is donated)."""
+    if pending.done:
+        return pending
+    mode, capacity = engine.cache_mode, engine.slot_capacity
+    remaining, n = pending.remaining, len(pending.requests)
+    size = _size(engine, int(remaining.max()), pending.chunk)
+    real = np.minimum(remaining, size).astype(np.int32)
+    tokens = np.full((n, size), slots._pad_token(engine), np.int32)
+    for i, request in enumerate(pending.requests):
+        start = int(pending.fed[i])
+        tokens[i, : real[i]] = request.prompt[start : start + real[i]]
+    feed: dict[str, Any] = {"tokens": tokens}
+    if "attention_mask" in {i.name for i in engine.model.inputs}:
+        feed["attention_mask"] = mode.mask(pending.lengths, size, capacity)
+    axes = slots._axes(engine)
+    if axes:
+        positions = (np.arange(size)[None, :] + pending.fed[:, None]).astype(np.int32)
+        feed["position_ids"] = np.broadcast_to(positions, (3, n, size)) if axes == 3 else positions
+    last = np.maximum(real - 1, 0).astype(np.int32)
+    logits, cache = engine.compiled.steps(pending.cache, feed, pending.lengths, last)
+    ending = jnp.asarray((remaining > 0) & (remaining <= size))  # rows fed their last token
+    if pending.logits is not None:
+        logits = jnp.where(ending[:, None], logits, pending.logits)
+    lengths = mode.advance(pending.lengths, real, size).astype(np.int32)
+    return dataclasses.replace(
+        pending, fed=pending.fed + real, lengths=lengths, cache=cache, logits=logits
+    )
+
+
+def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
+    """Each request's prefix: its first token selected (as :func:`.slots.prefill` does)."""
+    if not pending.done:
+        raise GenerationError("the prompts are not all fed: call advance until done")
+    n = len(pending.requests)
+    tables = pending.tables or (None,) * n
+    lengths = jnp.asarray(pending.lengths)
+    each = [
+        slots._request_rows(engine, request, r, lengths[i : i + 1], {}, tables[i])
+        for i, (request, r) in enumerate(zip(pending.requests, pending.resolved, strict=True))
+    ]
+    rows = jax.tree.map(lambda *a: jnp.concatenate(a), *each)  # the cache apart: not copied
+    first = slots._first(engine, engine.slot_top_logprobs)
+    chosen: dict[int, tuple[slots.Rows_, slots.StepOut]] = {}
+    distinct: list[Any] = []
+    for t in tables:
+        if not any(t is u for u in distinct):
+            distinct.append(t)
+    for table in distinct:  # one selection per constraint table (the others' rows free)
+        members = np.array([t is table for t in tables])
+        group = rows
+        if table is not None:
+            free = jnp.where(jnp.asarray(members), rows.constraint, -1)
+            group = dataclasses.replace(rows, constraint=free)
+        after, out = first(pending.logits, group, table)
+        out = jax.device_get(out)
+        chosen.update({int(i): (after, out) for i in np.flatnonzero(members)})
+    prefixes = []
+    for i, request in enumerate(pending.requests):
+        after, out = chosen[i]
+        one = jax.tree.map(lambda a, i=i: a[i : i + 1], after)
+        drafts = dataclasses.replace(one.drafts, cache=slots._drafted(engine, request.prompt))
+        cache = jax.tree.map(lambda a, i=i: a[i : i + 1], pending.cache)
+        one = dataclasses.replace(one, cache=cache, drafts=drafts)
+        if pending.resolved[i]["max_new"] == 0:
+            prefixes.append(slots.Prefix(request, one, None, tables[i]))
+            continue
+        token = slots._tokens(out, request, [i], 0, None)[0]
+        token = dataclasses.replace(token, slot=0)
+        stops = pending.stops[i]
+        if stops is not None and not token.done and not token.eos:
+            if stops.hit([*request.prompt, token.token]):
+                token = dataclasses.replace(token, done=True, finish_reason="stop")
+                one = dataclasses.replace(one, done=jnp.ones(1, bool))
+        prefixes.append(slots.Prefix(request, one, token, tables[i]))
+    return prefixes
+
+
+def prefill_many(engine: Engine, requests: Sequence[slots.Request]) -> list[slots.Prefix]:
+    """The prefixes of ``requests``, their prompts run together: one step per bucket chunk."""
+    pending = begin(engine, requests)
+    while not pending.done:
+        pending = advance(engine, pending)
+    return end(engine, pending)
