@@ -10,6 +10,10 @@ llguidance compiles a constraint against the tokenizer's vocabulary (its Hugging
 - device: where the constraint is a finite automaton (regex, choice, schemas without $ref), a
   :class:`TokenTable` (outlines-core's index of the same pattern as arrays) that a compiled step
   reads with :func:`table_bitmask` and :func:`next_state`, with no host round trip.
+- host rows inside the device loop (:class:`HostMask`): a row whose state is a handle (-2 - h)
+  of a live llguidance matcher; the compiled step calls back to the host for its mask and
+  hands it each new token, whose next mask a host thread computes while the device runs the
+  model's next step.
 
 Eos is allowed only where the constraint may end; once it is complete only eos is.
 """
@@ -20,12 +24,16 @@ import collections
 import collections.abc
 import dataclasses
 import functools
+import itertools
 import json
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
@@ -277,10 +285,13 @@ class TokenTable:
     Attributes:
         mask: [S, ceil(V / 32)] int32 the tokens each state allows (eos where it may end).
         next: [S, V] int32 the state after each token (-1: not allowed; eos keeps the state).
+        host: whether rows may hold host matchers (states -2 - h, see :class:`HostMask`):
+            a step that reads the table then calls back to the host for those rows.
     """
 
     mask: jax.Array
     next: jax.Array
+    host: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def states(self) -> int:
@@ -511,6 +522,13 @@ class DeviceMask:
             state = int(host[state, int(token)])
         return state
 
+    def start(self, rows: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> np.ndarray:
+        """[B] int32 the table's states of rows given as (prompt, new tokens) (None: -1)."""
+        return np.array([-1 if r is None else self.walk(r[1]) for r in rows], np.int32)
+
+    def release(self, states: np.ndarray) -> None:
+        """Nothing to release (as :meth:`HostMask.release`)."""
+
     def state(self, row: dict) -> np.ndarray:
         """The bitmask of a row (``{"prompt", "generated" (last first), "vocab"}``), from the
         table on the host (a prompt step's selection)."""
@@ -529,23 +547,177 @@ class DeviceMask:
 
 
 DEVICE_MASK = "constraint table"  # a DeviceMask's name in program keys (its table is an input)
+HOST_MASK = "constraint matcher"  # a HostMask's: its programs call back to the host
 
 
-def device_mask(processors: Sequence[Any]) -> DeviceMask | None:
-    """The :class:`DeviceMask` among ``processors``, or None."""
-    return next((p for p in processors if isinstance(p, DeviceMask)), None)
+# -- host rows inside the device loop ------------------------------------------------------
+
+HOST_STATE = -2  # a host row's state is HOST_STATE - its handle
+
+
+class _Live:
+    """A host row: its matcher and its next mask (``pending``: being computed)."""
+
+    __slots__ = ("matcher", "vocab", "mask", "pending")
+
+    def __init__(self, matcher: Any, vocab: int):
+        self.matcher, self.vocab, self.mask = matcher, vocab, None
+        self.pending: Future | None = _worker().submit(bitmask, matcher, vocab)
+
+    def next_mask(self) -> np.ndarray:
+        if self.pending is not None:
+            self.mask, self.pending = self.pending.result(), None
+        return self.mask
+
+    def take(self, token: int) -> None:
+        """Starts consuming ``token`` and computing the next mask, on the host's worker."""
+        self.next_mask()
+        self.pending = _worker().submit(_consumed, self.matcher, token, self.vocab)
+
+
+def _consumed(matcher: Any, token: int, vocab: int) -> np.ndarray:
+    matcher.consume_token(token)
+    return bitmask(matcher, vocab)
+
+
+_live: dict[int, _Live] = {}
+_handles = itertools.count()
+_lock = threading.Lock()
+
+
+@functools.cache
+def _worker() -> ThreadPoolExecutor:
+    """The thread that advances host rows' matchers while the device runs."""
+    return ThreadPoolExecutor(1, thread_name_prefix="transmuter-constraints")
+
+
+def _host_bitmasks(state: np.ndarray) -> np.ndarray:
+    """[B, ceil(V / 32)] the host rows' masks (a callback of :func:`restrict`; others: -1)."""
+    out = None
+    for b in np.flatnonzero(state <= HOST_STATE):
+        live = _live.get(HOST_STATE - int(state[b]))
+        if live is None:
+            continue
+        mask = live.next_mask()
+        if out is None:
+            out = np.full((len(state), len(mask)), -1, np.int32)
+        out[b] = mask
+    if out is None:  # only released rows (not run): any width that fits
+        raise GenerationError("a host constraint's row was released while the device ran it")
+    return out
+
+
+def _host_consume(state: np.ndarray, token: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Hands each host row its kept token (a callback of :func:`advance`); returns ``state``."""
+    for b in np.flatnonzero((state <= HOST_STATE) & kept):
+        live = _live.get(HOST_STATE - int(state[b]))
+        if live is not None:
+            live.take(int(token[b]))
+    return np.asarray(state, np.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _host_matchers(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]):
+    return HostMatcher(constraint, path, vocab, eos)
+
+
+@functools.lru_cache(maxsize=8)
+def _matcher_table(vocab: int) -> TokenTable:
+    """A table of no device states whose rows may be host rows."""
+    words = -(-vocab // 32)
+    return TokenTable(
+        jnp.zeros((1, words), jnp.int32), jnp.full((1, vocab), -1, jnp.int32), host=True
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMask:
+    """The host path of a constraint inside the device loop, as a task processor
+    ``(state, process)`` (its ``state`` serves host steps, such as the prompt's): a decode
+    chunk reads :attr:`table` and the rows' handles (:meth:`start`), and calls back to the
+    host for each step's masks; each new token goes to a host thread, which computes the next
+    mask while the device runs the model (equal by value, as :class:`DeviceMask`).
+
+    Attributes:
+        constraint: the constraint. path: the model's tokenizer.json. vocab: the logits'
+        vocabulary. eos: the eos ids.
+    """
+
+    constraint: Constraint
+    path: str
+    vocab: int
+    eos: tuple[int, ...]
+
+    @property
+    def table(self) -> TokenTable:
+        """The table a chunk reads: no device states, host rows allowed."""
+        return _matcher_table(self.vocab)
+
+    @property
+    def matchers(self) -> HostMatcher:
+        """The constraint's host matchers (cached by the constraint's text)."""
+        return _host_matchers(self.constraint, self.path, self.vocab, self.eos)
+
+    def start(self, rows: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> np.ndarray:
+        """[B] int32 the states of rows given as (prompt, new tokens), each a handle of a live
+        matcher after its tokens (None: a row that takes no token, -1); :meth:`release` them."""
+        states = np.full(len(rows), -1, np.int32)
+        for b, row in enumerate(rows):
+            if row is None:
+                continue
+            matcher = self.matchers.matcher(row[0], row[1]).deep_copy()
+            with _lock:
+                handle = next(_handles)
+                _live[handle] = _Live(matcher, self.vocab)
+            states[b] = HOST_STATE - handle
+        return states
+
+    def release(self, states: np.ndarray) -> None:
+        """Drops the live matchers of ``states`` (from :meth:`start`)."""
+        for s in np.asarray(states).tolist():
+            if s <= HOST_STATE:
+                live = _live.pop(HOST_STATE - s, None)
+                if live is not None and live.pending is not None:
+                    live.pending.result()
+
+    def state(self, row: dict) -> np.ndarray:
+        """The bitmask of a row (``{"prompt", "generated" (last first), "vocab"}``)."""
+        return self.matchers.state(row)
+
+    def __getitem__(self, i: int) -> Any:
+        return (self.state, _process)[i]
+
+    def __iter__(self):
+        return iter((self.state, _process))
+
+    def __len__(self) -> int:
+        return 2
+
+
+def live_rows() -> int:
+    """Host rows whose matchers are live (started and not released)."""
+    return len(_live)
+
+
+def device_mask(processors: Sequence[Any]) -> DeviceMask | HostMask | None:
+    """The :class:`DeviceMask` or :class:`HostMask` among ``processors``, or None."""
+    return next((p for p in processors if isinstance(p, DeviceMask | HostMask)), None)
 
 
 def program_names(processors: Sequence[Any]) -> tuple[Any, ...]:
-    """``processors`` with a DeviceMask as :data:`DEVICE_MASK` (what a program computes does
-    not depend on its table, an input)."""
-    return tuple(DEVICE_MASK if isinstance(p, DeviceMask) else p for p in processors)
+    """``processors`` with a DeviceMask as :data:`DEVICE_MASK` and a HostMask as
+    :data:`HOST_MASK` (what a program computes does not depend on its table, an input, nor on
+    which matcher the host runs)."""
+    names = {DeviceMask: DEVICE_MASK, HostMask: HOST_MASK}
+    return tuple(names.get(type(p), p) for p in processors)
 
 
-def processor(constraint: Constraint, path: str, vocab: int, eos: Sequence[int]) -> Any:
+def processor(
+    constraint: Constraint, path: str, vocab: int, eos: Sequence[int]
+) -> DeviceMask | HostMask:
     """The processor of ``constraint``: a :class:`DeviceMask` where its table equals
-    llguidance's masks (a regex or choice, or a schema whose regex does), else the host path's
-    ``(state, process)`` of a :class:`HostMatcher`."""
+    llguidance's masks (a regex or choice, or a schema whose regex does), else a
+    :class:`HostMask` (llguidance's matcher on the host, called from the device loop)."""
     path, eos = os.fspath(path), tuple(int(e) for e in eos)
     compile_matcher(constraint, path, vocab, eos)  # a bad constraint is refused by its name
     if constraint.finite and _plain(constraint):
@@ -554,7 +726,7 @@ def processor(constraint: Constraint, path: str, vocab: int, eos: Sequence[int])
             return DeviceMask(constraint, path, int(vocab), eos)
         except NotExact:
             pass
-    return HostMatcher(constraint, path, vocab, eos).processor
+    return HostMask(constraint, path, int(vocab), eos)
 
 
 def _plain(constraint: Constraint) -> bool:
@@ -587,16 +759,40 @@ def _plain(constraint: Constraint) -> bool:
 
 def restrict(scores: jax.Array, table: TokenTable | None, state: jax.Array) -> jax.Array:
     """``scores`` [B, V] with each row's tokens its ``state`` [B] does not allow removed (a free
-    row, state -1, keeps all; no table: unchanged)."""
+    row, state -1, keeps all; a host row, state -2 - h, its matcher's mask; no table:
+    unchanged)."""
     if table is None:
         return scores
-    return apply_mask(scores, table_bitmask(table, state))
+    mask = table_bitmask(table, state)
+    if table.host:
+        hosted = state <= HOST_STATE
+        shape = jax.ShapeDtypeStruct(mask.shape, jnp.int32)
+        from_host = jax.lax.cond(
+            jnp.any(hosted),
+            lambda s: jax.experimental.io_callback(_host_bitmasks, shape, s),
+            lambda s: jnp.full(shape.shape, -1, jnp.int32),
+            state,
+        )
+        mask = jnp.where(hosted[:, None], from_host, mask)
+    return apply_mask(scores, mask)
 
 
 def advance(
     table: TokenTable | None, state: jax.Array, token: jax.Array, kept: jax.Array
 ) -> jax.Array:
-    """[B] the state after each row's ``token`` where ``kept`` [B] (an eos keeps the state)."""
+    """[B] the state after each row's ``token`` where ``kept`` [B] (an eos keeps the state; a
+    host row keeps its handle, and its matcher takes the token)."""
     if table is None:
         return state
-    return jnp.where(kept, next_state(table, state, token), state)
+    after = jnp.where(kept, next_state(table, state, token), state)
+    if table.host:
+        hosted = state <= HOST_STATE
+        shape = jax.ShapeDtypeStruct(state.shape, jnp.int32)
+        handed = jax.lax.cond(
+            jnp.any(hosted & kept),
+            lambda a: jax.experimental.io_callback(_host_consume, shape, *a),
+            lambda a: a[0],
+            (state, token.astype(jnp.int32), kept),
+        )
+        after = jnp.where(hosted, handed, after)
+    return after

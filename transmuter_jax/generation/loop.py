@@ -466,12 +466,16 @@ class _Run:
         rows, members, ctx = self.rows, self.members, self.ctx
         live = np.array([members[i] and not r.done for i, r in enumerate(rows)])
         constraint = None
-        if decoder.mask is not None:  # each row's state of the constraint's table
-            walk = decoder.mask.walk
-            constraint = np.array([walk(r.generated) for r in rows], np.int32)
+        if decoder.mask is not None:  # each row's state of the constraint (a table's, a handle)
+            given = [(r.prompt, r.generated) if on else None for r, on in zip(rows, live)]
+            constraint = decoder.mask.start(given)
         device = self.device_rows(live, state.lengths.astype(np.int32), state.arrays, constraint)
         state.arrays = None  # donated
-        result, out = decoder(ctx, device, self.given, room, state.capacity)
+        try:
+            result, out = decoder(ctx, device, self.given, room, state.capacity)
+        finally:
+            if constraint is not None:
+                decoder.mask.release(constraint)
         state.arrays = result.cache
         eos, options = ctx.eos, ctx.options
         for i in range(out.token.shape[0]):
