@@ -321,6 +321,30 @@ def test_generate_runs_the_table_in_the_decode_chunk_as_the_host_path(model, opt
     assert device == gen.generate(host_engine, PROMPTS, seeds)
 
 
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize(
+    "option",
+    [{"json_schema": SCHEMA}, {"grammar": GRAMMAR}, {"json_object": True}],
+    ids=["schema", "grammar", "object"],
+)
+def test_host_matchers_run_in_the_decode_chunk_as_the_host_step(model, option, sample):
+    """A constraint llguidance runs on the host (strings, bounds, $ref, a grammar, an open
+    object) decodes in the device chunk, called back for each mask, token for token as the
+    one-step-at-a-time host path; every live matcher is released after the call."""
+    options = {"max_new_tokens": 40, "do_sample": sample, "eos_token_id": list(EOS)}
+    spec = gen.context(str(FIXTURE), model, **options, **option)
+    engine = gen.compile(spec, 4)
+    assert gen.on_device(engine) and isinstance(engine.compiled.decoder.mask, cs.HostMask)
+    seeds = [3, 4, 5, 6]
+    device = gen.generate(engine, PROMPTS, seeds)
+    assert cs.live_rows() == 0
+    host_engine = _host_engine(model, cs.from_options(spec.options), **options)
+    assert not gen.on_device(host_engine)
+    assert device == gen.generate(host_engine, PROMPTS, seeds)
+    if "grammar" in option:  # short sentences: eos at their end, through the callbacks
+        assert all(len(tokens) < 40 for tokens in device)
+
+
 CLOSED = {  # closed objects of booleans, enums and integers: the device path
     "type": "object",
     "properties": {
@@ -400,6 +424,57 @@ def test_slots_mix_constrained_and_free_requests(model):
         assert gen.generate(host, [list(request.prompt)], [request.seed])[0] == ids
 
 
+def test_slots_run_host_matchers_beside_tables_and_free_rows(model):
+    """Requests whose constraints llguidance runs on the host (a schema with strings and
+    bounds, a grammar) share a batch with a device table's and a free one, each as alone and
+    as generate()'s host path; their outputs validate; freeing releases their matchers."""
+    spec = gen.context(str(FIXTURE), model, max_new_tokens=40)
+    engine = gen.compile(spec, 4, capacity=128, top_logprobs=0)
+    requests = [
+        gen.Request(PROMPTS[0], constraint={"json_schema": SCHEMA}),
+        gen.Request(PROMPTS[1], max_new_tokens=12, do_sample=True, seed=1),  # free
+        gen.Request(PROMPTS[2], constraint={"grammar": GRAMMAR}, do_sample=True, seed=3),
+        gen.Request(PROMPTS[3], constraint={"regex": r"(yes|no) [A-Z][a-z]{0,3}"}),  # a table
+    ]
+    before = cs.live_rows()
+    state, out = engine.init_state(), {}
+    for slot, prefix in enumerate(engine.prefill_many(requests[:2])):
+        state = engine.insert(prefix, state, slot)
+        out[slot] = [prefix.first]
+    state, tokens = engine.generate(state, 3)
+    for t in tokens:
+        out[t.slot].append(t)
+    for slot in (2, 3):  # join a running batch
+        prefix = engine.prefill(requests[slot])
+        state = engine.insert(prefix, state, slot)
+        out[slot] = [prefix.first]
+    state = _drain(engine, state, out)
+    assert cs.live_rows() == before + 2
+    for slot in range(4):
+        state = engine.free(state, slot)
+    assert cs.live_rows() == before
+    decode = llguidance.LLTokenizer(TOKENIZER, n_vocab=VOCAB).decode_str
+    for slot, request in enumerate(requests):
+        ids = [t.token for t in out[slot] if not t.eos]
+        alone, solo = engine.init_state(), {}
+        prefix = engine.prefill(request)
+        solo[0] = [prefix.first]
+        alone = _drain(engine, engine.insert(prefix, alone, 0), solo)
+        engine.free(alone, 0)
+        assert [t.token for t in solo[0]] == [t.token for t in out[slot]]  # as alone
+        if request.constraint is None:
+            continue
+        options = {"max_new_tokens": 40, "do_sample": bool(request.do_sample)}
+        host = _host_engine(model, request.constraint, **options)  # generate()'s host path
+        assert gen.generate(host, [list(request.prompt)], [request.seed])[0] == ids
+        if out[slot][-1].eos:  # complete: it validates
+            if request.constraint.kind == "json_schema":
+                jsonschema.validate(json.loads(decode(ids)), SCHEMA)
+            elif request.constraint.kind == "grammar":
+                lark.Lark(GRAMMAR).parse(decode(ids))
+    assert cs.live_rows() == before
+
+
 def test_prefill_many_selects_each_first_token_with_its_own_table(model):
     spec = gen.context(str(FIXTURE), model, max_new_tokens=20)
     engine = gen.compile(spec, 4, capacity=128, top_logprobs=0)
@@ -421,7 +496,7 @@ def test_prefill_many_selects_each_first_token_with_its_own_table(model):
         assert [t.token for t in solo[0]] == [t.token for t in out[slot]]  # as alone
 
 
-def test_slots_refuse_bad_and_host_only_constraints(model):
+def test_slots_refuse_bad_constraints(model):
     spec = gen.context(str(FIXTURE), model, max_new_tokens=8)
     engine = gen.compile(spec, 2, capacity=128, top_logprobs=0)
     with pytest.raises(GenerationError, match="not a constraint option: regexp"):
@@ -430,8 +505,6 @@ def test_slots_refuse_bad_and_host_only_constraints(model):
         gen.Request([1, 2], constraint={"regex": "a", "choice": ["a"]})
     with pytest.raises(GenerationError, match="invalid regex"):
         engine.prefill(gen.Request([1, 2], constraint={"regex": "(ab"}))
-    with pytest.raises(GenerationError, match="needs llguidance on the host"):
-        engine.prefill(gen.Request([1, 2], constraint={"grammar": GRAMMAR}))
     constrained = gen.context(str(FIXTURE), model, max_new_tokens=8, regex="[0-9]+")
     with pytest.raises(GenerationError, match="slots take one per request"):
         gen.compile(constrained, 2).init_state()

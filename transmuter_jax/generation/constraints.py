@@ -580,7 +580,8 @@ def _consumed(matcher: Any, token: int, vocab: int) -> np.ndarray:
     return bitmask(matcher, vocab)
 
 
-_live: dict[int, _Live] = {}
+KEEP_LIVE = 4096  # host rows kept live at most (the oldest go: a prefix never inserted)
+_live: collections.OrderedDict[int, _Live] = collections.OrderedDict()
 _handles = itertools.count()
 _lock = threading.Lock()
 
@@ -591,19 +592,14 @@ def _worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="transmuter-constraints")
 
 
-def _host_bitmasks(state: np.ndarray) -> np.ndarray:
-    """[B, ceil(V / 32)] the host rows' masks (a callback of :func:`restrict`; others: -1)."""
-    out = None
+def _host_bitmasks(words: int, state: np.ndarray) -> np.ndarray:
+    """[B, words] the host rows' masks (a callback of :func:`restrict`; other rows, and rows
+    released after they ended, -1)."""
+    out = np.full((len(state), words), -1, np.int32)
     for b in np.flatnonzero(state <= HOST_STATE):
         live = _live.get(HOST_STATE - int(state[b]))
-        if live is None:
-            continue
-        mask = live.next_mask()
-        if out is None:
-            out = np.full((len(state), len(mask)), -1, np.int32)
-        out[b] = mask
-    if out is None:  # only released rows (not run): any width that fits
-        raise GenerationError("a host constraint's row was released while the device ran it")
+        if live is not None:
+            out[b] = live.next_mask()
     return out
 
 
@@ -669,16 +665,14 @@ class HostMask:
             with _lock:
                 handle = next(_handles)
                 _live[handle] = _Live(matcher, self.vocab)
+                while len(_live) > KEEP_LIVE:
+                    _live.popitem(last=False)
             states[b] = HOST_STATE - handle
         return states
 
     def release(self, states: np.ndarray) -> None:
         """Drops the live matchers of ``states`` (from :meth:`start`)."""
-        for s in np.asarray(states).tolist():
-            if s <= HOST_STATE:
-                live = _live.pop(HOST_STATE - s, None)
-                if live is not None and live.pending is not None:
-                    live.pending.result()
+        release(states)
 
     def state(self, row: dict) -> np.ndarray:
         """The bitmask of a row (``{"prompt", "generated" (last first), "vocab"}``)."""
@@ -692,6 +686,15 @@ class HostMask:
 
     def __len__(self) -> int:
         return 2
+
+
+def release(states: np.ndarray) -> None:
+    """Drops the live matchers of the host rows among ``states`` (others: nothing)."""
+    for s in np.asarray(states).reshape(-1).tolist():
+        if s <= HOST_STATE:
+            live = _live.pop(HOST_STATE - s, None)
+            if live is not None and live.pending is not None:
+                live.pending.result()
 
 
 def live_rows() -> int:
@@ -767,9 +770,10 @@ def restrict(scores: jax.Array, table: TokenTable | None, state: jax.Array) -> j
     if table.host:
         hosted = state <= HOST_STATE
         shape = jax.ShapeDtypeStruct(mask.shape, jnp.int32)
+        masks = functools.partial(_host_bitmasks, int(mask.shape[1]))
         from_host = jax.lax.cond(
             jnp.any(hosted),
-            lambda s: jax.experimental.io_callback(_host_bitmasks, shape, s),
+            lambda s: jax.experimental.io_callback(masks, shape, s),
             lambda s: jnp.full(shape.shape, -1, jnp.int32),
             state,
         )

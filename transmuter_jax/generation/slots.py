@@ -838,7 +838,7 @@ def _request_rows(
         bias_ids=jnp.asarray(bias_ids),
         bias_values=jnp.asarray(bias_values),
         min_new=one(int(request.min_new_tokens), np.int32),
-        constraint=one(-1 if table is None else 0, np.int32),
+        constraint=one(_start_state(engine, request, r, table), np.int32),
         drafts=drafting.empty(
             1, r["lookup"], r["ngram"], r["assisted"], r["adaptive"], cache=drafted or {}
         ),
@@ -939,8 +939,10 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
         tokens.append(prefix.first.token)
     state, offset = _joined(state, slot, prefix.table)
     one = prefix.rows
-    if prefix.table is not None:  # its state in the slots' table
-        one = dataclasses.replace(one, constraint=one.constraint + offset)
+    if prefix.table is not None:  # its state in the slots' table (a host row's: its handle)
+        c = one.constraint
+        one = dataclasses.replace(one, constraint=jnp.where(c >= 0, c + offset, c))
+    _release(state, slot)
     rows = _insert_function(jit_key(engine.jit_options))(state.rows, one, jnp.int32(slot))
     if done:
         rows = dataclasses.replace(rows, done=rows.done.at[slot].set(True))
@@ -950,21 +952,38 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
     return dataclasses.replace(state, rows=rows, hosts=hosts)
 
 
-def _table_of(engine: Engine, request: Request, eos: tuple[int, ...]):
-    """The device table of the request's constraint (None without one)."""
+def _mask_of(engine: Engine, request: Request, eos: tuple[int, ...]):
+    """The DeviceMask or HostMask of the request's constraint (None without one)."""
     if request.constraint is None:
         return None
     if not eos:
         raise GenerationError("structured output needs an eos token (eos_token_id is empty)")
     folder = hub.folder(engine.spec.repo, hub.SMALL_FILES)
     path = os.path.join(folder, "tokenizer.json")
-    mask = constraints.processor(request.constraint, path, engine.vocab_size or 0, eos)
-    if not isinstance(mask, constraints.DeviceMask):
-        raise GenerationError(
-            f"this {request.constraint.kind} constraint needs llguidance on the host (it is not "
-            "a finite automaton whose table equals llguidance's masks): use generate()"
-        )
-    return mask.table
+    return constraints.processor(request.constraint, path, engine.vocab_size or 0, eos)
+
+
+def _table_of(engine: Engine, request: Request, eos: tuple[int, ...]):
+    """The table of the request's constraint (None without one): its device table, or a
+    table of host rows (llguidance's matcher, called back from the step)."""
+    mask = _mask_of(engine, request, eos)
+    return None if mask is None else mask.table
+
+
+def _start_state(engine: Engine, request: Request, r: dict[str, Any], table) -> int:
+    """The request's first state in its table: -1 (none), 0, or a host row's handle."""
+    if table is None:
+        return -1
+    if not table.host:
+        return 0
+    return int(_mask_of(engine, request, tuple(r["eos"])).start([(request.prompt, [])])[0])
+
+
+def _release(state: SlotState, slot: int) -> None:
+    """Releases the host matcher of slot ``slot``'s request, if it has one."""
+    host = state.hosts[slot]
+    if host is not None and host.table is not None and host.table.host:
+        constraints.release(np.asarray(state.rows.constraint[slot : slot + 1]))
 
 
 def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
@@ -993,7 +1012,8 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
     if size > total:
         nexts.append(jnp.full((size - total, own.next.shape[1]), -1, jnp.int32))
         masks.append(jnp.zeros((size - total, own.mask.shape[1]), jnp.int32))
-    table = constraints.TokenTable(jnp.concatenate(masks), jnp.concatenate(nexts))
+    host = any(t.host for t in tables)
+    table = constraints.TokenTable(jnp.concatenate(masks), jnp.concatenate(nexts), host=host)
 
     def start(t) -> int:
         return next(o for u, o in zip(tables, starts, strict=True) if u is t)
@@ -1004,6 +1024,7 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
         new_hosts[i] = dataclasses.replace(h, offset=start(h.table))
     c = state.rows.constraint
     moved = jnp.where(jnp.asarray(keep) & (c >= 0), c + jnp.asarray(delta), -1)
+    moved = jnp.where(c <= constraints.HOST_STATE, c, moved)  # host rows keep their handles
     rows = dataclasses.replace(state.rows, constraint=moved)
     return dataclasses.replace(state, rows=rows, hosts=tuple(new_hosts), table=table), start(own)
 
@@ -1011,6 +1032,7 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
 def free(state: SlotState, slot: int) -> SlotState:
     """``state`` with slot ``slot`` empty (it takes no more tokens; a new prefix may go there)."""
     _slot(state, slot)
+    _release(state, slot)
     rows = dataclasses.replace(state.rows, done=state.rows.done.at[slot].set(True))
     hosts = state.hosts[:slot] + (None,) + state.hosts[slot + 1 :]
     return dataclasses.replace(state, rows=rows, hosts=hosts)
