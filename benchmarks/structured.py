@@ -1,19 +1,22 @@
 """Structured output: constrained vs unconstrained decode tokens/s, and constraint compile times.
 
-``python benchmarks/structured.py [--new 32] [--repo default]`` runs the default model (greedy)
+``python benchmarks/structured.py [--new 48] [--repo default]`` runs the default model (greedy)
 at batch 1 and 8 without a constraint and with a JSON schema, a regex and a choice (each on
-the path it takes: the device table in the decode chunk, or llguidance on the host), times
-the device path's per-step work (:func:`table_bitmask`, :func:`apply_mask`,
-:func:`next_state` on [batch, vocab] logits inside jit) against a plain argmax, and the
-compile time of each constraint (llguidance, and the device table). It prints one JSON
-object; see benchmarks/README.md.
+the path it takes: the device table in the decode chunk, or llguidance's matcher on the host
+called from the decode chunk), plus the JSON schema on the old host path (one host step per
+token, ``json_schema_host_step``); times the per-step work of a table (:func:`restrict` and
+:func:`advance` on [batch, vocab] logits inside jit) and of host rows (the same, called back
+to llguidance) against a plain argmax, and the compile time of each constraint (llguidance,
+and the device table). It prints one JSON object; see benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,11 +44,30 @@ CLOSED = {  # closed objects of booleans, enums and integers: a device table
 }
 CONSTRAINTS = {
     "json_schema": {"json_schema": SCHEMA},
+    # the same schema one host step per token (decode_steps only keeps its context apart)
+    "json_schema_host_step": {"json_schema": SCHEMA, "decode_steps": 15},
     "json_schema_closed": {"json_schema": CLOSED},
     "regex": {"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3} (apples|pears)"},
     "choice": {"choice": ["positive", "negative", "neutral"]},
 }
 PROMPT = "Describe a person as JSON with a name, an age, tags and membership."
+
+
+@contextlib.contextmanager
+def _host_step(options: dict):
+    """For ``json_schema_host_step``: the constraint as a task processor (llguidance's matcher
+    on the host, one host step per token: the path before host rows ran in the chunk)."""
+    if options.get("decode_steps") != 15:
+        yield
+        return
+    from transmuter_jax.generation import constraints as cs
+
+    processor = cs.processor
+    cs.processor = lambda c, p, v, e: cs.HostMatcher(c, p, v, e).processor
+    try:
+        yield
+    finally:
+        cs.processor = processor
 
 
 def _rate(pipe, batch: int, new: int, options: dict, warm: bool = False) -> dict:
@@ -56,15 +78,16 @@ def _rate(pipe, batch: int, new: int, options: dict, warm: bool = False) -> dict
     prompts = [pipe.prompt_ids(f"{PROMPT} ({i})") for i in range(batch)]
     options = {"max_new_tokens": new, **options}
     runner = pipe._runner
-    if warm:
-        runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
-    times, counts = [], []
+    with _host_step(options):
+        if warm:
+            runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
+        times, counts = [], []
 
-    def on_token(event) -> None:
-        times.append(time.perf_counter())
-        counts.append(int((event["token"] >= 0).sum()))
+        def on_token(event) -> None:
+            times.append(time.perf_counter())
+            counts.append(int((event["token"] >= 0).sum()))
 
-    runner.run(pipe.tokenizer, prompts, options, on_token=on_token)
+        runner.run(pipe.tokenizer, prompts, options, on_token=on_token)
     tokens = sum(counts[1:])  # the first event's tokens come with the prefill
     seconds = times[-1] - times[0]
     return {"tokens": tokens, "steps": len(times) - 1, "seconds": seconds}
@@ -81,6 +104,9 @@ def _rates(pipe, batch: int, new: int, rounds: int) -> dict:
     chunk's start over few tokens, constrained or not)."""
     configs = {"free": {}, **CONSTRAINTS}
     for name, options in CONSTRAINTS.items():
+        if name == "json_schema_host_step":  # as long as json_schema's
+            configs[f"free_{name}_length"] = configs["free_json_schema_length"]
+            continue
         _rate(pipe, batch, new, options, warm=True)
         steps = _rate(pipe, batch, new, options)["steps"]
         configs[f"free_{name}_length"] = {"max_new_tokens": steps + 1}
@@ -112,42 +138,59 @@ def _rates(pipe, batch: int, new: int, rounds: int) -> dict:
 
 
 def _device_step(vocab: int, batch: int, path: str, eos: tuple[int, ...]) -> dict:
+    """Microseconds per step of the constraint's own work in a compiled loop of 64 steps over
+    random [batch, vocab] logits (greedy): a regex's and the closed schema's tables, the JSON
+    schema's host rows (called back to llguidance), and a plain argmax."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from transmuter_jax.generation import constraints as cs
 
-    table = cs.token_table(cs.Constraint("regex", CONSTRAINTS["regex"]["regex"]), path, vocab, eos)
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(64, batch, vocab)), jnp.float32)
+    def masked(table):
+        @jax.jit
+        def run(logits, state):
+            def step(state, scores):
+                token = jnp.argmax(cs.restrict(scores, table, state), -1).astype(jnp.int32)
+                return cs.advance(table, state, token, jnp.ones_like(token, bool)), token
 
-    @jax.jit
-    def masked(logits, state):
-        def step(state, scores):
-            token = jnp.argmax(cs.apply_mask(scores, cs.table_bitmask(table, state)), -1)
-            return cs.next_state(table, state, token.astype(jnp.int32)), token
+            return jax.lax.scan(step, state, logits)[1]
 
-        return jax.lax.scan(step, state, logits)[1]
+        return run
 
     @jax.jit
     def plain(logits, state):
         return jax.lax.scan(lambda s, x: (s, jnp.argmax(x, -1)), state, logits)[1]
 
-    state = jnp.zeros(batch, jnp.int32)
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(64, batch, vocab)), jnp.float32)
+    logits = logits.at[:, :, list(eos)].set(-1e9)  # host rows run all 64 steps
     out = {}
-    for name, fn in (("masked", masked), ("plain", plain)):
-        fn(logits, state).block_until_ready()
-        start = time.perf_counter()
-        for _ in range(5):
-            fn(logits, state).block_until_ready()
-        out[f"{name}_us_per_step"] = round((time.perf_counter() - start) / 5 / 64 * 1e6, 1)
-    out["table_states"] = table.states
+    regex = cs.Constraint("regex", CONSTRAINTS["regex"]["regex"])
+    closed = cs.Constraint("json_schema", json.dumps(CLOSED))
+    schema = cs.HostMask(cs.Constraint("json_schema", json.dumps(SCHEMA)), path, vocab, eos)
+    zeros = jnp.zeros(batch, jnp.int32)
+    cases = {
+        "plain": (plain, lambda: zeros),
+        "regex_table": (masked(cs.token_table(regex, path, vocab, eos)), lambda: zeros),
+        "closed_table": (masked(cs.token_table(closed, path, vocab, eos)), lambda: zeros),
+        "host_rows": (masked(schema.table), lambda: schema.start([([1], [])] * batch)),
+    }
+    for name, (fn, start_state) in cases.items():
+        runs = []
+        for _ in range(6):  # the first compiles
+            state = start_state()
+            start = time.perf_counter()
+            fn(logits, jnp.asarray(state)).block_until_ready()
+            runs.append(time.perf_counter() - start)
+            schema.release(np.asarray(state))
+        out[f"{name}_us_per_step"] = round(_median(runs[1:]) / 64 * 1e6, 1)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--repo", default="default")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -163,6 +206,7 @@ def main() -> None:
     ctx = pipe._runner.context(1, {})
     vocab, eos = ctx.vocab_size, ctx.eos
     report: dict = {"model": folder, "new_tokens": args.new, "vocab": vocab, "compile": {}}
+    report["uptime_start"] = _uptime()
     start = time.perf_counter()
     cs.tokenizer(path, vocab, eos)
     report["compile"]["tokenizer_s"] = round(time.perf_counter() - start, 3)
@@ -170,6 +214,8 @@ def main() -> None:
     cs._texts(path, vocab, eos)  # the vocabulary's byte texts for outlines-core, once
     report["compile"]["table_vocabulary_s"] = round(time.perf_counter() - start, 3)
     for name, options in CONSTRAINTS.items():
+        if name == "json_schema_host_step":
+            continue
         constraint = cs.from_options(ctx.options.replace(**options))
         start = time.perf_counter()
         cs.compile_matcher(constraint, path, vocab, eos)
@@ -189,7 +235,13 @@ def main() -> None:
     for batch in (1, 8):
         report[f"batch_{batch}"] = _rates(pipe, batch, args.new, args.rounds)
         report[f"device_step_batch_{batch}"] = _device_step(vocab, batch, path, eos)
+        report[f"uptime_after_batch_{batch}"] = _uptime()
     print(json.dumps(report, indent=1))
+
+
+def _uptime() -> str:
+    """The load average now (the machine may be shared: ratios within one run only)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import itertools
 import json
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -558,26 +558,49 @@ HOST_STATE = -2  # a host row's state is HOST_STATE - its handle
 class _Live:
     """A host row: its matcher and its next mask (``pending``: being computed)."""
 
-    __slots__ = ("matcher", "vocab", "mask", "pending")
+    __slots__ = ("matcher", "words", "mask", "pending")
 
     def __init__(self, matcher: Any, vocab: int):
-        self.matcher, self.vocab, self.mask = matcher, vocab, None
-        self.pending: Future | None = _worker().submit(bitmask, matcher, vocab)
+        self.matcher, self.words = matcher, -(-vocab // 32)
+        self.mask: np.ndarray | None = None
+        self.pending: Future | None = None
 
     def next_mask(self) -> np.ndarray:
+        """Its next mask (waits for the host thread where it is being computed)."""
         if self.pending is not None:
-            self.mask, self.pending = self.pending.result(), None
+            self.pending.result()
+            self.pending = None
         return self.mask
 
-    def take(self, token: int) -> None:
-        """Starts consuming ``token`` and computing the next mask, on the host's worker."""
-        self.next_mask()
-        self.pending = _worker().submit(_consumed, self.matcher, token, self.vocab)
+
+def _advanced(lives: list[_Live], tokens: list[int | None]) -> None:
+    """On the host thread: each matcher takes its token (None: none), then llguidance computes
+    their masks in parallel."""
+    for live, token in zip(lives, tokens, strict=True):
+        if token is not None:
+            live.matcher.consume_token(token)
+    masks = np.empty((len(lives), lives[0].words), np.int32)
+    pairs = [(live.matcher, i) for i, live in enumerate(lives)]
+    import llguidance.numpy
+
+    llguidance.numpy.fill_next_token_bitmask_par(_executor(), pairs, masks)
+    for live, mask in zip(lives, masks, strict=True):
+        live.mask = mask
 
 
-def _consumed(matcher: Any, token: int, vocab: int) -> np.ndarray:
-    matcher.consume_token(token)
-    return bitmask(matcher, vocab)
+def _submit(lives: list[_Live], tokens: list[int | None]) -> None:
+    """Starts advancing ``lives`` by ``tokens`` on the host thread."""
+    for live in lives:
+        live.next_mask()
+    future = _worker().submit(_advanced, lives, tokens)
+    for live in lives:
+        live.pending = future
+
+
+@functools.cache
+def _executor() -> Any:
+    """llguidance's thread pool for masks of several rows at once."""
+    return _llg().LLExecutor()
 
 
 KEEP_LIVE = 4096  # host rows kept live at most (the oldest go: a prefix never inserted)
@@ -604,11 +627,16 @@ def _host_bitmasks(words: int, state: np.ndarray) -> np.ndarray:
 
 
 def _host_consume(state: np.ndarray, token: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """Hands each host row its kept token (a callback of :func:`advance`); returns ``state``."""
+    """Hands each host row its kept token (a callback of :func:`advance`): the host thread
+    consumes them and computes the next masks while the device goes on; returns ``state``."""
+    lives, tokens = [], []
     for b in np.flatnonzero((state <= HOST_STATE) & kept):
         live = _live.get(HOST_STATE - int(state[b]))
         if live is not None:
-            live.take(int(token[b]))
+            lives.append(live)
+            tokens.append(int(token[b]))
+    if lives:
+        _submit(lives, tokens)
     return np.asarray(state, np.int32)
 
 
@@ -657,17 +685,20 @@ class HostMask:
     def start(self, rows: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> np.ndarray:
         """[B] int32 the states of rows given as (prompt, new tokens), each a handle of a live
         matcher after its tokens (None: a row that takes no token, -1); :meth:`release` them."""
-        states = np.full(len(rows), -1, np.int32)
+        states, lives = np.full(len(rows), -1, np.int32), []
         for b, row in enumerate(rows):
             if row is None:
                 continue
-            matcher = self.matchers.matcher(row[0], row[1]).deep_copy()
+            live = _Live(self.matchers.matcher(row[0], row[1]).deep_copy(), self.vocab)
+            lives.append(live)
             with _lock:
                 handle = next(_handles)
-                _live[handle] = _Live(matcher, self.vocab)
+                _live[handle] = live
                 while len(_live) > KEEP_LIVE:
                     _live.popitem(last=False)
             states[b] = HOST_STATE - handle
+        if lives:
+            _submit(lives, [None] * len(lives))
         return states
 
     def release(self, states: np.ndarray) -> None:

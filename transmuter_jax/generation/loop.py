@@ -467,7 +467,9 @@ class _Run:
         live = np.array([members[i] and not r.done for i, r in enumerate(rows)])
         constraint = None
         if decoder.mask is not None:  # each row's state of the constraint (a table's, a handle)
-            given = [(r.prompt, r.generated) if on else None for r, on in zip(rows, live)]
+            given = [
+                (r.prompt, r.generated) if on else None for r, on in zip(rows, live, strict=True)
+            ]
             constraint = decoder.mask.start(given)
         device = self.device_rows(live, state.lengths.astype(np.int32), state.arrays, constraint)
         state.arrays = None  # donated
