@@ -176,6 +176,38 @@ def test_each_mask_is_the_reference_matchers_allowed_set(constraint):
         tokens.append(token)
 
 
+@pytest.mark.parametrize(
+    "constraint",
+    [cs.Constraint("json_schema", json.dumps(SCHEMA)), cs.Constraint("grammar", GRAMMAR)],
+    ids=["json", "grammar"],
+)
+def test_host_rows_masks_are_the_reference_matchers_allowed_set(constraint):
+    """Host rows (the matcher called back from a compiled step): at each of 300 steps the mask
+    :func:`restrict` applies equals llguidance's own matcher's; a free row beside it keeps
+    every token; :func:`advance` hands the token to the host row only."""
+    mask = cs.HostMask(constraint, TOKENIZER, VOCAB, EOS)
+    restrict = jax.jit(lambda state: cs.restrict(jnp.zeros((2, VOCAB)), mask.table, state))
+    advance = jax.jit(lambda state, token: cs.advance(mask.table, state, token, token >= 0))
+    rng, steps, before = np.random.default_rng(3), 0, cs.live_rows()
+    while steps < 300:
+        state = jnp.asarray([mask.start([([5], [])])[0], -1])
+        reference = cs.compile_matcher(constraint, TOKENIZER, VOCAB, EOS)
+        while True:
+            allowed = np.asarray(restrict(state)) > cs.LOWEST
+            np.testing.assert_array_equal(allowed[0], _reference(reference), f"step {steps}")
+            assert allowed[1].all()
+            steps += 1
+            choices = np.flatnonzero(allowed[0] & ~np.isin(np.arange(VOCAB), EOS))
+            if not len(choices) or steps >= 300:
+                break
+            token = int(rng.choice(choices))
+            assert reference.consume_token(token)
+            after = advance(state, jnp.asarray([token, 7], jnp.int32))
+            np.testing.assert_array_equal(np.asarray(after), np.asarray(state))  # handles kept
+        mask.release(np.asarray(state))
+    assert cs.live_rows() == before
+
+
 def _host_decode(constraint, logits: np.ndarray, free: list[bool]) -> np.ndarray:
     """Greedy tokens [B, T] of the host path on fixed logits [T, B, V] (-1 after eos)."""
     host = cs.HostMatcher(constraint, TOKENIZER, VOCAB, EOS)

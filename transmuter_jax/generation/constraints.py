@@ -649,9 +649,9 @@ def _host_matchers(constraint: Constraint, path: str, vocab: int, eos: tuple[int
 def _matcher_table(vocab: int) -> TokenTable:
     """A table of no device states whose rows may be host rows."""
     words = -(-vocab // 32)
-    return TokenTable(
-        jnp.zeros((1, words), jnp.int32), jnp.full((1, vocab), -1, jnp.int32), host=True
-    )
+    with jax.ensure_compile_time_eval():  # device arrays, also when first read in a trace
+        mask, after = jnp.zeros((1, words), jnp.int32), jnp.full((1, vocab), -1, jnp.int32)
+    return TokenTable(mask, after, host=True)
 
 
 @dataclasses.dataclass(frozen=True)
