@@ -146,6 +146,8 @@ def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
     if size < 2 or options.num_beams > 1 or custom:
         return None
     mask = constraints.device_mask(ctx.processors)  # a finite constraint: its table on device
+    if isinstance(mask, constraints.HostMask) and ctx.placement is not None:
+        return None  # host rows call back from one device: over a mesh, host steps
     return Decoder(size, int(options.top_logprobs), mask)
 
 
