@@ -1732,15 +1732,50 @@ def test_a_stream_with_timestamps_joins_to_the_text_of_generate(speech_pipe, num
         assert len(pieces) <= 1
 
 
-def test_a_stream_of_several_sequences_is_refused_by_name_before_any_step(speech_pipe):
+def _joined(pieces: list, n: int) -> list[str]:
+    """The text of each of the n sequences of a stream's (j, piece) pairs."""
+    assert all(isinstance(p, tuple) and 0 <= p[0] < n and isinstance(p[1], str) for p in pieces)
+    return ["".join(piece for j, piece in pieces if j == i) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_return_sequences=3, do_sample=True, seed=5),
+        dict(num_return_sequences=2, num_beams=3),
+        dict(num_return_sequences=3, do_sample=True, seed=7, stop=["e", "an"]),
+        dict(num_return_sequences=2, num_beams=2, do_sample=True, seed=3),
+    ],
+    ids=["sampled", "beams", "sampled-stop", "beam-sampled"],
+)
+def test_a_stream_of_several_sequences_joins_to_each_sequence_of_generate(options):
+    from transmuter_jax import text
+
+    pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=12)
+    n = options["num_return_sequences"]
+    want = [r.text for r in pipe.generate(["Hello"], chat=False, **options)[0]]
+    pieces = list(pipe.stream("Hello", chat=False, **options))
+    assert _joined(pieces, n) == want and any(want)
+    if options.get("num_beams", 1) > 1:  # final when the search ends: one piece per sequence
+        assert [j for j, _ in pieces] == [j for j, t in enumerate(want) if t]
+    else:
+        assert len(pieces) > n  # pieces as tokens come
+
+
+def test_a_speech_stream_of_several_sequences_joins_to_each_sequence(speech_pipe):
+    options = dict(num_return_sequences=2, do_sample=True, seed=1, num_beams=1)
+    x = _noise(3)
+    want = [r.text for r in speech_pipe.generate([x], sampling_rate=16000, **options)[0]]
+    pieces = list(speech_pipe.stream(x, sampling_rate=16000, **options))
+    assert _joined(pieces, 2) == want and any(want)
+
+
+def test_a_stream_of_one_sequence_gives_plain_pieces_and_the_cli_gives_several(speech_pipe):
     from transmuter_jax import text
 
     pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=3)
     options = dict(num_return_sequences=2, do_sample=True, seed=1)
-    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
-        next(iter(pipe.stream("Hello", chat=False, **options)))
-    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
-        next(iter(speech_pipe.stream(_noise(3), sampling_rate=16000, num_beams=1, **options)))
+    assert all(isinstance(p, str) for p in pipe.stream("Hello", chat=False, seed=1))
     # the command line gives the n sequences without streaming
     done = _cli(["generate", str(FIXTURES / "llama-optimum"), "Hello", "--no-chat-template",
                  "--max-new-tokens", "3", "--num-return-sequences", "2", "--sample", "--seed",

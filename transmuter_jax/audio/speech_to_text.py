@@ -345,9 +345,10 @@ class SpeechToText(Pipeline):
         sampling_rate: int | None = None,
         seed: int | None = None,
         **options: Any,
-    ) -> Iterator[str]:
+    ) -> Iterator[Any]:
         """Yields the text of one input in pieces as it is decoded; they join to the text of
-        :meth:`generate` (with beam search, or for a chunked input, as one piece at the end)."""
+        :meth:`generate` (with beam search, or for a chunked input, as one piece at the end).
+        With num_return_sequences n > 1, ``(j, piece)`` pairs (see :meth:`Pipeline.stream`)."""
         rows, speech, generation, timestamps = self._rows(
             [audio], {**options, "sampling_rate": sampling_rate}
         )

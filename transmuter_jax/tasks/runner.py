@@ -226,39 +226,46 @@ class Runner:
         seed: int | None = None,
         inputs: Mapping[str, Any] | None = None,
         processors: Sequence[Any] = (),
-    ) -> Iterator[str]:
+    ) -> Iterator[Any]:
         """Generates after one prompt, yielding text pieces as tokens come.
 
-        The pieces join to the text :meth:`run` gives. With beam search the leading beam can
-        change at any step, so nothing is final before the search ends: the whole text comes as
-        one piece then. Generation runs in a worker thread; closing the iterator (or Ctrl-C while
-        waiting on it) stops it after the current step or decode chunk.
+        The pieces join to the text :meth:`run` gives. With num_return_sequences n > 1 each
+        piece comes as a pair ``(j, piece)``: a piece of sequence j (0 <= j < n, the order of
+        :meth:`run`'s list), and the pieces of each j join to that sequence's text. With beam
+        search the leading beams can change at any step, so nothing is final before the search
+        ends: each text comes as one piece then. Generation runs in a worker thread; closing the
+        iterator (or Ctrl-C while waiting on it) stops it after the current step or decode chunk.
         """
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
-        text = tokenizer.streamer(skip_special_tokens=True)
         chosen = decoding.chosen(self.context(1, options, processors))
-        if chosen.num_return_sequences > 1:
-            n = chosen.num_return_sequences
-            raise ValueError(
-                f"a stream gives one sequence, not num_return_sequences={n}: use generate"
-            )
-        beams = chosen.num_beams > 1
+        n, beams = chosen.num_return_sequences, chosen.num_beams > 1
         stop = stop_option({**self.options, **options})[1]
         window = max(map(len, stop), default=0)
-        hold = _Hold(stop, tokenizer.decode(prompt[-window:]) if stop else "")
-        out: list[str] = []
+        before = tokenizer.decode(prompt[-window:]) if stop else ""
+        texts = [tokenizer.streamer(skip_special_tokens=True) for _ in range(n)]
+        holds = [_Hold(stop, before) for _ in range(n)]
+        out: list[list[str]] = [[] for _ in range(n)]
+        ended = [False] * n
         done = object()
+
+        def send(j: int, piece: str) -> None:
+            pieces.put(piece if n == 1 else (j, piece))
 
         def on_token(event: dict[str, np.ndarray]) -> None:
             if cancel.is_set():
                 raise _Cancelled
-            token = int(event["token"][0])
-            if token >= 0 and not beams:
-                piece = hold.push(text.push([token]))
-                if piece:
-                    out.append(piece)
-                    pieces.put(piece)
+            if beams:
+                return
+            tokens, finished = event["token"], event["finished"]
+            for j in range(n):  # sampled sequence j of the one prompt is row j
+                token = int(tokens[j])
+                if token >= 0 and not ended[j]:
+                    piece = holds[j].push(texts[j].push([token]))
+                    if piece:
+                        out[j].append(piece)
+                        send(j, piece)
+                ended[j] = ended[j] or bool(finished[j])
 
         def work() -> None:
             try:
@@ -266,13 +273,15 @@ class Runner:
                     tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token,
                     processors=processors,
                 )[0]  # fmt: skip
-                if beams or stop:  # the text may be cut at a stop string: send what follows
-                    shown = "".join(out)
-                    rest = result.text[len(shown) :] if result.text.startswith(shown) else ""
-                else:
-                    rest = text.finish()
-                if rest:
-                    pieces.put(rest)
+                for j, sequence in enumerate([result] if n == 1 else result):
+                    if beams or stop:  # the text may be cut at a stop string: send what follows
+                        shown = "".join(out[j])
+                        text = sequence.text
+                        rest = text[len(shown) :] if text.startswith(shown) else ""
+                    else:
+                        rest = texts[j].finish()
+                    if rest:
+                        send(j, rest)
                 pieces.put(done)
             except _Cancelled:
                 pieces.put(done)
@@ -284,7 +293,7 @@ class Runner:
         return _Stream(pieces, cancel, worker, done)
 
 
-class _Stream(Iterator[str]):
+class _Stream(Iterator[Any]):
     """The pieces of a stream as a worker thread puts them on ``pieces``; :meth:`close` may be
     called from any thread (the reading one then ends its iteration)."""
 
@@ -292,7 +301,7 @@ class _Stream(Iterator[str]):
         self._pieces, self._cancel, self._worker, self._done = pieces, cancel, worker, done
         self._closed = False
 
-    def __next__(self) -> str:
+    def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
         try:
