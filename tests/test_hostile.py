@@ -1783,3 +1783,27 @@ def test_a_stream_of_one_sequence_gives_plain_pieces_and_the_cli_gives_several(s
     assert done.returncode == 0, done.stderr.decode()
     texts = [r.text for r in pipe.generate(["Hello"], chat=False, **options)[0]]
     assert done.stdout.decode().count("\n") >= 2 and all(t in done.stdout.decode() for t in texts)
+
+
+def test_transcribe_with_several_sequences_prints_each_or_refuses_by_name(speech_pipe, capsys):
+    """--json: one object per sequence with its index; plain: '[j] text' lines; --srt and
+    --timestamps (one transcript per file) are refused naming the flag."""
+    from transmuter_jax import cli
+
+    wav = str(FIXTURES / "whisper-speech-optimum" / "stereo-44k.wav")
+    base = ["transcribe", str(FIXTURES / "whisper-speech-optimum"), wav, "--num-beams", "1"]
+    base += ["--num-return-sequences", "2", "--sample", "--seed", "1", "--max-new-tokens", "4"]
+    options = dict(num_return_sequences=2, do_sample=True, num_beams=1, max_new_tokens=4)
+    want = speech_pipe.generate([wav], seed=1, **options)[0]
+    assert cli.main([*base, "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["index"], r["text"], r["token_ids"]) for r in records] == [
+        (j, w.text, w.token_ids) for j, w in enumerate(want)
+    ]
+    assert cli.main(base) == 0
+    assert capsys.readouterr().out.splitlines() == [f"[{j}] {w.text}" for j, w in enumerate(want)]
+    for flag in ("--srt", "--timestamps"):
+        assert cli.main([*base, flag]) == 1
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        why = f"{flag} shows one transcript per file, not --num-return-sequences 2: add --json"
+        assert err == [f"transmuter-jax: error: {why} for the chunks of each sequence"]
