@@ -1243,6 +1243,54 @@ def test_thousands_of_stop_strings_and_a_huge_one_give_the_right_tokens(llama_pi
         assert streamed == want.text
 
 
+def _held_back(before: str, pieces: list[str], stop: tuple[str, ...]) -> str:
+    """What a stream shows of ``pieces``, by brute force: generation ends where a stop string
+    first ends in them (it may start in ``before``); the text ends before the first stop string
+    in what was generated up to there."""
+    text = before + "".join(pieces)
+    found = [(i, i + len(s)) for s in stop for i in range(len(text))
+             if text.startswith(s, i) and i + len(s) > len(before)]  # fmt: skip
+    if not found:
+        return text[len(before) :]
+    end = min(e for _, e in found)
+    start = min(i for i, e in found if e <= end)
+    return text[len(before) : max(len(before), start)]
+
+
+def test_the_stream_hold_back_shows_what_a_brute_force_search_shows():
+    from transmuter_jax.tasks.runner import _Hold
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        word = lambda n: "".join(rng.choice(list("ab"), n))  # noqa: E731
+        stop = tuple(word(int(rng.integers(1, 6))) for _ in range(int(rng.integers(1, 4))))
+        before = word(int(rng.integers(0, 4)))
+        pieces = [word(int(rng.integers(0, 4))) for _ in range(int(rng.integers(1, 6)))]
+        hold = _Hold(stop, before)
+        shown = "".join(hold.push(p) for p in pieces) + ("" if hold.over else hold.pending)
+        assert shown == _held_back(before, pieces, stop), (stop, before, pieces)
+
+
+def test_a_long_stop_string_costs_no_more_than_a_short_one():
+    """Work counted, not time: the matcher reads each character once per stop string."""
+    from transmuter_jax.tasks import runner
+
+    counts = {}
+    for length in (3, 100_000):
+        hold = runner._Hold(("Q" * length,), "Q" * min(length - 1, 50))
+        calls = [0]
+        step = hold._step
+
+        def counted(char, _step=step, _calls=calls):
+            _calls[0] += 1
+            return _step(char)
+
+        hold._step = counted
+        assert "".join(hold.push("Q" * 5 + " hello") for _ in range(50))
+        counts[length] = calls[0]
+    assert counts[100_000] == counts[3] == 50 * 11
+
+
 # -- round 2: streams and threads --------------------------------------------------------------
 
 _STREAM = {"max_new_tokens": 40, "do_sample": True, "top_k": 0}

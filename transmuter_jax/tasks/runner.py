@@ -100,27 +100,61 @@ def trim(tokenizer: Tokenizer, prompt: list[int], tokens: list[int], text: str, 
 
 
 class _Hold:
-    """Holds back streamed text that could still be the start of a stop string."""
+    """Holds back streamed text that could still be the start of a stop string.
+
+    Each stop string has a Knuth-Morris-Pratt matcher that reads every character once, so a
+    piece costs time in its length times the number of stop strings, whatever their lengths (a
+    stop string of 100,000 characters costs what one of 3 does).
+    """
 
     def __init__(self, stop: tuple[str, ...], before: str):
-        self.stop, self.before, self.pending, self.over = stop, before, "", False
+        self.stop, self.pending, self.over = stop, "", False
+        self._fail = [_failure(s) for s in stop]
+        self._state = [0] * len(stop)  # per stop string: its longest prefix ending the text
+        for char in before:  # the text out so far (or the prompt's): a match inside it is none
+            self._step(char)
+
+    def _step(self, char: str) -> int:
+        """Reads ``char`` in every matcher; the length of the longest stop string ending with
+        it (0: none)."""
+        ended = 0
+        for i, (s, fail) in enumerate(zip(self.stop, self._fail, strict=True)):
+            m = self._state[i]
+            while m and s[m] != char:
+                m = fail[m - 1]
+            if s[m] == char:
+                m += 1
+            if m == len(s):
+                ended, m = max(ended, m), fail[m - 1]
+            self._state[i] = m
+        return ended
 
     def push(self, piece: str) -> str:
         """The part of ``piece`` (and of what was held) that no stop string can start in."""
         if not self.stop or self.over:
             return "" if self.over else piece
-        text = self.before + self.pending + piece  # before: the text out so far (or the prompt's)
-        start = len(self.before)
-        hits = [i for s in self.stop if (i := text.find(s, max(0, start + 1 - len(s)))) >= 0]
-        if hits:
-            self.over = True
-            return text[start : max(start, min(hits))]
-        held = max(
-            (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
-        )
-        cut = max(start, len(text) - held)
-        self.before, self.pending = text[:cut][-max(map(len, self.stop)) :], text[cut:]
-        return text[start:cut]
+        text = self.pending + piece
+        for i, char in enumerate(piece, start=len(self.pending)):
+            ended = self._step(char)
+            if ended:  # generation stops at the first stop string that ends: cut at its start
+                self.over = True
+                return text[: max(0, i + 1 - ended)]
+        cut = max(0, len(text) - max(self._state))
+        self.pending = text[cut:]
+        return text[:cut]
+
+
+def _failure(s: str) -> list[int]:
+    """Knuth-Morris-Pratt's table of ``s``: for each prefix, the length of its longest proper
+    prefix that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 class Runner:
