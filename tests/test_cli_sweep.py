@@ -140,6 +140,35 @@ def _cases(tmp: Path, commands, invalid: bool, valid: bool) -> list[list[str]]:
 
 
 COMMANDS = list(build()[1])
+# The loaders the commands call (cli/pipelines.py): (module, name).
+LOADERS = (("text", "generation"), ("text", "text_to_text"), ("audio", "speech_to_text"),
+           ("vision", "image_text_to_text"), ("vision", "image_to_text"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared_pipelines():
+    """Each pipeline loaded once for every command line of the module, so that its compiled
+    programs serve each line of the same options (the lines still parse, check and run in full;
+    a loader's error is raised each time, never kept). No command changes the pipeline it is
+    given (checked by the
+    generate sweep below)."""
+    import importlib
+
+    patch = pytest.MonkeyPatch()
+    loaded: dict = {}
+    for module_name, name in LOADERS:
+        module = importlib.import_module(f"transmuter_jax.{module_name}")
+        load = getattr(module, name)
+
+        def shared(*args, _load=load, _name=name, **kwargs):
+            key = (_name, tuple(map(str, args)), tuple(sorted(kwargs.items())))
+            if key not in loaded:
+                loaded[key] = _load(*args, **kwargs)
+            return loaded[key]
+
+        patch.setattr(module, name, shared)
+    yield loaded
+    patch.undo()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -150,14 +179,27 @@ def test_every_flag_with_an_invalid_value_gets_one_error_line(tmp_path, command)
     assert all(s in (1, 2) for s in statuses if s), statuses
 
 
-def test_every_flag_of_generate_with_a_valid_value_runs_or_gets_one_error_line(tmp_path):
-    for argv in _cases(tmp_path, ["generate"], invalid=False, valid=True):
+def _state(pipe) -> tuple:
+    """What a command could change of a shared pipeline."""
+    tokenizer = getattr(pipe, "tokenizer", None)
+    return (dict(pipe.options), dict(pipe.defaults), getattr(tokenizer, "chat_template", None))
+
+
+def test_every_flag_of_generate_with_a_valid_value_runs_or_gets_one_error_line(
+    tmp_path, shared_pipelines
+):
+    first, *rest = _cases(tmp_path, ["generate"], invalid=False, valid=True)
+    _check(first)
+    assert shared_pipelines  # the lines run on shared pipelines, which no line changes
+    before = {key: _state(pipe) for key, pipe in shared_pipelines.items()}
+    for argv in rest:
         _check(argv)
+    assert {key: _state(pipe) for key, pipe in shared_pipelines.items() if key in before} == before
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c not in NOT_RUN])
-def test_every_pair_of_flags_runs_or_gets_one_error_line(tmp_path, command):
+def test_every_pair_of_flags_runs_or_gets_one_error_line(tmp_path, command, shared_pipelines):
     files = _files(tmp_path)
     flags = [(a, _values(a, files)[0][0]) for a in _flags(command)]
     base = [*BASE[command], *LIMIT]
@@ -167,6 +209,8 @@ def test_every_pair_of_flags_runs_or_gets_one_error_line(tmp_path, command):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c not in NOT_RUN and c != "generate"])
-def test_every_flag_with_a_valid_value_runs_or_gets_one_error_line(tmp_path, command):
+def test_every_flag_with_a_valid_value_runs_or_gets_one_error_line(
+    tmp_path, command, shared_pipelines
+):
     for argv in _cases(tmp_path, [command], invalid=False, valid=True):
         _check(argv)

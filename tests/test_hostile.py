@@ -1243,6 +1243,54 @@ def test_thousands_of_stop_strings_and_a_huge_one_give_the_right_tokens(llama_pi
         assert streamed == want.text
 
 
+def _held_back(before: str, pieces: list[str], stop: tuple[str, ...]) -> str:
+    """What a stream shows of ``pieces``, by brute force: generation ends where a stop string
+    first ends in them (it may start in ``before``); the text ends before the first stop string
+    in what was generated up to there."""
+    text = before + "".join(pieces)
+    found = [(i, i + len(s)) for s in stop for i in range(len(text))
+             if text.startswith(s, i) and i + len(s) > len(before)]  # fmt: skip
+    if not found:
+        return text[len(before) :]
+    end = min(e for _, e in found)
+    start = min(i for i, e in found if e <= end)
+    return text[len(before) : max(len(before), start)]
+
+
+def test_the_stream_hold_back_shows_what_a_brute_force_search_shows():
+    from transmuter_jax.tasks.runner import _Hold
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        word = lambda n: "".join(rng.choice(list("ab"), n))  # noqa: E731
+        stop = tuple(word(int(rng.integers(1, 6))) for _ in range(int(rng.integers(1, 4))))
+        before = word(int(rng.integers(0, 4)))
+        pieces = [word(int(rng.integers(0, 4))) for _ in range(int(rng.integers(1, 6)))]
+        hold = _Hold(stop, before)
+        shown = "".join(hold.push(p) for p in pieces) + ("" if hold.over else hold.pending)
+        assert shown == _held_back(before, pieces, stop), (stop, before, pieces)
+
+
+def test_a_long_stop_string_costs_no_more_than_a_short_one():
+    """Work counted, not time: the matcher reads each character once per stop string."""
+    from transmuter_jax.tasks import runner
+
+    counts = {}
+    for length in (3, 100_000):
+        hold = runner._Hold(("Q" * length,), "Q" * min(length - 1, 50))
+        calls = [0]
+        step = hold._step
+
+        def counted(char, _step=step, _calls=calls):
+            _calls[0] += 1
+            return _step(char)
+
+        hold._step = counted
+        assert "".join(hold.push("Q" * 5 + " hello") for _ in range(50))
+        counts[length] = calls[0]
+    assert counts[100_000] == counts[3] == 50 * 11
+
+
 # -- round 2: streams and threads --------------------------------------------------------------
 
 _STREAM = {"max_new_tokens": 40, "do_sample": True, "top_k": 0}
@@ -1732,15 +1780,50 @@ def test_a_stream_with_timestamps_joins_to_the_text_of_generate(speech_pipe, num
         assert len(pieces) <= 1
 
 
-def test_a_stream_of_several_sequences_is_refused_by_name_before_any_step(speech_pipe):
+def _joined(pieces: list, n: int) -> list[str]:
+    """The text of each of the n sequences of a stream's (j, piece) pairs."""
+    assert all(isinstance(p, tuple) and 0 <= p[0] < n and isinstance(p[1], str) for p in pieces)
+    return ["".join(piece for j, piece in pieces if j == i) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_return_sequences=3, do_sample=True, seed=5),
+        dict(num_return_sequences=2, num_beams=3),
+        dict(num_return_sequences=3, do_sample=True, seed=7, stop=["e", "an"]),
+        dict(num_return_sequences=2, num_beams=2, do_sample=True, seed=3),
+    ],
+    ids=["sampled", "beams", "sampled-stop", "beam-sampled"],
+)
+def test_a_stream_of_several_sequences_joins_to_each_sequence_of_generate(options):
+    from transmuter_jax import text
+
+    pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=12)
+    n = options["num_return_sequences"]
+    want = [r.text for r in pipe.generate(["Hello"], chat=False, **options)[0]]
+    pieces = list(pipe.stream("Hello", chat=False, **options))
+    assert _joined(pieces, n) == want and any(want)
+    if options.get("num_beams", 1) > 1:  # final when the search ends: one piece per sequence
+        assert [j for j, _ in pieces] == [j for j, t in enumerate(want) if t]
+    else:
+        assert len(pieces) > n  # pieces as tokens come
+
+
+def test_a_speech_stream_of_several_sequences_joins_to_each_sequence(speech_pipe):
+    options = dict(num_return_sequences=2, do_sample=True, seed=1, num_beams=1)
+    x = _noise(3)
+    want = [r.text for r in speech_pipe.generate([x], sampling_rate=16000, **options)[0]]
+    pieces = list(speech_pipe.stream(x, sampling_rate=16000, **options))
+    assert _joined(pieces, 2) == want and any(want)
+
+
+def test_a_stream_of_one_sequence_gives_plain_pieces_and_the_cli_gives_several(speech_pipe):
     from transmuter_jax import text
 
     pipe = text.generation(FIXTURES / "llama-optimum", max_new_tokens=3)
     options = dict(num_return_sequences=2, do_sample=True, seed=1)
-    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
-        next(iter(pipe.stream("Hello", chat=False, **options)))
-    with pytest.raises(ValueError, match="a stream gives one sequence, not num_return_seq"):
-        next(iter(speech_pipe.stream(_noise(3), sampling_rate=16000, num_beams=1, **options)))
+    assert all(isinstance(p, str) for p in pipe.stream("Hello", chat=False, seed=1))
     # the command line gives the n sequences without streaming
     done = _cli(["generate", str(FIXTURES / "llama-optimum"), "Hello", "--no-chat-template",
                  "--max-new-tokens", "3", "--num-return-sequences", "2", "--sample", "--seed",
@@ -1748,3 +1831,27 @@ def test_a_stream_of_several_sequences_is_refused_by_name_before_any_step(speech
     assert done.returncode == 0, done.stderr.decode()
     texts = [r.text for r in pipe.generate(["Hello"], chat=False, **options)[0]]
     assert done.stdout.decode().count("\n") >= 2 and all(t in done.stdout.decode() for t in texts)
+
+
+def test_transcribe_with_several_sequences_prints_each_or_refuses_by_name(speech_pipe, capsys):
+    """--json: one object per sequence with its index; plain: '[j] text' lines; --srt and
+    --timestamps (one transcript per file) are refused naming the flag."""
+    from transmuter_jax import cli
+
+    wav = str(FIXTURES / "whisper-speech-optimum" / "stereo-44k.wav")
+    base = ["transcribe", str(FIXTURES / "whisper-speech-optimum"), wav, "--num-beams", "1"]
+    base += ["--num-return-sequences", "2", "--sample", "--seed", "1", "--max-new-tokens", "4"]
+    options = dict(num_return_sequences=2, do_sample=True, num_beams=1, max_new_tokens=4)
+    want = speech_pipe.generate([wav], seed=1, **options)[0]
+    assert cli.main([*base, "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["index"], r["text"], r["token_ids"]) for r in records] == [
+        (j, w.text, w.token_ids) for j, w in enumerate(want)
+    ]
+    assert cli.main(base) == 0
+    assert capsys.readouterr().out.splitlines() == [f"[{j}] {w.text}" for j, w in enumerate(want)]
+    for flag in ("--srt", "--timestamps"):
+        assert cli.main([*base, flag]) == 1
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        why = f"{flag} shows one transcript per file, not --num-return-sequences 2: add --json"
+        assert err == [f"transmuter-jax: error: {why} for the chunks of each sequence"]

@@ -274,9 +274,12 @@ def test_text_generation_returns_n_results_per_prompt(llama, workdir):
     assert sampled[1] == llama(prompts[0], do_sample=True, seed=seed, max_new_tokens=8)
 
 
-def test_a_stream_refuses_several_sequences(llama):
-    with pytest.raises(ValueError, match="one sequence"):
-        next(llama.stream("The quiet river", do_sample=True, num_return_sequences=2))
+def test_a_stream_of_several_sequences_gives_indexed_pieces(llama):
+    options = dict(do_sample=True, num_return_sequences=2, seed=4, max_new_tokens=8)
+    pieces = list(llama.stream("The quiet river", **options))
+    assert {j for j, _ in pieces} <= {0, 1}
+    joined = ["".join(p for j, p in pieces if j == i) for i in range(2)]
+    assert joined == llama("The quiet river", **options)
 
 
 def test_text_to_text_returns_n_texts():

@@ -224,6 +224,18 @@ def read_json(repo: str | os.PathLike, name: str) -> dict[str, Any]:
     return parse_json(path, root)
 
 
+def stands_in(repo: str | os.PathLike, name: str) -> bool:
+    """Whether :func:`read_json` gives genai_config.json's equivalent for ``name`` of ``repo``
+    (a folder as the onnxruntime-genai builder writes it: ``name`` absent, genai_config.json
+    there)."""
+    if name not in GENAI_EQUIVALENTS:
+        return False
+    root = folder(repo, [name, "genai_config.json"])
+    return not os.path.lexists(os.path.join(root, name)) and os.path.lexists(
+        os.path.join(root, "genai_config.json")
+    )
+
+
 # The search options of genai_config.json that are generation options of the same name.
 GENAI_SEARCH = (
     "do_sample",
@@ -241,14 +253,18 @@ GENAI_SEARCH = (
 )
 GENAI_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 GENAI_EQUIVALENTS = ("config.json", "generation_config.json")
+GENAI_VISION_IDS = ("image_token_id", "video_token_id", "vision_start_token_id")
+GENAI_VISION = ("spatial_merge_size", "tokens_per_second")  # model.vision -> vision_config
 
 
 def genai_equivalent(genai: Mapping[str, Any], name: str) -> dict[str, Any]:
     """What ``name`` (config.json or generation_config.json) would say, from a genai_config.json.
 
     config.json: model_type, vocab_size, the decoder's heads, head size, hidden size and layers,
-    context_length as max_position_embeddings, and the token ids. generation_config.json: the
-    token ids and the ``search`` options (generation defaults).
+    context_length as max_position_embeddings, and the token ids; for a vision-language model,
+    its image, video and vision-start token ids and ``model.vision``'s spatial_merge_size and
+    tokens_per_second (as ``vision_config``). generation_config.json: the token ids and the
+    ``search`` options (generation defaults).
     """
     model = genai.get("model") if isinstance(genai.get("model"), Mapping) else {}
     ids = {k: model[k] for k in GENAI_TOKEN_IDS if model.get(k) is not None}
@@ -268,6 +284,12 @@ def genai_equivalent(genai: Mapping[str, Any], name: str) -> dict[str, Any]:
         "num_hidden_layers": decoder.get("num_hidden_layers"),
     }
     config.update({k: v for k, v in fields.items() if v is not None})
+    # a vision-language folder (Olive's recipe): its token ids and the vision section's merge
+    config.update({k: model[k] for k in GENAI_VISION_IDS if model.get(k) is not None})
+    vision = model.get("vision") if isinstance(model.get("vision"), Mapping) else {}
+    merge = {k: vision[k] for k in GENAI_VISION if vision.get(k) is not None}
+    if merge:
+        config["vision_config"] = merge
     return {**config, **ids}
 
 

@@ -106,8 +106,13 @@ class FeatureExtractor:
 
     @classmethod
     def from_folder(cls, repo: str | os.PathLike) -> FeatureExtractor:
-        """The extractor of ``preprocessor_config.json`` in a model folder or hub repo."""
-        return cls.from_config(hub.read_json(repo, "preprocessor_config.json"))
+        """The extractor of ``preprocessor_config.json`` in a model folder or hub repo, or where
+        it has none, of the ``audio_processor_config.json`` that the onnxruntime-genai builder
+        writes (see :func:`builder_settings`)."""
+        config = hub.read_json(repo, "preprocessor_config.json")
+        if not config:
+            config = builder_settings(hub.read_json(repo, BUILDER_FILE))
+        return cls.from_config(config)
 
     @property
     def filters(self) -> np.ndarray:
@@ -140,6 +145,28 @@ class FeatureExtractor:
     def __call__(self, batch: Sequence[np.ndarray]) -> np.ndarray:
         """[len(batch), bins, frames] float32 input_features of mono samples at ``rate``."""
         return np.stack([self.log_mel(self.fit(s)) for s in batch])
+
+
+BUILDER_FILE = "audio_processor_config.json"
+"""The feature settings that the onnxruntime-genai builder writes beside a Whisper export."""
+
+
+def builder_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The preprocessor_config.json settings that :data:`BUILDER_FILE` ``config`` gives: its
+    LogMelSpectrum operation's n_mel (feature_size), chunk_size (chunk_length), hop_length and
+    n_fft; {} without one (WhisperFeatureExtractor's defaults)."""
+    sequence = (config.get("feature_extraction") or {}) if isinstance(config, Mapping) else {}
+    steps = sequence.get("sequence") if isinstance(sequence, Mapping) else None
+    names = {"n_mel": "feature_size", "chunk_size": "chunk_length"}
+    for step in steps if isinstance(steps, list) else ():
+        operation = step.get("operation") if isinstance(step, Mapping) else None
+        if isinstance(operation, Mapping) and operation.get("type") == "LogMelSpectrum":
+            attrs = operation.get("attrs")
+            attrs = attrs if isinstance(attrs, Mapping) else {}
+            return {
+                names.get(k, k): v for k, v in attrs.items() if k in (*names, "hop_length", "n_fft")
+            }
+    return {}
 
 
 def _number(value: Any) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 TASKS = ("transcribe", "translate")
@@ -115,3 +115,41 @@ def forced_prompt(
     elif timestamps and tokens[-1] == no_stamps:
         tokens.pop()
     return [int(t) for t in tokens if t is not None]
+
+
+# openai-whisper's default first timestamp limit, 1 s in steps of 0.02 s (the value of every
+# Whisper checkpoint's generation_config.json)
+MAX_INITIAL_TIMESTAMP_INDEX = 50
+
+
+def from_tokens(token_id: Callable[[str], int | None]) -> dict[str, Any]:
+    """What a Whisper generation_config.json says of the prompt, from the special tokens of the
+    tokenizer (``token_id``: text -> id or None), for a folder without one (the onnxruntime-genai
+    builder writes none).
+
+    The start token (<|startoftranscript|>), the language tokens (<|en|>, ... of the languages
+    above that the tokenizer has), <|transcribe|> and <|translate|>, <|notimestamps|>, and, for a
+    multilingual model, the checkpoints' forced prompt: the language detected, then
+    <|transcribe|>. The suppressed tokens are not in the tokenizer: none are suppressed (as
+    onnxruntime-genai does).
+    """
+    found = {
+        "decoder_start_token_id": token_id("<|startoftranscript|>"),
+        "no_timestamps_token_id": token_id("<|notimestamps|>"),
+    }
+    config: dict[str, Any] = {k: int(v) for k, v in found.items() if v is not None}
+    codes = dict.fromkeys(CODES.values())
+    langs = {f"<|{c}|>": token_id(f"<|{c}|>") for c in codes}
+    langs = {k: int(v) for k, v in langs.items() if v is not None}
+    tasks = {t: token_id(f"<|{t}|>") for t in TASKS}
+    tasks = {k: int(v) for k, v in tasks.items() if v is not None}
+    config["is_multilingual"] = bool(langs)
+    if langs:
+        config["lang_to_id"] = langs
+    if tasks:
+        config["task_to_id"] = tasks
+    if langs and "transcribe" in tasks:
+        config["forced_decoder_ids"] = [[1, None], [2, tasks["transcribe"]]]
+    if "no_timestamps_token_id" in config:
+        config["max_initial_timestamp_index"] = MAX_INITIAL_TIMESTAMP_INDEX
+    return config

@@ -77,6 +77,9 @@ class SpeechToText(Pipeline):
         self.tokenizer = Tokenizer.from_folder(folder)
         self.features = FeatureExtractor.from_folder(folder)
         self.generation_config = hub.read_json(folder, "generation_config.json")
+        if hub.stands_in(folder, "generation_config.json"):  # a genai builder's folder
+            tokens = forced.from_tokens(self.tokenizer.token_id)
+            self.generation_config = {**tokens, **self.generation_config}
         decoder, embed = self.load_decoder()
         config = hub.read_json(folder, "config.json")
         self.encoder = layouts.encoder(self.files.encoder, decoder, config)
@@ -216,7 +219,7 @@ class SpeechToText(Pipeline):
             rows, strides, timestamps=timestamps, begin=begin,
             special=frozenset(t for t in self.tokenizer.special_ids if t < begin),
             languages={int(i): t.strip("<|>") for t, i in langs.items()},
-            precision=window / int(config.get("max_source_positions", 1500)),
+            precision=window / int(config.get("max_source_positions", self.features.frames // 2)),
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
         )  # fmt: skip
 
@@ -342,9 +345,10 @@ class SpeechToText(Pipeline):
         sampling_rate: int | None = None,
         seed: int | None = None,
         **options: Any,
-    ) -> Iterator[str]:
+    ) -> Iterator[Any]:
         """Yields the text of one input in pieces as it is decoded; they join to the text of
-        :meth:`generate` (with beam search, or for a chunked input, as one piece at the end)."""
+        :meth:`generate` (with beam search, or for a chunked input, as one piece at the end).
+        With num_return_sequences n > 1, ``(j, piece)`` pairs (see :meth:`Pipeline.stream`)."""
         rows, speech, generation, timestamps = self._rows(
             [audio], {**options, "sampling_rate": sampling_rate}
         )

@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 from ..runtime.paths import not_a_file
-from .inputs import model_and_audio
+from .inputs import model_and_audio, returns
 from .options import add_generation_options, add_model_options, check_seed, generation_options
-from .output import CompileNotice, record, write_line
+from .output import CompileNotice, print_texts, record, write_line
 from .pipelines import speech_pipeline
 
 NAME = "transcribe"
@@ -62,7 +62,12 @@ def run(args: argparse.Namespace, notice: CompileNotice) -> int:
         options["task"] = args.task
     if args.timestamps or args.srt:
         options["return_timestamps"] = True
-    if not (args.json or args.timestamps or args.srt):
+    n = returns(options, pipe.defaults)
+    if n > 1 and not args.json and (args.timestamps or args.srt):
+        flag = "--srt" if args.srt else "--timestamps"
+        raise ValueError(f"{flag} shows one transcript per file, not --num-return-sequences {n}: "
+                         "add --json for the chunks of each sequence")  # fmt: skip
+    if not (args.json or args.timestamps or args.srt or n > 1):
         for path in files:
             write_line(pipe.stream(path, seed=args.seed, **options))
         notice.report()
@@ -71,11 +76,16 @@ def run(args: argparse.Namespace, notice: CompileNotice) -> int:
     notice.report()
     for index, (path, result) in enumerate(zip(files, results, strict=True)):
         if args.json:
-            out = record(result, file=path)
-            if result.chunks is not None:
-                out["chunks"] = [{"timestamp": list(c["timestamp"]), "text": c["text"]}
-                                 for c in result.chunks]  # fmt: skip
-            print(json.dumps(out, ensure_ascii=False))
+            for j, sequence in enumerate(result if n > 1 else [result]):
+                out = record(sequence, j if n > 1 else None, file=path)
+                if sequence.chunks is not None:
+                    out["chunks"] = [{"timestamp": list(c["timestamp"]), "text": c["text"]}
+                                     for c in sequence.chunks]  # fmt: skip
+                print(json.dumps(out, ensure_ascii=False))
+        elif n > 1:
+            if len(files) > 1:
+                print(f"{path}:")
+            print_texts(result)
         elif args.srt:
             if len(files) > 1:
                 print(f"NOTE {path}\n")

@@ -195,16 +195,18 @@ class Pipeline:
         texts = texts_of(self.generate([inputs] if single else inputs, seed=seed, **options))
         return texts[0] if single else texts
 
-    def stream(self, input: Any, *, seed: int | None = None, **options: Any) -> Iterator[str]:
-        """Yields the text for one input in pieces as it is generated.
+    def stream(self, input: Any, *, seed: int | None = None, **options: Any) -> Iterator[Any]:
+        """Yields the text for one input in pieces (str) as it is generated.
 
         Pieces never split a multi-byte character, and they join to the text the same call
         without streaming gives. With beam search the text is final only when the search ends:
-        it comes then, as one piece. Closing the iterator stops generation.
+        it comes then, as one piece. With num_return_sequences n > 1 each piece comes as a pair
+        ``(j, piece)`` of sequence j, and the pieces of each j join to its text. Closing the
+        iterator stops generation.
         """
         return self.stream_request(self.request([input], dict(options)), seed=seed)
 
-    def stream_request(self, request: Request, *, seed: int | None = None) -> Iterator[str]:
+    def stream_request(self, request: Request, *, seed: int | None = None) -> Iterator[Any]:
         """Yields the text after the one prompt of ``request`` in pieces (see :meth:`stream`)."""
         return self._started().stream(
             self.tokenizer, request.prompts[0], request.options, seed=seed,

@@ -100,27 +100,61 @@ def trim(tokenizer: Tokenizer, prompt: list[int], tokens: list[int], text: str, 
 
 
 class _Hold:
-    """Holds back streamed text that could still be the start of a stop string."""
+    """Holds back streamed text that could still be the start of a stop string.
+
+    Each stop string has a Knuth-Morris-Pratt matcher that reads every character once, so a
+    piece costs time in its length times the number of stop strings, whatever their lengths (a
+    stop string of 100,000 characters costs what one of 3 does).
+    """
 
     def __init__(self, stop: tuple[str, ...], before: str):
-        self.stop, self.before, self.pending, self.over = stop, before, "", False
+        self.stop, self.pending, self.over = stop, "", False
+        self._fail = [_failure(s) for s in stop]
+        self._state = [0] * len(stop)  # per stop string: its longest prefix ending the text
+        for char in before:  # the text out so far (or the prompt's): a match inside it is none
+            self._step(char)
+
+    def _step(self, char: str) -> int:
+        """Reads ``char`` in every matcher; the length of the longest stop string ending with
+        it (0: none)."""
+        ended = 0
+        for i, (s, fail) in enumerate(zip(self.stop, self._fail, strict=True)):
+            m = self._state[i]
+            while m and s[m] != char:
+                m = fail[m - 1]
+            if s[m] == char:
+                m += 1
+            if m == len(s):
+                ended, m = max(ended, m), fail[m - 1]
+            self._state[i] = m
+        return ended
 
     def push(self, piece: str) -> str:
         """The part of ``piece`` (and of what was held) that no stop string can start in."""
         if not self.stop or self.over:
             return "" if self.over else piece
-        text = self.before + self.pending + piece  # before: the text out so far (or the prompt's)
-        start = len(self.before)
-        hits = [i for s in self.stop if (i := text.find(s, max(0, start + 1 - len(s)))) >= 0]
-        if hits:
-            self.over = True
-            return text[start : max(start, min(hits))]
-        held = max(
-            (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
-        )
-        cut = max(start, len(text) - held)
-        self.before, self.pending = text[:cut][-max(map(len, self.stop)) :], text[cut:]
-        return text[start:cut]
+        text = self.pending + piece
+        for i, char in enumerate(piece, start=len(self.pending)):
+            ended = self._step(char)
+            if ended:  # generation stops at the first stop string that ends: cut at its start
+                self.over = True
+                return text[: max(0, i + 1 - ended)]
+        cut = max(0, len(text) - max(self._state))
+        self.pending = text[cut:]
+        return text[:cut]
+
+
+def _failure(s: str) -> list[int]:
+    """Knuth-Morris-Pratt's table of ``s``: for each prefix, the length of its longest proper
+    prefix that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 class Runner:
@@ -226,39 +260,46 @@ class Runner:
         seed: int | None = None,
         inputs: Mapping[str, Any] | None = None,
         processors: Sequence[Any] = (),
-    ) -> Iterator[str]:
+    ) -> Iterator[Any]:
         """Generates after one prompt, yielding text pieces as tokens come.
 
-        The pieces join to the text :meth:`run` gives. With beam search the leading beam can
-        change at any step, so nothing is final before the search ends: the whole text comes as
-        one piece then. Generation runs in a worker thread; closing the iterator (or Ctrl-C while
-        waiting on it) stops it after the current step or decode chunk.
+        The pieces join to the text :meth:`run` gives. With num_return_sequences n > 1 each
+        piece comes as a pair ``(j, piece)``: a piece of sequence j (0 <= j < n, the order of
+        :meth:`run`'s list), and the pieces of each j join to that sequence's text. With beam
+        search the leading beams can change at any step, so nothing is final before the search
+        ends: each text comes as one piece then. Generation runs in a worker thread; closing the
+        iterator (or Ctrl-C while waiting on it) stops it after the current step or decode chunk.
         """
         pieces: queue.Queue = queue.Queue()
         cancel = threading.Event()
-        text = tokenizer.streamer(skip_special_tokens=True)
         chosen = decoding.chosen(self.context(1, options, processors))
-        if chosen.num_return_sequences > 1:
-            n = chosen.num_return_sequences
-            raise ValueError(
-                f"a stream gives one sequence, not num_return_sequences={n}: use generate"
-            )
-        beams = chosen.num_beams > 1
+        n, beams = chosen.num_return_sequences, chosen.num_beams > 1
         stop = stop_option({**self.options, **options})[1]
         window = max(map(len, stop), default=0)
-        hold = _Hold(stop, tokenizer.decode(prompt[-window:]) if stop else "")
-        out: list[str] = []
+        before = tokenizer.decode(prompt[-window:]) if stop else ""
+        texts = [tokenizer.streamer(skip_special_tokens=True) for _ in range(n)]
+        holds = [_Hold(stop, before) for _ in range(n)]
+        out: list[list[str]] = [[] for _ in range(n)]
+        ended = [False] * n
         done = object()
+
+        def send(j: int, piece: str) -> None:
+            pieces.put(piece if n == 1 else (j, piece))
 
         def on_token(event: dict[str, np.ndarray]) -> None:
             if cancel.is_set():
                 raise _Cancelled
-            token = int(event["token"][0])
-            if token >= 0 and not beams:
-                piece = hold.push(text.push([token]))
-                if piece:
-                    out.append(piece)
-                    pieces.put(piece)
+            if beams:
+                return
+            tokens, finished = event["token"], event["finished"]
+            for j in range(n):  # sampled sequence j of the one prompt is row j
+                token = int(tokens[j])
+                if token >= 0 and not ended[j]:
+                    piece = holds[j].push(texts[j].push([token]))
+                    if piece:
+                        out[j].append(piece)
+                        send(j, piece)
+                ended[j] = ended[j] or bool(finished[j])
 
         def work() -> None:
             try:
@@ -266,13 +307,15 @@ class Runner:
                     tokenizer, [prompt], options, seed=seed, inputs=inputs, on_token=on_token,
                     processors=processors,
                 )[0]  # fmt: skip
-                if beams or stop:  # the text may be cut at a stop string: send what follows
-                    shown = "".join(out)
-                    rest = result.text[len(shown) :] if result.text.startswith(shown) else ""
-                else:
-                    rest = text.finish()
-                if rest:
-                    pieces.put(rest)
+                for j, sequence in enumerate([result] if n == 1 else result):
+                    if beams or stop:  # the text may be cut at a stop string: send what follows
+                        shown = "".join(out[j])
+                        text = sequence.text
+                        rest = text[len(shown) :] if text.startswith(shown) else ""
+                    else:
+                        rest = texts[j].finish()
+                    if rest:
+                        send(j, rest)
                 pieces.put(done)
             except _Cancelled:
                 pieces.put(done)
@@ -284,7 +327,7 @@ class Runner:
         return _Stream(pieces, cancel, worker, done)
 
 
-class _Stream(Iterator[str]):
+class _Stream(Iterator[Any]):
     """The pieces of a stream as a worker thread puts them on ``pieces``; :meth:`close` may be
     called from any thread (the reading one then ends its iteration)."""
 
@@ -292,7 +335,7 @@ class _Stream(Iterator[str]):
         self._pieces, self._cancel, self._worker, self._done = pieces, cancel, worker, done
         self._closed = False
 
-    def __next__(self) -> str:
+    def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
         try:

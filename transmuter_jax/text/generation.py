@@ -156,12 +156,14 @@ class TextGeneration(Pipeline):
         chat: bool | None = None,
         seed: int | None = None,
         **options: Any,
-    ) -> Iterator[str]:
-        """Yields the answer to one prompt in pieces as it is generated.
+    ) -> Iterator[Any]:
+        """Yields the answer to one prompt in pieces (str) as it is generated.
 
         Pieces never split a multi-byte character, and they join to the text the same call
         without streaming gives. With beam search (``num_beams`` above 1) the text is final only
-        when the search ends: it comes then, as one piece. Closing the iterator stops generation.
+        when the search ends: it comes then, as one piece. With num_return_sequences n > 1 each
+        piece comes as a pair ``(j, piece)`` of sequence j, and the pieces of each j join to its
+        text. Closing the iterator stops generation.
         """
         return super().stream(prompt, seed=seed, chat=chat, **options)
 

@@ -195,9 +195,10 @@ class ImageTextToText(Pipeline):
         *,
         seed: int | None = None,
         **options: Any,
-    ) -> Iterator[str]:
+    ) -> Iterator[Any]:
         """Yields the answer in pieces as it is generated; they join to the text the same call
-        without streaming gives."""
+        without streaming gives (with num_return_sequences n > 1, ``(j, piece)`` pairs: see
+        :meth:`Pipeline.stream`)."""
         return super().stream(self._messages(messages, question), seed=seed, **options)
 
     @staticmethod
