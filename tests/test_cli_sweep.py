@@ -11,6 +11,7 @@ import contextlib
 import io
 import itertools
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ NOT_RUN = {"prepare", "serve"}  # they prepare models or start a server: parsed 
 # What each command is given besides its flags (valid inputs of the tiny fixtures).
 BASE = {
     "generate": [str(FIXTURES / "llama-optimum"), "Hello", "--no-chat-template"],
-    "chat": [str(FIXTURES / "llama-optimum")],
+    "chat": ["<chat-model>"],  # llama-optimum with a chat template: the module's `chat_model`
     "translate": [str(FIXTURES / "marian-optimum"), "hello"],
     "transcribe": [
         str(FIXTURES / "whisper-speech-optimum"),
@@ -90,7 +91,7 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of the command line ``argv`` in this process."""
     out, err = io.StringIO(), io.StringIO()
     stdin = sys.stdin
-    sys.stdin = io.StringIO("")  # chat reads its turns: end of input at once
+    sys.stdin = io.StringIO("Hello\n")  # chat reads its turns: one line, then end of input
     run = cli.main
     if argv[0] in NOT_RUN:  # parsed only: a parsed line is status 0
 
@@ -137,6 +138,25 @@ def _cases(tmp: Path, commands, invalid: bool, valid: bool) -> list[list[str]]:
             if valid and command not in NOT_RUN:
                 cases += [[command, *base, *v] for v in good]
     return cases
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chat_model(tmp_path_factory):
+    """A copy of llama-optimum with a chat template, so that `chat` lines reach generation
+    (the fixture has none, and every chat line would stop at that error)."""
+    folder = tmp_path_factory.mktemp("chat") / "llama-chat"
+    shutil.copytree(FIXTURES / "llama-optimum", folder)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    patch = pytest.MonkeyPatch()
+    patch.setitem(BASE, "chat", [str(folder)])
+    yield folder
+    patch.undo()
 
 
 COMMANDS = list(build()[1])
