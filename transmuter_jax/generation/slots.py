@@ -314,6 +314,12 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
     """Each slot's token, log-probability and top k, from logits [B, V] (the processors, then
     the per-slot penalties, the constraint's mask and the warpers, as transformers orders
     them)."""
+    return _scored(spec, masks, k, logits, rows, views, table)[:4]
+
+
+def _scored(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -> tuple:
+    """:func:`_choose`'s (token, log-probability, top ids, top values), then the final scores
+    [B, V] the token was drawn from and their logsumexp [B] (speculative sampling's p)."""
     options = spec.options
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
@@ -380,7 +386,7 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
     else:
         top_ids = jnp.zeros((scores.shape[0], 0), jnp.int32)
         top_values = jnp.zeros((scores.shape[0], 0), jnp.float32)
-    return tokens, chosen, top_ids, top_values
+    return tokens, chosen, top_ids, top_values, scores, total
 
 
 def _requested(scores, rows: Rows_, vocab: int):
