@@ -417,29 +417,12 @@ def generate(
         # no slot speculates, or a live slot is constrained (the verify step reads no constraint
         # table): plain steps, which give a speculating slot the same tokens, one at a time
         return slots.generate(engine, state, steps)
-    live = state.live_slots
     size = 1 << (steps - 1).bit_length()
     run = _chunk(engine, state.capacity, state.top_logprobs, size, width, longest)
     helper = {} if engine.assistant is None else engine.assistant.model.params
     rows, out, _ = run(engine.model.params, helper, state.rows, np.int32(steps))
-    out = jax.device_get(out)
-    out = jax.tree.map(_positions_in_order, out)
-    hosts, tokens, ended = list(state.hosts), [], []
-    for i in range(out.token.shape[0]):
-        taking = [s for s in live if out.token[i, s] >= 0 and not hosts[s].done]
-        for s in taking:
-            token, host = slots._tokens(out, hosts[s].request, [s], i, True)[0], hosts[s]
-            if host.stops is not None and not token.eos:
-                tail = (host.tail + (token.token,))[-host.stops.window :]
-                if host.stops.hit(list(tail)) and not token.done:
-                    token = dataclasses.replace(token, done=True, finish_reason="stop")
-                    ended.append(s)
-                host = dataclasses.replace(host, tail=tail)
-            hosts[s] = dataclasses.replace(host, done=token.done)
-            tokens.append(token)
-    if ended:
-        rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(ended)].set(True))
-    return dataclasses.replace(state, rows=rows, hosts=tuple(hosts)), tokens
+    out = jax.tree.map(_positions_in_order, jax.device_get(out))
+    return slots.read(state, rows, out)
 
 
 def _positions_in_order(a: np.ndarray) -> np.ndarray:
