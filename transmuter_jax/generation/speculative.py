@@ -13,8 +13,9 @@ the residual draw on rejection), so the tokens are plain sampling's for the same
 
 The cache is written for all K + 1 tokens; the slot's length advances by the kept ones, and the
 mask hides the rejected rows until they are overwritten. This needs a cache whose rows a mask
-hides (in_place, append): the slots' modes. A step runs at one of a few lengths (1, 2, 4, K + 1),
-the shortest that holds every slot's drafts, so a step without drafts costs one token.
+hides (in_place, append): the slots' modes. A step runs at one of a few lengths (1, 2, 4, 8,
+K + 1), the shortest that holds every slot's drafts, so a step without drafts costs one token;
+live slots × length stays within :data:`STEP_TOKENS` (a large batch drafts less, or not at all).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from ..runtime.jit import jit_options
 from . import drafts as drafting
+from . import prefill as prefills
 from . import slots
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
@@ -68,9 +70,15 @@ class Stats:
         return self.accepted / self.drafted if self.drafted else float("nan")
 
 
+STEP_TOKENS = 16
+"""The most tokens a verify step runs over its live slots (slots × step length): past it a step
+is no longer bound by reading the weights, and drafting costs more than it saves. At batch 1 a
+slot drafts up to 15 tokens, at batch 8 one each, from 16 slots on none."""
+
+
 def lengths_of(width: int) -> tuple[int, ...]:
     """The step lengths of a chunk whose slots draft at most ``width`` tokens."""
-    return tuple(sorted({n for n in (1, 2, 4) if n <= width} | {width + 1}))
+    return tuple(sorted({n for n in (1, 2, 4, 8) if n <= width} | {width + 1}))
 
 
 def speculating(engine: Engine, state: slots.SlotState) -> tuple[int, int]:
@@ -370,6 +378,9 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
                 live = ~r.done
                 room = capacity - r.lengths  # the most tokens a step may write
                 most = jnp.minimum(r.max_new - r.count - 1, room - 1)
+                # the cost model: live slots × step length within STEP_TOKENS
+                longest_step = STEP_TOKENS // jnp.maximum(jnp.sum(live), 1)
+                most = jnp.minimum(most, longest_step - 1)
                 most = jnp.where(live & (r.drafts.lookup > 0), jnp.maximum(most, 0), 0)
                 have = r.prompt + r.count
                 tokens, count = drafting.propose(r.history, have, r.drafts, most, width, longest)
@@ -480,7 +491,9 @@ def run(
         for p, n, _ in rows
         if p
     ]
-    capacity = bucket(max([*need, 64]))
+    longest = max((len(p) for p, _, _ in rows), default=0)
+    # the prompts run together: each writes the padded width of the longest one's steps
+    capacity = bucket(max([*need, slots.written(0, longest) if longest else 0, 64]))
     limit = engine.position_limit
     if limit is not None:
         capacity = min(capacity, bucket(limit))
@@ -495,18 +508,20 @@ def run(
     first = np.full(n, -1, np.int32)
     first_logprob = np.full(n, np.nan, np.float32)
     first_top: list[tuple] = [()] * n
-    for i, (prompt, max_new, seed) in enumerate(rows):
-        if finished[i]:
-            continue
-        request = slots.Request(
-            tuple(prompt),
-            max_new_tokens=max_new,
-            seed=int(seed),
+    taking = [i for i in range(n) if not finished[i]]
+    requests = [
+        slots.Request(
+            tuple(rows[i][0]),
+            max_new_tokens=rows[i][1],
+            seed=int(rows[i][2]),
             stop_strings=options.stop_strings or (),
             logprobs=options.logprobs,
             top_logprobs=options.top_logprobs,
         )
-        prefix = slots.prefill(engine, request)
+        for i in taking
+    ]
+    prefixes = prefills.prefill_many(engine, requests) if requests else []
+    for i, prefix in zip(taking, prefixes, strict=True):
         if prefix.first is not None:
             t = prefix.first
             first[i], first_logprob[i], first_top[i] = t.token, t.logprob, t.top
