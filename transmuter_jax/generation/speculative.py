@@ -152,6 +152,14 @@ def speculative_sampling(p, q, drafts, seeds, steps):
     return accepted, tokens
 
 
+def _q_width(engine: Engine) -> int:
+    """The columns of the draft model's q: its vocabulary size (0: no draft model, or a size
+    unknown, and a sampled slot's drafts are the draft's argmax, kept by equality)."""
+    if engine.assistant is None:
+        return 0
+    return engine.assistant.vocab_size or engine.vocab_size or 0
+
+
 def _fit(q, vocab: int):
     """``q`` [..., V] with ``vocab`` columns: zeros after V, or its first ``vocab``."""
     extra = vocab - q.shape[-1]
@@ -171,7 +179,7 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
     names = {i.name for i in engine.model.inputs}
     axes, pad = slots._axes(engine), slots._pad_token(engine)
     drafted = length - 1
-    sampled = engine.assistant is not None and drafted > 0
+    sampled = _q_width(engine) > 0 and drafted > 0
 
     def verify(params, rows: slots.Rows_, tokens, count, q):
         batch, columns = rows.history.shape
@@ -287,12 +295,12 @@ def _draft_function(engine: Engine, capacity: int, width: int):
     axes, pad = slots._axes(assistant), slots._pad_token(assistant)
 
     options = engine.spec.options
-    vocab = assistant.vocab_size or engine.vocab_size or 0
+    vocab = _q_width(engine)
 
     def draft(params, rows: slots.Rows_, feeds):
         batch = rows.token.shape[0]
         live = ~rows.done & rows.drafts.model
-        drawing = live & rows.sample
+        drawing = live & rows.sample & (vocab > 0)  # else argmax drafts, verified as point masses
 
         def body(carry):
             i, token, cache, tokens, qs = carry
