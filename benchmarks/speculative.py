@@ -1,13 +1,15 @@
-"""Speculative decoding by prompt lookup against plain greedy decoding, in one run.
+"""Speculative decoding (prompt lookup, a draft model) against plain greedy decoding, in one run.
 
-``python benchmarks/speculative.py [--new 128] [--lookup 10] [--ngram 2] [--repeats 2]`` runs the
-default model (SmolLM2-135M-Instruct, fp32) greedy on input-grounded prompts (copy with edits,
-fix the spelling, reformat a list, change a line of code) and open-ended ones, at batch 1 (each
-prompt alone) and at batch 8 (a mix of both kinds), plain and with ``prompt_lookup_num_tokens``.
-It checks that the tokens are the same, and prints one JSON object: tokens/s (the new tokens
-over the whole call, prompts included, best of ``--repeats``), the ratios, the drafted and
-accepted tokens and the target steps saved, the load average and the CPU. See
-benchmarks/README.md.
+``python benchmarks/speculative.py [--new 128] [--lookup 10] [--ngram 2] [--assistant 10]
+[--repeats 2]`` runs the default model (SmolLM2-135M-Instruct, fp32) greedy on input-grounded
+prompts (copy with edits, fix the spelling, reformat a list, change a line of code) and
+open-ended ones, at batch 1 (each prompt alone) and at batch 8 (a mix of both kinds), plain and
+with ``prompt_lookup_num_tokens``; then each prompt alone with the int4 export as the draft
+model (``num_assistant_tokens``, heuristic schedule; ``--assistant 0`` skips it). It checks that
+the tokens are the same, and prints one JSON object: tokens/s (the new tokens over the whole
+call, prompts included, best of ``--repeats``), the ratios, per call the drafted and accepted
+tokens and the target steps saved, the load average (``uptime``) before and after, and the CPU.
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _measure(pipe, prompts, options, repeats) -> dict:
                     key=lambda pair: pair[0])  # fmt: skip
     tokens = sum(len(r.token_ids) for r in out)
     result = {"tokens": tokens, "seconds": round(best, 3), "tok_s": round(tokens / best, 1)}
-    if options.get("prompt_lookup_num_tokens"):
+    if options.get("prompt_lookup_num_tokens") or options.get("num_assistant_tokens"):
         engine = runner.context(len(prompts), options)
         from transmuter_jax.generation.loop import new_tokens
 
@@ -73,12 +75,24 @@ def _measure(pipe, prompts, options, repeats) -> dict:
     return result, [list(r.token_ids) for r in out]
 
 
+def _uptime() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--lookup", type=int, default=10)
     parser.add_argument("--ngram", type=int, default=2)
+    parser.add_argument("--assistant", type=int, default=10, help="num_assistant_tokens (0: skip)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cases", default="lookup,batch8,draft", help="which of them to run")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts of each kind")
     parser.add_argument("--repo", default=None, help="a model folder (default: the default model)")
     args = parser.parse_args()
 
@@ -88,9 +102,11 @@ def main() -> None:
     plain = {"max_new_tokens": args.new}
     spec = {**plain, "prompt_lookup_num_tokens": args.lookup, "max_matching_ngram_size": args.ngram}
     report: dict = {"new": args.new, "lookup": args.lookup, "ngram": args.ngram, "runs": {}}
-    kinds = {"grounded": GROUNDED, "open": OPEN}
+    report["uptime_before"] = _uptime()
+    kinds = {"grounded": GROUNDED[: args.prompts], "open": OPEN[: args.prompts]}
+    cases = set(args.cases.split(","))
     same = True
-    for kind, texts in kinds.items():
+    for kind, texts in kinds.items() if "lookup" in cases else ():
         for i, prompt in enumerate(texts):
             ids = [pipe.prompt_ids(prompt)]
             a, tokens_a = _measure(pipe, ids, plain, args.repeats)
@@ -99,16 +115,43 @@ def main() -> None:
             ratio = round(b["tok_s"] / a["tok_s"], 2)
             report["runs"][f"{kind}-{i}"] = {"plain": a, "lookup": b, "ratio": ratio}
             print(kind, i, ratio, b.get("acceptance"), flush=True)
-    for kind in kinds:
         ratios = [r["ratio"] for k, r in report["runs"].items() if k.startswith(kind)]
         report[f"{kind}_ratio_mean"] = round(sum(ratios) / len(ratios), 2)
-    mixed = [pipe.prompt_ids(p) for p in GROUNDED + OPEN]
-    a, tokens_a = _measure(pipe, mixed, plain, args.repeats)
-    b, tokens_b = _measure(pipe, mixed, spec, args.repeats)
-    same &= tokens_a == tokens_b
-    report["batch8_mixed"] = {"plain": a, "lookup": b, "ratio": round(b["tok_s"] / a["tok_s"], 2)}
+    if "batch8" in cases:
+        mixed = [pipe.prompt_ids(p) for p in GROUNDED + OPEN]
+        a, tokens_a = _measure(pipe, mixed, plain, args.repeats)
+        b, tokens_b = _measure(pipe, mixed, spec, args.repeats)
+        same &= tokens_a == tokens_b
+        ratio = round(b["tok_s"] / a["tok_s"], 2)
+        report["batch8_mixed"] = {"plain": a, "lookup": b, "ratio": ratio}
+        print("batch8", ratio, flush=True)
+    if args.assistant and "draft" in cases:  # the int4 export drafting for the fp32 one
+        helped = text.generation(args.repo, assistant_model="default-int4")
+        assisted = {**plain, "num_assistant_tokens": args.assistant,
+                    "num_assistant_tokens_schedule": "heuristic"}  # fmt: skip
+        runs = {}
+        for kind, texts in kinds.items():
+            for i, prompt in enumerate(texts):
+                ids = [pipe.prompt_ids(prompt)]
+                a, tokens_a = _measure(pipe, ids, plain, args.repeats)
+                b, tokens_b = _measure(helped, ids, assisted, args.repeats)
+                same &= tokens_a == tokens_b
+                ratio = round(b["tok_s"] / a["tok_s"], 2)
+                runs[f"{kind}-{i}"] = {"plain": a, "draft": b, "ratio": ratio}
+                print("draft", kind, i, ratio, b.get("acceptance"), flush=True)
+        ratios = [r["ratio"] for r in runs.values()]
+        drafted = sum(r["draft"]["drafted"] for r in runs.values())
+        accepted = sum(r["draft"]["accepted"] for r in runs.values())
+        report["draft_model"] = {
+            "assistant": "default-int4",
+            "num_assistant_tokens": args.assistant,
+            "runs": runs,
+            "ratio_mean": round(sum(ratios) / len(ratios), 2),
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+        }
     report["same_tokens"] = same
     report["load_average"] = os.getloadavg()
+    report["uptime_after"] = _uptime()
     report["cpu"] = platform.processor() or platform.machine()
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     report["avx512"] = "avx512f" in flags

@@ -109,11 +109,14 @@ def _lookup(request, k=LOOKUP, n=2):
 @pytest.mark.parametrize("name", _tiered(IN_PLACE[:3] + APPEND[:3]))
 def test_every_cut_inside_accepted_runs_equals_plain(name, workdir):
     eng = _engine(name, workdir)
-    prompt = _prompts(name)[1]
-    plain, _, _ = _solo(eng, Request(prompt, max_new_tokens=NEW))
-    ran, _, state = _solo(eng, _lookup(Request(prompt, max_new_tokens=NEW)))
-    assert ran == plain
-    assert speculative.stats(state, 1).accepted > 0
+    for prompt in _hitting(eng, name):  # a prompt whose drafts are accepted
+        plain, _, _ = _solo(eng, Request(prompt, max_new_tokens=NEW))
+        ran, _, state = _solo(eng, _lookup(Request(prompt, max_new_tokens=NEW)))
+        assert ran == plain
+        if speculative.stats(state, 1).accepted > 0:
+            break
+    else:
+        raise AssertionError("no prompt had drafts accepted")
     tokens = [t for t, *_ in plain]
     for m in range(1, NEW + 1):  # max_new_tokens reached at every position
         request = Request(prompt, max_new_tokens=m)
@@ -124,6 +127,15 @@ def test_every_cut_inside_accepted_runs_equals_plain(name, workdir):
         request = Request(prompt, max_new_tokens=NEW, eos_token_id=(token,))
         got = _solo(eng, _lookup(request))[0]
         assert got == _solo(eng, request)[0] and got[-1] == (token, True, True, "stop"), e
+
+
+def _hitting(eng, name):
+    """Prompts to try for drafts that hit: the copies, then each prompt followed by its greedy
+    continuation and itself again (the continuation is often repeated)."""
+    yield from _prompts(name)
+    for prompt in _prompts(name):
+        more = [t for t, eos, *_ in _solo(eng, Request(prompt, max_new_tokens=NEW))[0] if not eos]
+        yield prompt + more + prompt
 
 
 def test_drafts_hit_at_the_first_step_and_k_adapts(workdir):
@@ -259,18 +271,106 @@ def test_an_assistant_model_drafts_and_greedy_and_sampling_equal_plain(workdir):
     assert generation.generate(eng, prompts, [0] * len(prompts)) == want
     _, stats = speculative.run(eng, [(p, NEW, 0) for p in prompts])
     assert stats.accepted > 0 and stats.steps < stats.tokens
-    # sampled: plain sampling's tokens for the seed, beside a slot that does not speculate
+    # sampled (the p/q rule over the draft model's distribution): reproducible with the seed,
+    # the same beside other slots (a plain one, one sampled with another seed)
     sampled = Request(prompts[1], max_new_tokens=NEW, do_sample=True, temperature=1.2, seed=4)
-    alone = _solo(eng, Request(**{**sampled.__dict__, "num_assistant_tokens": 0}))[0]
+    alone, _, solo = _solo(eng, sampled, steps=2)
+    assert _solo(eng, sampled, steps=2)[0] == alone
+    assert speculative.stats(solo, 1).drafted > 0
+    other = Request(**{**sampled.__dict__, "seed": 9, "prompt": tuple(prompts[2])})
     state = eng.init_state()
     state = eng.insert(eng.prefill(sampled), state, 0)
+    state = eng.insert(eng.prefill(other), state, 1)
     state = eng.insert(eng.prefill(Request(prompts[0], num_assistant_tokens=0)), state, 2)
-    got = []
+    got = [alone[0]]
     while state.live_slots:
         state, tokens = eng.generate(state, 2)
         got += [(t.token, t.eos, t.done, t.finish_reason) for t in tokens if t.slot == 0]
-    assert alone[1:] == got
+    assert got == alone
     assert speculative.stats(state, 0).drafted > 0 and speculative.stats(state, 2).drafted == 0
+
+
+# -- the speculative sampling rule: the target's distribution, on a tiny vocabulary ------------
+
+# a target and a draft "model" over 4 tokens: the next token's probabilities given the last one
+TARGET = np.array(
+    [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.6, 0.1, 0.2]]
+)
+DRAFT = np.array(
+    [[0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4], [0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]]
+)
+
+
+def _sampled_runs(rule, seeds=20000, drafted=3, new=3):
+    """The first ``new`` tokens after token 0 of each seed, decoded speculatively: each step
+    the draft model draws ``drafted`` tokens (speculative.draft_draws), ``rule`` verifies them
+    (speculative.speculative_sampling's signature), and the target draws the token after an
+    accepted run with plain sampling's key (the slots' step)."""
+    import jax
+    import jax.numpy as jnp
+
+    target, draft = jnp.asarray(TARGET, jnp.float32), jnp.asarray(DRAFT, jnp.float32)
+
+    @jax.jit
+    def run(seeds):
+        b = seeds.shape[0]
+        last, count = jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32)
+        out, made = jnp.full((b, new * (drafted + 1)), -1, jnp.int32), jnp.zeros(b, jnp.int32)
+        for _ in range(new):  # each step gives one token or more
+            context, drafts, qs = last, [], []
+            for i in range(drafted):
+                q = draft[context]
+                context = speculative.draft_draws(jnp.log(q), seeds, count + i)
+                drafts.append(context)
+                qs.append(q)
+            drafts, qs = jnp.stack(drafts, 1), jnp.stack(qs, 1)
+            p = target[jnp.concatenate([last[:, None], drafts], 1)]  # [B, drafted + 1, V]
+            accepted, tokens = rule(p[:, :drafted], qs, drafts, seeds, count)
+            kept = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), 1), 1)
+            plain = jax.vmap(lambda r, s, c: jax.random.categorical(
+                jax.random.fold_in(jax.random.key(s), c), r))  # fmt: skip
+            after = plain(jnp.log(p[:, drafted]), seeds, count + drafted).astype(jnp.int32)
+            full = jnp.concatenate([tokens, after[:, None]], 1)
+            for j in range(drafted + 1):
+                at = jnp.where(j <= kept, made, out.shape[1])
+                out = out.at[jnp.arange(b), at].set(full[:, j], mode="drop")
+                made = made + (j <= kept)
+            last = jnp.take_along_axis(full, kept[:, None], 1)[:, 0]
+            count = count + kept + 1
+        return out[:, :new]
+
+    return np.asarray(run(jnp.arange(seeds, dtype=jnp.int32)))
+
+
+def _fits_the_target(runs) -> float:
+    """The chi-square test's p-value of the runs' first three tokens against the target's
+    (plain sampling's) probabilities of every sequence of three."""
+    from scipy import stats
+
+    cells = runs[:, 0] * 16 + runs[:, 1] * 4 + runs[:, 2]
+    seen = np.bincount(cells, minlength=64)
+    want = np.array([TARGET[0, c // 16] * TARGET[c // 16, c // 4 % 4] * TARGET[c // 4 % 4, c % 4]
+                     for c in range(64)])  # fmt: skip
+    return stats.chisquare(seen, want / want.sum() * len(runs)).pvalue
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    import jax
+    import jax.numpy as jnp
+
+    assert _fits_the_target(_sampled_runs(speculative.speculative_sampling)) > 1e-3
+
+    def from_target(p, q, drafts, seeds, steps):  # wrong: a rejected draft redrawn from p
+        accepted, _ = speculative.speculative_sampling(p, q, drafts, seeds, steps)
+        keys = jax.random.split(jax.random.key(7), drafts.shape)
+        redrawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, jnp.log(p))
+        return accepted, jnp.where(accepted, drafts, redrawn.astype(jnp.int32))
+
+    def every_draft(p, q, drafts, seeds, steps):  # wrong: the draft model's distribution
+        return jnp.ones(drafts.shape, bool), drafts
+
+    for wrong in (from_target, every_draft):  # the test can fail
+        assert _fits_the_target(_sampled_runs(wrong)) < 1e-6, wrong.__name__
 
 
 def _other_tokenizer(folder, into):

@@ -314,6 +314,12 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
     """Each slot's token, log-probability and top k, from logits [B, V] (the processors, then
     the per-slot penalties, the constraint's mask and the warpers, as transformers orders
     them)."""
+    return _scored(spec, masks, k, logits, rows, views, table)[:4]
+
+
+def _scored(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -> tuple:
+    """:func:`_choose`'s (token, log-probability, top ids, top values), then the final scores
+    [B, V] the token was drawn from and their logsumexp [B] (speculative sampling's p)."""
     options = spec.options
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
@@ -380,7 +386,7 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
     else:
         top_ids = jnp.zeros((scores.shape[0], 0), jnp.int32)
         top_values = jnp.zeros((scores.shape[0], 0), jnp.float32)
-    return tokens, chosen, top_ids, top_values
+    return tokens, chosen, top_ids, top_values, scores, total
 
 
 def _requested(scores, rows: Rows_, vocab: int):
@@ -1052,16 +1058,22 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
     size = 1 << (steps - 1).bit_length()  # compiled sizes: powers of two
     run = _chunk(engine, state.capacity, state.top_logprobs, size)
     rows, out = run(engine.model.params, state.rows, np.int32(steps), state.live_table)
-    out = jax.device_get(out)
+    return read(state, rows, jax.device_get(out))
+
+
+def read(state: SlotState, rows: Rows_, out: StepOut) -> tuple[SlotState, list[Token]]:
+    """The host's part of a chunk: ``state`` with the device's ``rows`` after it, and the new
+    tokens of ``out`` (host arrays [n, B]: n positions in order, token -1 where a slot took
+    none), position by position (slot order within one). A stop string ends its slot on the
+    host: the slot's later tokens are dropped and its row is marked done."""
     hosts = list(state.hosts)
     tokens: list[Token] = []
     ended = []
-    for i in range(size):
+    live = state.live_slots
+    for i in range(out.token.shape[0]):
         taking = [s for s in live if out.token[i, s] >= 0 and not hosts[s].done]
-        if not taking:
-            break
-        for s, token in zip(taking, _stepped(out, hosts, taking, i), strict=True):
-            host = hosts[s]
+        for s in taking:
+            token, host = _tokens(out, hosts[s].request, [s], i, True)[0], hosts[s]
             if host.stops is not None and not token.eos:
                 tail = (host.tail + (token.token,))[-host.stops.window :]
                 if host.stops.hit(list(tail)) and not token.done:
@@ -1073,10 +1085,6 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
     if ended:
         rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(ended)].set(True))
     return dataclasses.replace(state, rows=rows, hosts=tuple(hosts)), tokens
-
-
-def _stepped(out, hosts, slots, i):
-    return [_tokens(out, hosts[s].request, [s], i, True)[0] for s in slots]
 
 
 def _slot(state: SlotState, slot: int) -> None:

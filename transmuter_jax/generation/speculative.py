@@ -13,8 +13,9 @@ the residual draw on rejection), so the tokens are plain sampling's for the same
 
 The cache is written for all K + 1 tokens; the slot's length advances by the kept ones, and the
 mask hides the rejected rows until they are overwritten. This needs a cache whose rows a mask
-hides (in_place, append): the slots' modes. A step runs at one of a few lengths (1, 2, 4, K + 1),
-the shortest that holds every slot's drafts, so a step without drafts costs one token.
+hides (in_place, append): the slots' modes. A step runs at one of a few lengths (1, 2, 4, 8,
+K + 1), the shortest that holds every slot's drafts, so a step without drafts costs one token;
+live slots × length stays within :data:`STEP_TOKENS` (a large batch drafts less, or not at all).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ import numpy as np
 
 from ..runtime.jit import jit_options
 from . import drafts as drafting
+from . import prefill as prefills
 from . import slots
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
 from .errors import GenerationError
 from .processors import Rows, static_masks
 from .programs import program
+from .select import cutoffs
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -67,9 +70,15 @@ class Stats:
         return self.accepted / self.drafted if self.drafted else float("nan")
 
 
+STEP_TOKENS = 16
+"""The most tokens a verify step runs over its live slots (slots × step length): past it a step
+is no longer bound by reading the weights, and drafting costs more than it saves. At batch 1 a
+slot drafts up to 15 tokens, at batch 8 one each, from 16 slots on none."""
+
+
 def lengths_of(width: int) -> tuple[int, ...]:
     """The step lengths of a chunk whose slots draft at most ``width`` tokens."""
-    return tuple(sorted({n for n in (1, 2, 4) if n <= width} | {width + 1}))
+    return tuple(sorted({n for n in (1, 2, 4, 8) if n <= width} | {width + 1}))
 
 
 def speculating(engine: Engine, state: slots.SlotState) -> tuple[int, int]:
@@ -85,17 +94,94 @@ def speculating(engine: Engine, state: slots.SlotState) -> tuple[int, int]:
 # -- the device program -------------------------------------------------------------------------
 
 
+# the tags of the keys a sampled slot's speculation draws with, beside the plain draw's
+_UNIFORM, _RESIDUAL, _DRAFT = 1, 2, 3
+
+
+def _key(seed, step, tag: int):
+    """The key of ``tag``'s draw for the new token ``step`` of the slot of ``seed``."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), tag)
+
+
+def draft_draws(scores, seeds, steps):
+    """Traced: the draft model's tokens [B] drawn from ``scores`` [B, V] (its warped scores)
+    with the draft key of each slot's ``seeds`` [B] and new token index ``steps`` [B]."""
+
+    def one(row, seed, step):
+        return jax.random.categorical(_key(seed, step, _DRAFT), row)
+
+    return jax.vmap(one)(scores, seeds, steps).astype(jnp.int32)
+
+
+def speculative_sampling(p, q, drafts, seeds, steps):
+    """Traced: the speculative sampling rule over a draft model's own distribution.
+
+    Draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); where it is rejected, the
+    token is drawn from the normalised max(0, p_j - q_j). Kept up to the first rejection, the
+    tokens are distributed as the target's (Leviathan et al.; transformers'
+    ``_speculative_sampling``). The uniform and the residual's draw of position j use the keys
+    of the slot's seed and new token index ``steps + j``, so the tokens are reproducible with
+    the seed and independent of the other slots.
+
+    Args:
+        p: [B, D, V] the target's probabilities at the D draft positions (position j after the
+            first j drafts).
+        q: [B, D, V] the draft model's probabilities each draft was drawn from.
+        drafts: [B, D] int32 the drafted tokens.
+        seeds: [B] the slots' sampling seeds.
+        steps: [B] int32 the new token index of position 0 (the slot's new tokens so far).
+
+    Returns:
+        (accepted [B, D] bool: draft j passes its test, tokens [B, D] int32: the draft where
+        accepted, else the residual's draw)
+    """
+    batch, d = drafts.shape
+    at = steps[:, None] + jnp.arange(d, dtype=steps.dtype)[None, :]  # [B, D]
+    each = jnp.broadcast_to(seeds[:, None], (batch, d))
+    p_d = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    uniform = jax.vmap(jax.vmap(lambda seed, step: jax.random.uniform(_key(seed, step, _UNIFORM))))
+    accepted = uniform(each, at) * q_d <= p_d  # u <= p / q, without dividing by q
+    residual = jnp.maximum(p - q, 0.0)
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
+    logits = jnp.where(residual > 0, jnp.log(residual), -jnp.inf)
+    draw = jax.vmap(
+        jax.vmap(lambda row, seed, step: jax.random.categorical(_key(seed, step, _RESIDUAL), row))
+    )
+    tokens = jnp.where(accepted, drafts, draw(logits, each, at).astype(jnp.int32))
+    return accepted, tokens
+
+
+def _q_width(engine: Engine) -> int:
+    """The columns of the draft model's q: its vocabulary size (0: no draft model, or a size
+    unknown, and a sampled slot's drafts are the draft's argmax, kept by equality)."""
+    if engine.assistant is None:
+        return 0
+    return engine.assistant.vocab_size or engine.vocab_size or 0
+
+
+def _fit(q, vocab: int):
+    """``q`` [..., V] with ``vocab`` columns: zeros after V, or its first ``vocab``."""
+    extra = vocab - q.shape[-1]
+    if extra > 0:
+        return jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, extra)])
+    return q[..., :vocab]
+
+
 def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: int):
-    """The pure ``verify(params, rows, tokens [B, width], count [B]) -> (rows, StepOut [B, W],
-    accepted [B])`` of steps of ``length`` tokens (W = width + 1)."""
+    """The pure ``verify(params, rows, tokens [B, width], count [B], q [B, width, V]) -> (rows,
+    StepOut [B, W], accepted [B])`` of steps of ``length`` tokens (W = width + 1); ``q``: the
+    draft model's probabilities of its drafts (a sampled slot it drafts for), [B, width, 0]
+    without an assistant model."""
     spec, mode = engine.spec, engine.cache_mode
     step = engine.compiled.steps.function(True, None)
     masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
     names = {i.name for i in engine.model.inputs}
     axes, pad = slots._axes(engine), slots._pad_token(engine)
     drafted = length - 1
+    sampled = _q_width(engine) > 0 and drafted > 0
 
-    def verify(params, rows: slots.Rows_, tokens, count):
+    def verify(params, rows: slots.Rows_, tokens, count, q):
         batch, columns = rows.history.shape
         live = ~rows.done
         count = jnp.where(live, jnp.minimum(count, drafted), 0)
@@ -124,9 +210,31 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
         each = dataclasses.replace(each, history=history, count=each.count + steps)
         views = Rows(history, each.prompt, each.prompt + each.count, each.prompt + each.max_new)
         scores = logits.reshape(batch * length, logits.shape[-1])
-        chosen, logprob, top_ids, top_values = slots._choose(spec, masks, k, scores, each, views)
+        chosen, logprob, top_ids, top_values, scores, total = slots._scored(
+            spec, masks, k, scores, each, views
+        )
         chosen = chosen.reshape(batch, length)
-        agree = (drafts == chosen[:, :drafted]) & (jnp.arange(drafted)[None, :] < count[:, None])
+        agree = drafts == chosen[:, :drafted]  # greedy, or a point-mass draft: the same token
+        drafting_ = jnp.arange(drafted)[None, :] < count[:, None]  # [B, L - 1]
+        if sampled:  # a sampled slot the draft model drafts for: the p/q rule
+            rule = live & rows.sample & rows.drafts.model  # [B]
+
+            def by_rule(_):
+                p = jax.nn.softmax(scores.reshape(batch, length, -1)[:, :drafted], axis=-1)
+                q_ = _fit(q[:, :drafted], p.shape[-1])
+                return speculative_sampling(p, q_, drafts, rows.seeds, rows.count)
+
+            def none(_):
+                return jnp.zeros(drafts.shape, bool), drafts
+
+            kept, redrawn = jax.lax.cond(jnp.any(rule & (count > 0)), by_rule, none, None)
+            use = rule[:, None] & drafting_
+            agree = jnp.where(rule[:, None], kept, agree)
+            chosen = chosen.at[:, :drafted].set(jnp.where(use, redrawn, chosen[:, :drafted]))
+            logprob = (
+                jnp.take_along_axis(scores, chosen.reshape(-1, 1), axis=-1)[:, 0] - total
+            )  # the target's log-probability of the token kept
+        agree = agree & drafting_
         accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # [B]
         # keep positions 0..accepted in order: eos or max_new_tokens may end the slot first
         history, token, counted, ended = rows.history, rows.token, rows.count, rows.done
@@ -173,21 +281,29 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
 
 
 def _draft_function(engine: Engine, capacity: int, width: int):
-    """The pure ``draft(params, rows, feeds) -> (tokens [B, width], cache)``: the assistant
-    model's greedy tokens after each slot's last token, ``feeds`` steps of one token into its
-    cache from the slot's length (so that the cache holds the tokens the target verifies)."""
+    """The pure ``draft(params, rows, feeds) -> (tokens [B, width], cache, q [B, width, V])``:
+    the assistant model's tokens after each slot's last token, ``feeds`` steps of one token into
+    its cache from the slot's length (so that the cache holds the tokens the target verifies).
+    A greedy slot's drafts are the draft model's argmax; a sampled slot's are drawn from its
+    scores warped by the slot's temperature, top-k, top-p and min-p (and the specification's
+    typical, epsilon and eta), ``q`` those probabilities (any q keeps the target's
+    distribution; a closer one is accepted more often)."""
     assistant = engine.assistant
     step = assistant.compiled.steps.function(True, None)
     mode = assistant.cache_mode
     names = {i.name for i in assistant.model.inputs}
     axes, pad = slots._axes(assistant), slots._pad_token(assistant)
 
+    options = engine.spec.options
+    vocab = _q_width(engine)
+
     def draft(params, rows: slots.Rows_, feeds):
         batch = rows.token.shape[0]
         live = ~rows.done & rows.drafts.model
+        drawing = live & rows.sample & (vocab > 0)  # else argmax drafts, verified as point masses
 
         def body(carry):
-            i, token, cache, tokens = carry
+            i, token, cache, tokens, qs = carry
             at = (rows.lengths + i).astype(jnp.int32)
             feed = {"tokens": jnp.where(live, token, pad)[:, None].astype(jnp.int32)}
             if "attention_mask" in names:
@@ -197,13 +313,25 @@ def _draft_function(engine: Engine, capacity: int, width: int):
                     jnp.broadcast_to(at[:, None], (3, batch, 1)) if axes == 3 else at[:, None]
                 )
             logits, cache = step(params, {}, cache, feed, at, jnp.zeros(batch, jnp.int32))
+            logits = jnp.asarray(logits, jnp.float32)
             chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            tokens = tokens.at[:, i].set(chosen, mode="drop")  # the last feed's token: dropped
-            return i + 1, chosen, cache, tokens
 
-        start = (jnp.int32(0), rows.token, rows.drafts.cache, jnp.zeros((batch, width), jnp.int32))
-        _, _, cache, tokens = jax.lax.while_loop(lambda c: c[0] < feeds, body, start)
-        return tokens, cache
+            def drawn(qs):
+                warped = cutoffs(slots._warp(logits, rows), options)
+                q = jnp.where(drawing[:, None], jax.nn.softmax(warped, axis=-1), 0.0)
+                q = _fit(q, vocab)
+                token = draft_draws(warped, rows.seeds, rows.count + i)
+                return jnp.where(drawing, token, chosen), qs.at[:, i].set(q, mode="drop")
+
+            chosen, qs = jax.lax.cond(jnp.any(drawing), drawn, lambda qs: (chosen, qs), qs)
+            tokens = tokens.at[:, i].set(chosen, mode="drop")  # the last feed's token: dropped
+            return i + 1, chosen, cache, tokens, qs
+
+        qs = jnp.zeros((batch, width, vocab), jnp.float32)
+        tokens = jnp.zeros((batch, width), jnp.int32)
+        start = (jnp.int32(0), rows.token, rows.drafts.cache, tokens, qs)
+        _, _, cache, tokens, qs = jax.lax.while_loop(lambda c: c[0] < feeds, body, start)
+        return tokens, cache, qs
 
     return draft
 
@@ -258,15 +386,19 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
                 live = ~r.done
                 room = capacity - r.lengths  # the most tokens a step may write
                 most = jnp.minimum(r.max_new - r.count - 1, room - 1)
+                # the cost model: live slots × step length within STEP_TOKENS
+                longest_step = STEP_TOKENS // jnp.maximum(jnp.sum(live), 1)
+                most = jnp.minimum(most, longest_step - 1)
                 most = jnp.where(live & (r.drafts.lookup > 0), jnp.maximum(most, 0), 0)
                 have = r.prompt + r.count
                 tokens, count = drafting.propose(r.history, have, r.drafts, most, width, longest)
+                q = jnp.zeros((batch, width, 0), jnp.float32)  # no draft model: no q
                 if draft is not None:  # the assistant model's slots
                     model = live & r.drafts.model
                     wanted = jnp.minimum(jnp.minimum(r.drafts.k, r.drafts.lookup), most)
                     wanted = jnp.where(model, wanted, 0)
                     feeds = jnp.where(jnp.any(model), jnp.max(wanted) + 1, 0)
-                    drafted_by, cache = draft(helper, r, feeds)
+                    drafted_by, cache, q = draft(helper, r, feeds)
                     r = dataclasses.replace(r, drafts=dataclasses.replace(r.drafts, cache=cache))
                     tokens = jnp.where(model[:, None], drafted_by, tokens)
                     count = jnp.where(model, wanted, count)
@@ -275,7 +407,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
                 shortest = jnp.sum(sizes < want)  # the shortest length that holds every draft
                 longest_fit = jnp.sum(sizes <= fits) - 1
                 index = jnp.clip(jnp.minimum(shortest, longest_fit), 0, len(lengths) - 1)
-                r, o, d = jax.lax.switch(index, branches, params, r, tokens, count)
+                r, o, d = jax.lax.switch(index, branches, params, r, tokens, count, q)
                 out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
                 return i + 1, r, out, drafted.at[i].set(d)
 
@@ -304,29 +436,12 @@ def generate(
         # no slot speculates, or a live slot is constrained (the verify step reads no constraint
         # table): plain steps, which give a speculating slot the same tokens, one at a time
         return slots.generate(engine, state, steps)
-    live = state.live_slots
     size = 1 << (steps - 1).bit_length()
     run = _chunk(engine, state.capacity, state.top_logprobs, size, width, longest)
     helper = {} if engine.assistant is None else engine.assistant.model.params
     rows, out, _ = run(engine.model.params, helper, state.rows, np.int32(steps))
-    out = jax.device_get(out)
-    out = jax.tree.map(_positions_in_order, out)
-    hosts, tokens, ended = list(state.hosts), [], []
-    for i in range(out.token.shape[0]):
-        taking = [s for s in live if out.token[i, s] >= 0 and not hosts[s].done]
-        for s in taking:
-            token, host = slots._tokens(out, hosts[s].request, [s], i, True)[0], hosts[s]
-            if host.stops is not None and not token.eos:
-                tail = (host.tail + (token.token,))[-host.stops.window :]
-                if host.stops.hit(list(tail)) and not token.done:
-                    token = dataclasses.replace(token, done=True, finish_reason="stop")
-                    ended.append(s)
-                host = dataclasses.replace(host, tail=tail)
-            hosts[s] = dataclasses.replace(host, done=token.done)
-            tokens.append(token)
-    if ended:
-        rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(ended)].set(True))
-    return dataclasses.replace(state, rows=rows, hosts=tuple(hosts)), tokens
+    out = jax.tree.map(_positions_in_order, jax.device_get(out))
+    return slots.read(state, rows, out)
 
 
 def _positions_in_order(a: np.ndarray) -> np.ndarray:
@@ -384,7 +499,9 @@ def run(
         for p, n, _ in rows
         if p
     ]
-    capacity = bucket(max([*need, 64]))
+    longest = max((len(p) for p, _, _ in rows), default=0)
+    # the prompts run together: each writes the padded width of the longest one's steps
+    capacity = bucket(max([*need, slots.written(0, longest) if longest else 0, 64]))
     limit = engine.position_limit
     if limit is not None:
         capacity = min(capacity, bucket(limit))
@@ -399,18 +516,20 @@ def run(
     first = np.full(n, -1, np.int32)
     first_logprob = np.full(n, np.nan, np.float32)
     first_top: list[tuple] = [()] * n
-    for i, (prompt, max_new, seed) in enumerate(rows):
-        if finished[i]:
-            continue
-        request = slots.Request(
-            tuple(prompt),
-            max_new_tokens=max_new,
-            seed=int(seed),
+    taking = [i for i in range(n) if not finished[i]]
+    requests = [
+        slots.Request(
+            tuple(rows[i][0]),
+            max_new_tokens=rows[i][1],
+            seed=int(rows[i][2]),
             stop_strings=options.stop_strings or (),
             logprobs=options.logprobs,
             top_logprobs=options.top_logprobs,
         )
-        prefix = slots.prefill(engine, request)
+        for i in taking
+    ]
+    prefixes = prefills.prefill_many(engine, requests) if requests else []
+    for i, prefix in zip(taking, prefixes, strict=True):
         if prefix.first is not None:
             t = prefix.first
             first[i], first_logprob[i], first_top[i] = t.token, t.logprob, t.top
