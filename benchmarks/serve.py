@@ -330,7 +330,12 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="8,1", help="--max-batch-size of each server")
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--rates", default="1,4", help="Poisson request rates (requests/s)")
-    parser.add_argument("--conversations", type=int, default=4, help="multi-turn chats at once")
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=4,
+        help="multi-turn chats at once (0: no multi-turn workload)",
+    )
     parser.add_argument("--system", default=SYSTEM, help="the multi-turn chats' system prompt")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument(
@@ -372,7 +377,8 @@ def main() -> int:
                 _print(f"genai Engine (static, 8) {kind} {value}", summary)
     else:
         results["genai"] = "not run: give --genai-path (a folder holding onnxruntime_genai 0.18)"
-    for label, extra in (("prefix cache", ()), ("no prefix cache", ("--prefix-cache-bytes", "0"))):
+    chats = (("prefix cache", ()), ("no prefix cache", ("--prefix-cache-bytes", "0")))
+    for label, extra in chats if args.conversations else ():
         with server(args, 8, *extra) as url:
             _warm(url, 8, args.max_tokens, args.system)
             before = _metrics(url)

@@ -68,7 +68,7 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
@@ -77,7 +77,7 @@ class Server:
                     return
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError("the server did not answer /health in 180 s")
+        raise RuntimeError("the server did not answer /health in 600 s (it compiles first)")
 
     def client(self, key: str = "none", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 BLOCK = 64  # tokens of a prefill step, and the unit the cache keeps
-ROWS = (1, 2, 4, 8)  # the batch sizes of prefill steps (a batch pads to the next one)
+ROWS = (1, 2, 4)  # the batch sizes of prefill steps (a batch pads to the next one); a step of
+# 4 x 64 tokens is compute-bound on a CPU already, and each size is a program to compile
 
 
 @dataclasses.dataclass(frozen=True)
