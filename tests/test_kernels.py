@@ -556,6 +556,70 @@ def test_packed_graph_matches_onnxruntime(rng, tmp_path, monkeypatch):
         np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
 
 
+def _branches_model(rng) -> onnx.ModelProto:
+    """A merged decoder's shape: both branches of an If read the outer weights, each with its
+    own Transpose of the tied embedding under the same name; one weight is also added."""
+    k, v = 40, 90
+    e = rng.standard_normal((v, k)).astype(np.float32)  # Gather, Transpose -> MatMul (twice)
+    w = rng.standard_normal((k, k)).astype(np.float32)  # MatMul in both branches
+    h = rng.standard_normal((k, k)).astype(np.float32)  # MatMul, and Add: not packed
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [3])
+    cond = helper.make_tensor_value_info("use_cache_branch", TensorProto.BOOL, [1])
+
+    def branch(name: str, added: bool) -> onnx.GraphProto:
+        nodes = [
+            helper.make_node("Gather", ["e", "ids"], [f"{name}_emb"]),
+            helper.make_node("Add", [f"{name}_emb", "x"], [f"{name}_in"]),
+            helper.make_node("MatMul", [f"{name}_in", "w"], [f"{name}_h"]),
+            helper.make_node("Transpose", ["e"], ["et"], perm=[1, 0]),
+            helper.make_node("MatMul", [f"{name}_h", "et"], [f"{name}_logits"]),
+            helper.make_node("Add", ["h", "h"], ["hh"]) if added else None,
+            helper.make_node("MatMul", [f"{name}_h", "hh" if added else "h"], [f"{name}_h2"]),
+        ]
+        nodes = [n for n in nodes if n is not None]
+        outs = [
+            helper.make_tensor_value_info(f"{name}_logits", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info(f"{name}_h2", TensorProto.FLOAT, None),
+        ]
+        return helper.make_graph(nodes, name, [], outs)
+
+    node = helper.make_node(
+        "If",
+        ["use_cache_branch"],
+        ["logits", "h2"],
+        then_branch=branch("cached", False),
+        else_branch=branch("first", True),
+    )
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("logits", "h2")]
+    inits = [numpy_helper.from_array(a, n) for n, a in [("e", e), ("w", w), ("h", h)]]
+    graph = helper.make_graph([node], "merged", [x, ids, cond], outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_kernels
+def test_weights_read_in_if_branches_are_packed(rng, tmp_path, monkeypatch):
+    # decoder_model_merged.onnx (optimum) reads every weight inside its If's branches: unpacked,
+    # whisper's decoder ran XLA's dot at batch 4 at a quarter of the packed speed
+    monkeypatch.setattr(prepack, "PACK_MIN", 0)
+    proto = _branches_model(rng)
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert model.params["e"].shape == (-(-90 // kernels.STRIP), 40, kernels.STRIP)
+    assert model.params["w"].shape == (-(-40 // kernels.STRIP), 40, kernels.STRIP)
+    assert model.params["h"].shape == (40, 40)  # also read by Add in one branch: not packed
+    for branch in (True, False):
+        feeds = {
+            "x": rng.standard_normal((3, 40)).astype(np.float32),
+            "ids": np.array([0, 89, 7]),
+            "use_cache_branch": np.array([branch]),
+        }
+        got, want = model(feeds), _ort(proto, feeds)
+        for name, value in want.items():
+            np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
+
+
 @needs_kernels
 def test_int4_weights_prepacked_at_load(rng, tmp_path, monkeypatch):
     """MatMulNBits nodes that quantize their input (level 4, blocks of 32) read their weights in

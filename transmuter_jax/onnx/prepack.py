@@ -91,6 +91,44 @@ def _consumers(graph: GraphProto) -> dict[str, list[NodeProto]]:
     return found
 
 
+def _graphs(graph: GraphProto) -> list[GraphProto]:
+    """``graph`` and every graph nested in its nodes (If branches, Loop bodies), outer first."""
+    found = [graph]
+    for node in graph.node:
+        for sub in subgraphs(node):
+            found += _graphs(sub)
+    return found
+
+
+def _nested_consumers(graph: GraphProto) -> dict[str, list[NodeProto]]:
+    """The readers of each value in ``graph`` and in its nested graphs."""
+    found: dict[str, list[NodeProto]] = defaultdict(list)
+    for each in _graphs(graph):
+        for name, nodes in _consumers(each).items():
+            found[name] += nodes
+    return found
+
+
+def _fixed(graph: GraphProto) -> set[str]:
+    """Values a packing must leave alone: the graph's inputs and outputs, the outputs of nested
+    graphs, names a nested graph defines again (they hide the outer value) and names produced
+    by different nodes (the same node in two branches, such as a Transpose of one weight in
+    both branches of a merged decoder, gives one value)."""
+    fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
+    producers: dict[str, set[bytes]] = defaultdict(set)
+    for each in _graphs(graph):
+        for node in each.node:
+            same = NodeProto()
+            same.CopyFrom(node)
+            same.name = ""
+            for name in node.output:
+                producers[name].add(same.SerializeToString(deterministic=True))
+        if each is not graph:
+            fixed |= {o.name for o in each.output} | {i.name for i in each.input}
+            fixed |= {t.name for t in each.initializer}
+    return fixed | {name for name, kinds in producers.items() if len(kinds) > 1}
+
+
 def _default_domain(node: NodeProto) -> bool:
     return node.domain in ("", "ai.onnx")
 
@@ -143,11 +181,8 @@ def _uses(name: str, consumers, fixed: set[str]) -> list[_Use] | None:
 def plan(graph: GraphProto, minimum: int | None = None) -> dict[str, Packing]:
     """The initializers of ``graph`` worth packing, by name (from their metadata only)."""
     minimum = PACK_MIN if minimum is None else minimum
-    consumers = _consumers(graph)
-    fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
-    for node in graph.node:
-        for sub in subgraphs(node):
-            fixed |= outer_names(sub)
+    consumers = _nested_consumers(graph)  # products in If branches too (merged decoders)
+    fixed = _fixed(graph)
     plans = {}
     for tensor in graph.initializer:
         dims = tuple(tensor.dims)
@@ -221,13 +256,21 @@ def rewrite(graph: GraphProto, plans: dict[str, Packing]) -> None:
     """Replaces the uses of the packed initializers by the internal ops (in place)."""
     if not plans:
         return
-    consumers = _consumers(graph)
+    consumers = _nested_consumers(graph)
     source = {}  # value name -> (packing, whether it is the initializer's transpose)
     for name, packing in plans.items():
         source[name] = (packing, False)
         for node in consumers.get(name, ()):
             if node.op_type == "Transpose":
                 source[node.output[0]] = (packing, True)
+    _rewrite_graph(graph, source)
+
+
+def _rewrite_graph(graph: GraphProto, source) -> None:
+    """Rewrites ``graph``'s nodes, its nested graphs first (their nodes are copied with it)."""
+    for node in graph.node:
+        for sub in subgraphs(node):
+            _rewrite_graph(sub, source)
     nodes = []
     for node in graph.node:
         if node.op_type == "Transpose" and source.get(node.output[0], (None, False))[1]:

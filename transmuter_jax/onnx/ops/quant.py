@@ -351,26 +351,41 @@ def GatherBlockQuantized(
     rank = np.ndim(data)
     gather_axis, quantize_axis = gather_axis % rank, quantize_axis % rank
     packed = jnp.asarray(data).dtype == jnp.uint8
-    values = _unpack(data, bits) if packed else jnp.asarray(data).astype(jnp.int32)
-    if zero_points is None:
-        zp = jnp.full((), (1 << (bits - 1)) if packed else 0, jnp.int32)
-    elif packed:
-        zp = _unpack(zero_points, bits)[..., : np.shape(scales)[-1]]
-    else:
-        zp = jnp.asarray(zero_points).astype(jnp.int32)
     scales = jnp.asarray(scales)
-    size = values.shape[gather_axis]
+    size = np.shape(data)[gather_axis]
     idx = jnp.asarray(indices).astype(jnp.int32)
     inside = (idx >= -size) & (idx < size)
     idx = jnp.where(idx < 0, idx + size, idx)
     idx = jnp.where(inside, idx, 0)
     if gather_axis != quantize_axis:  # gather the rows first, then dequantize only them
-        values = jnp.take(values, idx, axis=gather_axis)
+        # (packed values too, when the gather is not along the packed last axis: unpacking the
+        # whole table first would hold it as int32)
+        early = packed and gather_axis != rank - 1
+        data = jnp.take(jnp.asarray(data), idx, axis=gather_axis) if early else data
+        values = _unpack(data, bits) if packed else jnp.asarray(data).astype(jnp.int32)
+        values = values if early else jnp.take(values, idx, axis=gather_axis)
+        scale_count = np.shape(scales)[-1]
         scales = jnp.take(scales, idx, axis=gather_axis)
-        zp = zp if zp.ndim == 0 else jnp.take(zp, idx, axis=gather_axis)
+        if zero_points is None:
+            zp = jnp.full((), (1 << (bits - 1)) if packed else 0, jnp.int32)
+        elif early:
+            zp = jnp.take(jnp.asarray(zero_points), idx, axis=gather_axis)
+            zp = _unpack(zp, bits)[..., :scale_count]
+        elif packed:
+            zp = _unpack(zero_points, bits)[..., :scale_count]
+            zp = jnp.take(zp, idx, axis=gather_axis)
+        else:
+            zp = jnp.take(jnp.asarray(zero_points).astype(jnp.int32), idx, axis=gather_axis)
         axis = quantize_axis + (idx.ndim - 1 if quantize_axis > gather_axis else 0)
         out = _dequant_blocks(values, scales, zp, axis, block_size)
     else:
+        values = _unpack(data, bits) if packed else jnp.asarray(data).astype(jnp.int32)
+        if zero_points is None:
+            zp = jnp.full((), (1 << (bits - 1)) if packed else 0, jnp.int32)
+        elif packed:
+            zp = _unpack(zero_points, bits)[..., : np.shape(scales)[-1]]
+        else:
+            zp = jnp.asarray(zero_points).astype(jnp.int32)
         table = _dequant_blocks(values, scales, zp, quantize_axis, block_size)
         out = jnp.take(table, idx, axis=gather_axis)
     keep = inside.reshape((1,) * gather_axis + idx.shape + (1,) * (rank - gather_axis - 1))
