@@ -8,7 +8,11 @@ the mean, p50 and p99 of the time to the first token (TTFT), time per output tok
 inter-token latency (ITL) and end-to-end latency. Then a multi-turn chat workload (a shared
 system prompt, several conversations of several turns) against the server with its prefix
 cache and with --prefix-cache-bytes 0 gives the TTFT of the later turns with and without it.
-Every run is bounded (--requests per workload); the servers stop at the end. Writes a JSON and
+With --genai-path, onnxruntime-genai 0.18's `Engine` runs the same schedule on the default
+model's genai export (benchmarks/genai_engine.py, no HTTP in between); on a CPU only its static
+batching runs (its continuous batching needs PagedAttention, which its builder writes for CUDA
+and WebGPU only), and the run records why. Every run is bounded (--requests per workload); the
+servers stop at the end. Writes a JSON and
 a plot (with matplotlib, the 'bench' extra) to benchmarks/results/.
 
     python benchmarks/serve.py                                  # the default model
@@ -167,6 +171,42 @@ async def _workload(url: str, requests: int, max_tokens: int, concurrency=None, 
     return _summary(out, took)
 
 
+def genai_engine(args: argparse.Namespace, kind: str, value: float, mode: str = "static") -> dict:
+    """onnxruntime-genai's Engine (benchmarks/genai_engine.py, in its own process) on the
+    default model's genai export, the same schedule: the summary, or {"error": why}."""
+    from transmuter_jax import default
+
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "genai_engine.py"),
+        str(default.path("genai-fp32", auto_prepare=False)), "--genai-path", args.genai_path,
+        "--load", f"{kind}:{value}", "--requests", str(args.requests),
+        "--max-tokens", str(args.max_tokens), "--batch", "8", "--mode", mode,
+        "--max-length", str(args.max_model_len), "--prompts", json.dumps(PROMPTS),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as error:
+        return {"error": f"the harness gave no result ({type(error).__name__})"}
+    if "error" in out:
+        return out
+    runs = []
+    for r in out["records"]:
+        times = r["times"]
+        tokens = len(times)
+        runs.append({
+            "ttft": (times[0] if times else r["end"]) - r["arrival"],
+            "itl": list(np.diff(times)),
+            "tpot": (r["end"] - times[0]) / (tokens - 1) if tokens > 1 else 0.0,
+            "latency": r["end"] - r["arrival"],
+            "tokens": tokens,
+        })  # fmt: skip
+    summary = _summary(runs, out["seconds"])
+    summary.update(genai_version=out["version"], genai_mode=out["mode"],
+                   genai_max_batch_size=out["max_batch_size"])  # fmt: skip
+    return summary
+
+
 def _stats(values) -> dict:
     if not len(values):
         return {"mean": None, "p50": None, "p99": None}
@@ -252,16 +292,22 @@ def plot(results: dict, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in results["runs"] if "concurrency" in r or "rate" in r]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for batch, color in ((8, "tab:blue"), (1, "tab:gray")):
-        mine = [r for r in runs if r["max_batch_size"] == batch]
+    runs = [r for r in results["runs"] if ("concurrency" in r or "rate" in r) and "error" not in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    series = (
+        ("slots (8)", "tab:blue", lambda r: r.get("max_batch_size") == 8),
+        ("one at a time", "tab:gray", lambda r: r.get("max_batch_size") == 1),
+        ("genai Engine (static, 8)", "tab:orange", lambda r: bool(r.get("engine"))),
+    )
+    for k, (name, color, chosen) in enumerate(series):
+        mine = [r for r in runs if chosen(r)]
+        if not mine:
+            continue
         labels = [f"c{r['concurrency']}" if "concurrency" in r else f"{r['rate']}/s" for r in mine]
-        x = np.arange(len(mine)) + (0.2 if batch == 1 else -0.2)
-        name = "slots (8)" if batch == 8 else "one at a time"
-        a.bar(x, [r["output_throughput"] for r in mine], 0.4, color=color, label=name)
-        b.bar(x, [r["ttft_ms"]["p50"] for r in mine], 0.4, color=color, label=f"{name} p50")
-        b.scatter(x, [r["ttft_ms"]["p99"] for r in mine], color="k", marker="_", s=200)
+        x = np.arange(len(mine)) + 0.27 * (k - 1)
+        a.bar(x, [r["output_throughput"] for r in mine], 0.27, color=color, label=name)
+        b.bar(x, [r["ttft_ms"]["p50"] for r in mine], 0.27, color=color, label=f"{name} p50")
+        b.scatter(x, [r["ttft_ms"]["p99"] for r in mine], color="k", marker="_", s=120)
         a.set_xticks(np.arange(len(mine)), labels)
         b.set_xticks(np.arange(len(mine)), labels)
     a.set_ylabel("output tokens/s")
@@ -284,9 +330,19 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="8,1", help="--max-batch-size of each server")
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--rates", default="1,4", help="Poisson request rates (requests/s)")
-    parser.add_argument("--conversations", type=int, default=4, help="multi-turn chats at once")
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=4,
+        help="multi-turn chats at once (0: no multi-turn workload)",
+    )
     parser.add_argument("--system", default=SYSTEM, help="the multi-turn chats' system prompt")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument(
+        "--genai-path",
+        help="a folder holding onnxruntime_genai 0.18 (pip install --target): its Engine runs "
+        "the same schedule on the default model's genai export (benchmarks/genai_engine.py)",
+    )
     args = parser.parse_args()
     results = {
         "model": args.model or "default",
@@ -296,18 +352,33 @@ def main() -> int:
         "load": f"load average {os.getloadavg()[0]:.1f} at the start",
         "runs": [],
     }
+    loads = [("concurrency", int(c)) for c in args.concurrency.split(",")]
+    loads += [("rate", float(r)) for r in args.rates.split(",") if r]
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         with server(args, batch) as url:
             _warm(url, batch, args.max_tokens, args.system)
-            loads = [("concurrency", int(c)) for c in args.concurrency.split(",")]
-            loads += [("rate", float(r)) for r in args.rates.split(",") if r]
             for kind, value in loads:
                 kw = {"concurrency": value} if kind == "concurrency" else {"rate": value}
                 summary = asyncio.run(_workload(url, args.requests, args.max_tokens, **kw))
                 summary.update(max_batch_size=batch, load=os.getloadavg()[0], **{kind: value})
                 results["runs"].append(summary)
                 _print(f"batch {batch} {kind} {value}", summary)
-    for label, extra in (("prefix cache", ()), ("no prefix cache", ("--prefix-cache-bytes", "0"))):
+    if args.genai_path and not args.model:
+        tried = genai_engine(args, "concurrency", 8, "dynamic")
+        results["genai_dynamic_batching"] = tried.get("error", "ran")
+        print(f"onnxruntime-genai Engine, dynamic batching: {results['genai_dynamic_batching']}")
+        for kind, value in loads:
+            summary = genai_engine(args, kind, value)
+            summary.update(engine="onnxruntime-genai", load=os.getloadavg()[0], **{kind: value})
+            results["runs"].append(summary)
+            if "error" in summary:
+                print(f"onnxruntime-genai Engine {kind} {value}: {summary['error']}", flush=True)
+            else:
+                _print(f"genai Engine (static, 8) {kind} {value}", summary)
+    else:
+        results["genai"] = "not run: give --genai-path (a folder holding onnxruntime_genai 0.18)"
+    chats = (("prefix cache", ()), ("no prefix cache", ("--prefix-cache-bytes", "0")))
+    for label, extra in chats if args.conversations else ():
         with server(args, 8, *extra) as url:
             _warm(url, 8, args.max_tokens, args.system)
             before = _metrics(url)
@@ -357,6 +428,11 @@ def _ratios(results: dict) -> None:
             f"concurrency 8: {ratio:.2f}x the output throughput of one at a time (goal 2.5x); "
             f"TTFT p99/p50 {spread:.2f} (goal < 2)"
         )
+    genai = next((r for r in runs if r.get("engine") and r.get("concurrency") == 8), None)
+    if slots and genai and "error" not in genai:
+        ratio = slots["output_throughput"] / genai["output_throughput"]
+        results["goal"]["throughput_vs_genai_engine_c8"] = ratio
+        print(f"concurrency 8: {ratio:.2f}x the output throughput of onnxruntime-genai's Engine")
     chats = {r["multi_turn"]: r for r in runs if "multi_turn" in r}
     if len(chats) == 2:
         on, off = chats["prefix cache"], chats["no prefix cache"]

@@ -10,7 +10,7 @@ from generation_cases import case, context
 
 from transmuter_jax import generation
 from transmuter_jax.generation import Request
-from transmuter_jax.generation.prefixes import PrefixCache, cache_bytes_per_token
+from transmuter_jax.generation.prefixes import PrefixCache, cache_bytes_per_token, rows_agree
 
 NEW = 8
 _ENGINES: dict = {}
@@ -119,3 +119,31 @@ def test_openai_options_per_slot_equal_their_solo_runs(workdir):
         assert [_row(t) for t in got] == alone[key], key
     with pytest.raises(ValueError, match="logit_bias takes at most"):
         Request([1], logit_bias={i: 1.0 for i in range(301)})
+
+
+def test_prompts_run_together_equal_each_alone_bit_for_bit(workdir):
+    """prefill_many: prompts of one, two and three blocks, one of them from the cache and one
+    sampled, run together (a batch of 4, one padding row) give each one's prefix alone: first
+    token, log-probabilities, cache rows; and the rows of a 2- and 4-row step agree on this
+    machine (what the server checks at start-up)."""
+    name = "llama-optimum"
+    spec = context(name, workdir, max_new_tokens=NEW)
+    eng = generation.compile(spec, 4, capacity=256, top_logprobs=3)
+    assert rows_agree(eng, 2) and rows_agree(eng, 4)
+    p = _prompts(name)
+    requests = [
+        Request(p["sibling"], max_new_tokens=NEW, logprobs=True, top_logprobs=2),
+        Request(p["other"], max_new_tokens=NEW, do_sample=True, seed=7, logprobs=True),
+        Request(p["extension"], max_new_tokens=NEW, logprobs=True, top_logprobs=2),
+    ]
+    nothing = PrefixCache(eng, max_bytes=0)
+    alone = [nothing.prefill(r) for r in requests]
+    cache = PrefixCache(eng, max_bytes=1 << 30)
+    cache.prefill(Request(p["first"], max_new_tokens=1))  # stores two blocks
+    together = cache.prefill_many(requests)
+    assert cache.stats.hits == 2  # the sibling and the extension start with them
+    for a, b in zip(together, alone, strict=True):
+        n = len(a.request.prompt)
+        for key in a.rows.cache:
+            assert np.array_equal(a.rows.cache[key][:, :, :n], b.rows.cache[key][:, :, :n])
+        assert _run(eng, a) == _run(eng, b)  # every token and log-probability

@@ -68,7 +68,7 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")
@@ -77,7 +77,7 @@ class Server:
                     return
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError("the server did not answer /health in 180 s")
+        raise RuntimeError("the server did not answer /health in 600 s (it compiles first)")
 
     def client(self, key: str = "none", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
@@ -633,6 +633,64 @@ def test_response_format_json_object_and_structured_outputs(server):
         extra_body={"structured_outputs": {"grammar": grammar}},
     )  # fmt: skip
     assert re.fullmatch(r"yes|no|maybe [0-9]", got.choices[0].message.content)
+
+
+CLOSED = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
+    "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+
+
+def test_constrained_requests_beside_free_ones_run_in_slots_and_equal_their_solo_answers(server):
+    """A regex, a choice and a closed schema (device tables) run in the slots, not on the
+    pipeline path, beside free requests; each answer equals the same request alone, tokens and
+    log-probabilities, and validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    regex = r"[0-9]{3}-[a-z]{2,5}"
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": CLOSED, "strict": True}}
+    args = [
+        dict(extra_body={"structured_outputs": {"regex": regex}}, temperature=0),
+        dict(extra_body={"structured_outputs": {"choice": ["river", "sea"]}}, temperature=0.9,
+             seed=3),
+        dict(response_format=fmt, temperature=0),
+        dict(temperature=0),
+        dict(temperature=0.8, seed=11),
+        dict(temperature=0),
+    ]  # fmt: skip
+    prompts = [[{"role": "user", "content": f"Item {i} of the list"}] for i in range(len(args))]
+
+    def ask(client, i):
+        return client.chat.completions.create(
+            model=NAME, messages=prompts[i], max_tokens=24, logprobs=True, **args[i]
+        )
+
+    def seen(r):
+        c = r.choices[0]
+        logprobs = [(t.token, t.logprob) for t in c.logprobs.content]
+        return c.message.content, c.finish_reason, logprobs
+
+    before = server.log.read_text().count("pipeline path")
+    solo = [seen(ask(server.client(), i)) for i in range(len(args))]
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+    async def main():
+        async def one(i):
+            await asyncio.sleep(0.02 * i)
+            return await ask(client, i)
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(len(args))))
+        finally:
+            await client.close()
+
+    together = [seen(r) for r in asyncio.run(main())]
+    assert together == solo
+    assert server.log.read_text().count("pipeline path") == before  # all ran in slots
+    assert re.fullmatch(regex, solo[0][0]) and solo[0][1] == "stop"
+    assert solo[1][0] in ("river", "sea")
+    jsonschema.validate(json.loads(solo[2][0]), CLOSED)
 
 
 BAD_FORMATS = [

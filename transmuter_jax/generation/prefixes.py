@@ -1,13 +1,15 @@
 """A prefix cache for the slots: the KV rows of recent prompts stay on the device.
 
-:meth:`PrefixCache.prefill` runs a prompt in blocks of :data:`BLOCK` tokens, one step each
-(the last block holds the rest, padded), and keeps the cache rows of its whole blocks, bounded
-in bytes and evicted least recently used first. A later prompt that starts with stored blocks
-gets their rows copied into its slot and runs only its other blocks (:func:`.slots.prefill`
-with ``past``). Every block runs as the same step with the same inputs either way, so a request
-gets the same tokens and log-probabilities, bit for bit, with or without the cache. (They equal
-a one-step :func:`.slots.prefill`'s tokens; log-probabilities differ from it in the last bits,
-as steps of other shapes round differently.)
+:meth:`PrefixCache.prefill_many` runs the prompts of a few requests together, in steps of
+exactly :data:`BLOCK` tokens per row (a row's last block padded; a row whose prompt is done
+feeds padding until the others are), and keeps the cache rows of each prompt's whole blocks,
+bounded in bytes and evicted least recently used first. A later prompt that starts with stored
+blocks gets their rows copied into its row and runs only its other blocks. A row's steps depend
+on its own prompt alone (the same width, the same positions), so a request gets the same tokens
+and log-probabilities, bit for bit, with or without the cache and whichever prompts run beside
+it, where the rows of a step do not change each other's bits (:func:`rows_agree` checks that
+for a batch size). (The tokens equal a one-step :func:`.slots.prefill`'s; log-probabilities
+differ from it in the last bits, as steps of other shapes round differently.)
 """
 
 from __future__ import annotations
@@ -15,17 +17,23 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from . import prefill as prefills
 from . import slots
+from .errors import GenerationError
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 BLOCK = 64  # tokens of a prefill step, and the unit the cache keeps
+ROWS = (1, 2, 4)  # the batch sizes of prefill steps (a batch pads to the next one); a step of
+# 4 x 64 tokens is compute-bound on a CPU already, and each size is a program to compile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +69,18 @@ def _copy_function():
 
 
 @functools.cache
+def _row_function():
+    def copy(cache, stored, row):
+        return jax.tree.map(
+            lambda a, b: jax.lax.dynamic_update_slice(a, b.astype(a.dtype), (row, 0, 0, 0)),
+            cache,
+            stored,
+        )
+
+    return jax.jit(copy, donate_argnums=(0,))
+
+
+@functools.cache
 def _take_function(rows: int):
     return jax.jit(lambda cache: jax.tree.map(lambda a: a[:, :, :rows, :], cache))
 
@@ -82,9 +102,17 @@ class PrefixCache:
             blocks, so the answers are those of a cache that misses).
 
     Not thread-safe: call it from the thread that runs the engine.
+
+    Raises:
+        GenerationError: when the engine's prompt steps cannot be padded to blocks.
     """
 
     def __init__(self, engine: Engine, max_bytes: int):
+        if not blocks_apply(engine):
+            raise GenerationError(
+                f"the prefix cache runs prompts in padded blocks of {BLOCK} tokens: the prefill "
+                f"rule {engine.spec.prefill!r} of this engine does not pad"
+            )
         self.engine, self.max_bytes = engine, int(max_bytes)
         self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
         self._bytes = 0
@@ -103,27 +131,51 @@ class PrefixCache:
         )
 
     def prefill(self, request: slots.Request) -> slots.Prefix:
-        """``engine.prefill(request)`` in blocks, starting after the stored blocks its prompt
-        starts with; then stores the rows of the prompt's whole blocks."""
-        engine, prompt = self.engine, request.prompt
-        self._queries += 1
-        self._query_tokens += len(prompt)
-        last = (len(prompt) - 1) // BLOCK * BLOCK  # where the last block starts
-        entry, shared = self._lookup(prompt, last)
-        past = None
-        if entry is not None:
-            # rows past ``shared`` are rewritten by the next blocks or hidden by the mask
-            empty = engine.cache.empty(1, engine.slot_capacity)
-            past = (_copy_function()(empty, entry.cache), shared)
-            self._entries.move_to_end(entry.tokens)
-            self._hits += 1
-            self._hit_tokens += shared
-        for end in range(shared + BLOCK, last + 1, BLOCK):
-            block = slots.Request(prompt[:end], max_new_tokens=0)
-            past = (slots.prefill(engine, block, past).rows.cache, end)
-        prefix = slots.prefill(engine, request, past)
-        self._store(prompt[: len(prompt) // BLOCK * BLOCK], prefix.rows.cache)
-        return prefix
+        """``request``'s prefix: :meth:`prefill_many` of it alone."""
+        return self.prefill_many([request])[0]
+
+    def prefill_many(self, requests: Sequence[slots.Request]) -> list[slots.Prefix]:
+        """The prefixes of ``requests`` (their prompts run together, each from the end of the
+        stored blocks it starts with, in steps of :data:`BLOCK` tokens; a batch padded to a
+        size of :data:`ROWS` with one-token rows); then stores the rows of each prompt's whole
+        blocks.
+
+        Raises:
+            GenerationError: as :func:`.slots.prefill`, naming the request by its index.
+        """
+        engine, requests = self.engine, list(requests)
+        rows = next((r for r in ROWS if r >= len(requests)), len(requests))
+        pad = slots.Request((slots._pad_token(engine),), max_new_tokens=0)
+        pending = prefills.begin(engine, requests + [pad] * (rows - len(requests)), BLOCK)
+        fed, cache = pending.fed.copy(), pending.cache
+        for i, request in enumerate(requests):
+            prompt = request.prompt
+            self._queries += 1
+            self._query_tokens += len(prompt)
+            entry, shared = self._lookup(prompt, (len(prompt) - 1) // BLOCK * BLOCK)
+            if entry is not None:
+                # rows past ``shared`` are rewritten by the next blocks or hidden by the mask
+                cache = _row_function()(cache, entry.cache, jnp.int32(i))
+                fed[i] = shared
+                self._entries.move_to_end(entry.tokens)
+                self._hits += 1
+                self._hit_tokens += shared
+        pending = dataclasses.replace(pending, fed=fed, lengths=fed.astype(np.int32), cache=cache)
+        for i, request in enumerate(requests):
+            # a row done before the others feeds a padded block after its prompt
+            after = len(request.prompt) + BLOCK if _steps(pending, i) < _steps(pending) else 0
+            if max(after, written(pending, i)) > engine.slot_capacity:
+                raise GenerationError(
+                    f"request {i}: its prompt of {len(request.prompt)} tokens, padded to blocks "
+                    f"of {BLOCK}, needs more than the slots' capacity of {engine.slot_capacity}"
+                )
+        while not pending.done:
+            pending = _block(engine, pending)
+        prefixes = prefills.end(engine, pending)[: len(requests)]
+        for request, prefix in zip(requests, prefixes, strict=True):
+            whole = len(request.prompt) // BLOCK * BLOCK
+            self._store(request.prompt[:whole], prefix.rows.cache)
+        return prefixes
 
     def clear(self) -> None:
         """Drops every stored prefix."""
@@ -167,3 +219,78 @@ class PrefixCache:
 def cache_bytes_per_token(engine: Engine) -> int:
     """Bytes of the cache rows of one token (all layers, keys and values)."""
     return sum(e.heads * e.head_size * jnp.dtype(e.dtype).itemsize for e in engine.cache.entries)
+
+
+def _steps(pending: prefills.Pending, row: int | None = None) -> int:
+    """Steps of :data:`BLOCK` tokens that ``row`` (None: the longest row) has left."""
+    left = pending.remaining if row is None else pending.remaining[row : row + 1]
+    return int(-(-left.max() // BLOCK))
+
+
+def written(pending: prefills.Pending, row: int) -> int:
+    """Cache rows the blocks of ``row`` write (its last block padded)."""
+    return int(pending.fed[row] + BLOCK * _steps(pending, row))
+
+
+def _block(engine: Engine, pending: prefills.Pending) -> prefills.Pending:
+    """One step of :data:`BLOCK` tokens of every row: the next part of its prompt, padded (a
+    row with none left feeds padding after its valid rows, which the next ones overwrite or
+    the mask hides). The cache of ``pending`` is donated."""
+    mode, capacity = engine.cache_mode, engine.slot_capacity
+    remaining, n = pending.remaining, len(pending.requests)
+    real = np.minimum(remaining, BLOCK).astype(np.int32)
+    tokens = np.full((n, BLOCK), slots._pad_token(engine), np.int32)
+    for i, request in enumerate(pending.requests):
+        start = int(pending.fed[i])
+        tokens[i, : real[i]] = request.prompt[start : start + real[i]]
+    feed: dict = {"tokens": tokens}
+    if "attention_mask" in {i.name for i in engine.model.inputs}:
+        feed["attention_mask"] = mode.mask(pending.lengths, BLOCK, capacity)
+    axes = slots._axes(engine)
+    if axes:
+        positions = (np.arange(BLOCK)[None, :] + pending.fed[:, None]).astype(np.int32)
+        feed["position_ids"] = np.broadcast_to(positions, (3, n, BLOCK)) if axes == 3 else positions
+    last = np.maximum(real - 1, 0).astype(np.int32)
+    logits, cache = engine.compiled.steps(pending.cache, feed, pending.lengths, last)
+    ending = jnp.asarray((remaining > 0) & (remaining <= BLOCK))  # rows fed their last token
+    if pending.logits is not None:
+        logits = jnp.where(ending[:, None], logits, pending.logits)
+    lengths = mode.advance(pending.lengths, real, BLOCK).astype(np.int32)
+    return dataclasses.replace(
+        pending, fed=pending.fed + real, lengths=lengths, cache=cache, logits=logits
+    )
+
+
+def blocks_apply(engine: Engine) -> bool:
+    """Whether the engine's prompt steps may be padded to :data:`BLOCK` tokens (its rule pads
+    to buckets; else :class:`PrefixCache` cannot run its prompts)."""
+    mode, rule = engine.cache_mode, engine.spec.prefill
+    return mode.prompt_step(BLOCK, rule) == BLOCK and mode.prompt_step(BLOCK - 1, rule) == BLOCK
+
+
+def rows_agree(engine: Engine, rows: int) -> bool:
+    """Whether ``rows`` prompts run together by :meth:`PrefixCache.prefill_many` get the same
+    prefixes (first tokens, log-probabilities and cache rows), bit for bit, as each run alone
+    (on some CPUs a larger matrix product or reduction sums in another order)."""
+    vocab = engine.vocab_size or 1000
+    long = 70 if engine.slot_capacity >= 3 * BLOCK else 40  # two blocks where they fit
+    top = engine.slot_top_logprobs
+
+    def request(j: int) -> slots.Request:
+        prompt = tuple((3 + j + 7 * i) % vocab for i in range(long if j == 0 else 40 - 5 * j))
+        return slots.Request(
+            prompt, max_new_tokens=1, logprobs=True, top_logprobs=top, do_sample=j % 2 == 1,
+            seed=j,
+        )  # fmt: skip
+
+    requests = [request(j) for j in range(rows)]
+    cache = PrefixCache(engine, 0)
+    alone = [cache.prefill_many([r])[0] for r in requests]
+    together = cache.prefill_many(requests)
+
+    def bits(prefix: slots.Prefix) -> tuple:
+        first, n = prefix.first, len(prefix.request.prompt)
+        arrays = [np.asarray(a[:, :, :n]).tobytes() for _, a in sorted(prefix.rows.cache.items())]
+        return first.token, np.float32(first.logprob).tobytes(), first.top, arrays
+
+    return all(bits(a) == bits(b) for a, b in zip(alone, together, strict=True))

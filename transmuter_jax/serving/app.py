@@ -251,17 +251,18 @@ async def _constraint(served: Served, body: Any) -> dict[str, Any]:
 
 
 def _compile_constraint(served: Served, options: dict[str, Any]) -> None:
-    """Raises ValueError (GenerationError) naming what is wrong with the constraint."""
+    """Raises ValueError (GenerationError) naming what is wrong with the constraint; builds
+    its device table where it has one (cached, for the slots)."""
     import os
 
     from ..generation import Options
-    from ..generation.constraints import compile_matcher, from_options
+    from ..generation.constraints import from_options, processor
 
     constraint = from_options(Options(**options))
     eos = served.pipe.defaults.get("eos_token_id") or ()
     eos = (eos,) if isinstance(eos, int) else tuple(eos)
     path = os.path.join(served.pipe.files.folder, "tokenizer.json")
-    compile_matcher(constraint, path, served.vocab_size, eos)
+    processor(constraint, path, served.vocab_size, eos)
 
 
 def _submission(

@@ -144,15 +144,16 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
     log = logging.getLogger("transmuter_jax.serving")
-    from .. import text
+    from .. import hub, text
 
     pipe = text.generation(
         args.model, dtype=args.dtype, file=args.file, chat_template=_template(args.chat_template)
     )
-    config = _config(pipe.files.folder)
+    raw = hub.read_json(pipe.files.folder, "config.json")  # or genai_config.json's equivalent
+    config = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
     positions = int(config.get("max_position_embeddings") or 2048)
     max_len = min(args.max_model_len or min(positions, MAX_MODEL_LEN), positions)
-    vocab = int(config.get("vocab_size") or len(pipe.tokenizer.special_ids) or 1)
+    vocab = hub.vocab_size(raw) or pipe.tokenizer.backend.get_vocab_size(with_added_tokens=True)
     name = args.served_model_name or args.model or "default"
     steps = args.decode_steps or DECODE_STEPS
     auto = args.generation_config == "auto"
@@ -200,14 +201,3 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     log.info("stopped")
     return 0
-
-
-def _config(folder: str) -> dict:
-    import json
-
-    path = os.path.join(folder, "config.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data.get("text_config", data) if isinstance(data, dict) else {}

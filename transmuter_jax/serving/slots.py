@@ -2,16 +2,21 @@
 
 :class:`SlotBackend` compiles one engine of ``max_batch_size`` slots and runs it on its own
 thread. Between decode chunks the thread frees the slots of requests that ended or whose client
-went away, then admits waiting requests into the free slots: each prompt runs alone (through the
-prefix cache, :mod:`transmuter_jax.generation.prefixes`) and its first token goes out at once;
-then one chunk of every live slot runs. A chunk is at most ``decode_steps`` steps, and fewer
-where steps are slow: as many as last about :data:`JOIN_WAIT_S` (a power of two, at least one),
-so a request that arrives during a chunk waits about that long to join. The chunk's length
-changes no answer. Each slot carries its request's own options, and rows never read each other,
-so a request's tokens and log-probabilities do not depend on the others in flight.
+went away, then admits waiting requests into the free slots: their prompts run together in one
+prefill (up to :attr:`SlotBackend.prefill_rows` of them, through the prefix cache,
+:mod:`transmuter_jax.generation.prefixes`) and each first token goes out at once; then one
+chunk of every live slot runs. A chunk is ``decode_steps`` steps where those last at most about
+:data:`JOIN_WAIT_S`, else one step, so a request that arrives during a chunk waits about that
+long to join. Every program these run is compiled at start-up, before the server answers
+/health, so no request waits for a compile. The chunk's length changes no answer. Each slot
+carries its request's own options, and rows never read each other, so a request's tokens and
+log-probabilities do not depend on the others in flight (prompts prefilled together too, as
+checked at start-up: :func:`~transmuter_jax.generation.prefixes.rows_agree`).
 
-The rule for what the slots take: a request with a structured-output constraint
-(``json_schema``, ``json_object``, ``regex``, ``grammar``, ``choice``) or more eos ids than a
+The rule for what the slots take: a structured-output constraint runs in a slot where the
+slots' device table of it equals llguidance's masks (a regex, a choice, a schema of closed
+objects: ``Request(constraint=...)``, docs/structured-output.md). A request with another
+constraint (a grammar, json_object, a schema with strings or numbers) or more eos ids than a
 slot holds runs on the pipeline path (:class:`~.backend.PipelineBackend`, on a thread of its
 own) instead; :meth:`SlotBackend.refusal` says why.
 """
@@ -28,9 +33,19 @@ from .backend import FINISH, Emit, Event, Final, PipelineBackend, Submission, Ti
 
 log = logging.getLogger("transmuter_jax.serving")
 
-CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
+CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice", "json_whitespace")
 JOIN_WAIT_S = 0.25  # a decode chunk lasts about this long at most (at least one step)
 TOP_LOGPROBS = 20  # OpenAI's most top_logprobs
+
+
+def _constraint(options: dict[str, Any]) -> Any:
+    """The structured-output constraint of a submission's options (a generation Constraint),
+    or None."""
+    from ..generation import Options
+    from ..generation.constraints import from_options
+
+    given = {k: options[k] for k in CONSTRAINTS if options.get(k) not in (None, False)}
+    return from_options(Options(**given)) if given else None
 
 
 def _steps(tokens: list) -> int:
@@ -64,6 +79,8 @@ class SlotBackend:
             to 64).
         decode_steps: new tokens per decode chunk (a request waits at most one chunk to join).
         prefix_cache_bytes: the bound of the prefix cache (0: off).
+        warm: compile the programs requests run before taking any (the server is ready when
+            this returns), so no request waits for a compile.
 
     Raises:
         GenerationError: when the model cannot run slots (the caller serves with
@@ -78,6 +95,7 @@ class SlotBackend:
         max_model_len: int = 1024,
         decode_steps: int = 8,
         prefix_cache_bytes: int = 0,
+        warm: bool = True,
     ):
         from .. import generation as gen
         from ..generation.prefixes import PrefixCache
@@ -102,6 +120,10 @@ class SlotBackend:
         self._closing = False
         self._fallback: PipelineBackend | None = None
         self._max_batch_size = int(max_batch_size)
+        self._device: dict[tuple, bool] = {}  # constraint, eos ids -> the slots take it
+        self.prefill_rows = 1  # the most prompts one prefill runs (see _warm)
+        if warm:
+            self._warm()
         self._thread = threading.Thread(target=self._loop, name="transmuter-slots", daemon=True)
         self._thread.start()
 
@@ -126,16 +148,41 @@ class SlotBackend:
         from ..generation.slots import EOS_WIDTH
 
         options = dict(submission.options)
-        given = [n for n in CONSTRAINTS if options.get(n) not in (None, False)]
-        if given:
-            return f"the slots take no {given[0]} constraint yet"
         eos = options.get("eos_token_id")
         if eos is not None and len(eos) > EOS_WIDTH:
             return f"more than {EOS_WIDTH} eos ids"
+        constraint = _constraint(options)
+        if constraint is not None and not self._on_device(constraint, eos):
+            return f"this {constraint.kind} constraint needs llguidance on the host"
         return ""
 
+    def _on_device(self, constraint: Any, eos: Any) -> bool:
+        """Whether the slots' table of ``constraint`` equals llguidance's masks (cached: the
+        first look at a constraint builds its table, 0.1 to 1 s)."""
+        import os
+
+        from .. import hub
+        from ..generation import constraints
+
+        engine = self.engine
+        eos = tuple(engine.eos if eos is None else eos)
+        key = (constraint, eos)
+        if key not in self._device:
+            folder = hub.folder(engine.spec.repo, hub.SMALL_FILES)
+            path = os.path.join(folder, "tokenizer.json")
+            try:
+                mask = constraints.processor(constraint, path, engine.vocab_size or 0, eos)
+            except ValueError:  # refused here: the pipeline path says why
+                mask = None
+            if len(self._device) >= 256:
+                self._device.pop(next(iter(self._device)))
+            self._device[key] = isinstance(mask, constraints.DeviceMask)
+        return self._device[key]
+
     def submit(self, submission: Submission, emit: Emit) -> Ticket:
-        if self.refusal(submission):
+        reason = self.refusal(submission)
+        if reason:
+            log.info("a request runs on the pipeline path: %s", reason)
             with self._lock:
                 if self._closing:
                     raise RuntimeError("the backend is closing")
@@ -197,6 +244,7 @@ class SlotBackend:
             logit_bias=tuple((ids[-1], bias) for ids, bias in o.get("sequence_bias") or ()),
             min_new_tokens=int(o.get("min_new_tokens") or 0),
             prompt_lookup_num_tokens=o.get("prompt_lookup_num_tokens"),  # docs/speculative.md
+            constraint=_constraint(o),
         )
         groups = [[j] for j in range(sub.n)] if sampling else [list(range(sub.n))]
         seed = seed_value(sub.seed)
@@ -227,9 +275,14 @@ class SlotBackend:
                     continue
                 steps = self._chunk()
                 start = time.perf_counter()
+                live = len(self._slots)
                 self._state, tokens = engine.generate(self._state, steps)
+                took = time.perf_counter() - start
                 if steps in self._sizes:  # a size's first chunk compiles: not a step's time
-                    self._measured((time.perf_counter() - start) / max(_steps(tokens), 1))
+                    self._measured(took / max(_steps(tokens), 1))
+                new = "" if steps in self._sizes else " (its first: compiled)"
+                log.debug("engine: chunk of %d steps, %d slots, %.0f ms%s", steps, live,
+                          took * 1000, new)  # fmt: skip
                 self._sizes.add(steps)
                 for token in tokens:
                     self._take(token)
@@ -238,11 +291,39 @@ class SlotBackend:
                 self._fail_all(error)
 
     def _chunk(self) -> int:
-        """The steps of the next chunk: at most decode_steps, about JOIN_WAIT_S long."""
-        steps = self.decode_steps
-        while steps > 1 and steps * self.step_seconds > JOIN_WAIT_S:
-            steps //= 2
-        return steps
+        """The steps of the next chunk: decode_steps where they last at most about JOIN_WAIT_S,
+        else one (two sizes, both compiled at start-up)."""
+        return self.decode_steps if self.decode_steps * self.step_seconds <= JOIN_WAIT_S else 1
+
+    def _warm(self) -> None:
+        """Compiles what requests run (prefill steps of each batch size, the first-token
+        selection, insert, both decode chunk sizes) and finds :attr:`prefill_rows`: the most
+        prompts a prefill runs together whose rows keep their bits (:func:`rows_agree`)."""
+        from ..generation import Request
+        from ..generation.prefixes import ROWS, PrefixCache, rows_agree
+
+        start = time.perf_counter()
+        for rows in [r for r in ROWS if r <= self._max_batch_size]:
+            if not rows_agree(self.engine, rows):
+                log.warning(
+                    "prefill steps of %d rows change a row's bits on this machine: at most %d "
+                    "prompts are prefilled together", rows, self.prefill_rows,
+                )  # fmt: skip
+                break
+            self.prefill_rows = rows
+        vocab = self.engine.vocab_size or 1000
+        probe = Request(tuple(3 + i % max(vocab - 3, 1) for i in range(8)), self.decode_steps + 2)
+        prefix = PrefixCache(self.engine, 0).prefill(probe)
+        state = self.engine.insert(prefix, self._state, 0)
+        for steps in (1, self.decode_steps):
+            state, _ = self.engine.generate(state, steps)
+            self._sizes.add(steps)
+        self._state = self.engine.free(state, 0)
+        log.info(
+            "compiled the prefill and decode programs in %.1f s (prompts prefilled together: "
+            "at most %d; decode chunks of 1 or %d steps)",
+            time.perf_counter() - start, self.prefill_rows, self.decode_steps,
+        )  # fmt: skip
 
     def _measured(self, seconds: float) -> None:
         mean = self.step_seconds
@@ -262,27 +343,42 @@ class SlotBackend:
             del self._slots[slot]
 
     def _admit(self) -> None:
+        """Admits waiting runs into the free slots: their prompts run together, at most
+        :attr:`prefill_rows` per prefill, and each first token goes out at once."""
         while True:
             free = [s for s in range(self._max_batch_size) if s not in self._slots]
             with self._lock:
-                if not free or not self._queue:
-                    return
-                run = self._queue.pop(0)
-            if run.ticket.cancelled.is_set():
-                continue
+                self._queue = [r for r in self._queue if not r.ticket.cancelled.is_set()]
+                runs = self._queue[: min(len(free), self.prefill_rows)]
+                del self._queue[: len(runs)]
+            if not runs:
+                return
+            start = time.perf_counter()
             try:
-                prefix = self.prefixes.prefill(run.request)
-            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
-                self._fail(run, error)
-                continue
-            slot = free[0]
-            with self._lock:
-                self._slots[slot] = run
-            self._state = self.engine.insert(prefix, self._state, slot)
-            if prefix.first is None:
-                self._finish(slot, "length")
-            else:
-                self._take(prefix.first, slot)
+                prefixes = self.prefixes.prefill_many([r.request for r in runs])
+            except Exception:  # noqa: BLE001 - one at a time: the bad request fails alone
+                prefixes = []
+                for run in runs:
+                    try:
+                        prefixes += self.prefixes.prefill_many([run.request])
+                    except Exception as error:  # noqa: BLE001 - the others go on
+                        self._fail(run, error)
+                        prefixes.append(None)
+            log.debug(
+                "engine: prefill of %d prompts (%s tokens), %.0f ms", len(runs),
+                "+".join(str(len(r.request.prompt)) for r in runs),
+                (time.perf_counter() - start) * 1000,
+            )  # fmt: skip
+            for run, prefix, slot in zip(runs, prefixes, free, strict=False):
+                if prefix is None:
+                    continue
+                with self._lock:
+                    self._slots[slot] = run
+                self._state = self.engine.insert(prefix, self._state, slot)
+                if prefix.first is None:
+                    self._finish(slot, "length")
+                else:
+                    self._take(prefix.first, slot)
 
     def _take(self, token: Any, slot: int | None = None) -> None:
         """Hands a new token of a slot to its run's request; ends the run when it is done."""
