@@ -43,7 +43,7 @@ class Policy:
             a multiple of K), "pow2min:M" (powers of two, the last part under M padded to M) or
             "nextpow2" (one step padded to the next power of two) or "buckets" (one step
             padded to a multiple of 16 up to 64 tokens, then of 64, at most 512 a step: the
-            implemented ``prefill="buckets"``, :func:`transmuter_jax.generation.cache.prompt_bucket`).
+            implemented ``prefill="buckets"``, ``generation.cache.prompt_bucket``).
         cache: append / in_place: "capacity64" (the longest row plus the first step, rounded
             up to 64, as implemented), "capacity256" (rounded up to 256), "capacitypow2"
             (rounded up to a power of two, at least 64), "capacitygeo" (rounded up to 2^k or
