@@ -41,7 +41,9 @@ class Policy:
         prompt: "pow2" (the largest power of two at most what is left: 45 = 32+8+4+1, as
             implemented), "exact" (the whole prompt in one step), "multiple:K" (one step padded to
             a multiple of K), "pow2min:M" (powers of two, the last part under M padded to M) or
-            "nextpow2" (one step padded to the next power of two).
+            "nextpow2" (one step padded to the next power of two) or "buckets" (one step
+            padded to a multiple of 16 up to 64 tokens, then of 64, at most 512 a step: the
+            implemented ``prefill="buckets"``, ``generation.cache.prompt_bucket``).
         cache: append / in_place: "capacity64" (the longest row plus the first step, rounded
             up to 64, as implemented), "capacity256" (rounded up to 256), "capacitypow2"
             (rounded up to a power of two, at least 64), "capacitygeo" (rounded up to 2^k or
@@ -64,7 +66,7 @@ class Policy:
 def policy(prompt: str = "pow2", cache: str = "capacity64") -> Policy:
     """A checked :class:`Policy`."""
     kind, _, arg = prompt.partition(":")
-    if kind not in ("pow2", "exact", "multiple", "pow2min", "nextpow2") or (
+    if kind not in ("pow2", "exact", "multiple", "pow2min", "nextpow2", "buckets") or (
         kind in ("multiple", "pow2min") and not arg.isdigit()
     ):
         raise ValueError(f"unknown prompt policy {prompt!r}")
@@ -112,6 +114,8 @@ def step_tokens(prompt_policy: str, remaining: int) -> int:
         return chunk(remaining) if remaining >= int(arg) else int(arg)
     if kind == "nextpow2":
         return next_pow2(remaining)
+    if kind == "buckets":
+        return min(round_up(remaining, 16) if remaining <= 64 else round_up(remaining, 64), 512)
     raise ValueError(prompt_policy)
 
 

@@ -178,7 +178,7 @@ def test_the_simulation_matches_the_generation_loop(name, padded, prefill, tmp_p
         for p, t, eos in zip(prompts, the_case["tokens"], the_case["stopped_at_eos"], strict=True)
     ]
     cache = "padded64" if padded else "capacity64"
-    rule = "pow2" if padded or prefill == "pow2" else "multiple:64"
+    rule = "pow2" if padded or prefill == "pow2" else "buckets"
     predicted = _shapes(ctx.mode, rule, cache, requests, batch=len(prompts))
     assert {s[1:] for s in predicted} == ctx.compiled.steps.shapes
     assert ctx.compiled.padded == padded

@@ -42,6 +42,9 @@ def _run(name, workdir, the_case, *, steps, batch=None, prompts=None, seeds=None
     ctx = context(name, workdir, given=given, decode_steps=steps, **options)
     ctx = generation.compile(ctx, batch or len(prompts))
     assert generation.on_device(ctx) == (steps > 1 and ctx.compiled.cache.on_device)
+    # the slots' step wherever the cache keeps its shape: in chunks, or with a limit of one
+    decoder = ctx.compiled.decoder
+    assert (decoder is not None and decoder.size == steps) == ctx.compiled.cache.on_device
     events = []
     seeds = list(range(len(prompts))) if seeds is None else seeds
     out = generation.generate(ctx, prompts, seeds, inputs, on_token=events.append)
@@ -161,6 +164,7 @@ def test_beam_search_and_exact_grow_run_on_the_host(workdir):
     assert not generation.on_device(beams)
     exact = generation.compile(context("gemma3-optimum", workdir), 1, grow_cache="exact")
     assert not generation.on_device(exact)
+    assert beams.compiled.decoder is None and exact.compiled.decoder is None  # host steps
     padded = generation.compile(context("gemma3-optimum", workdir), 1)
     assert generation.on_device(padded)
 

@@ -101,20 +101,31 @@ def test_bucketed_prefill_equals_pow2_and_transformers(name, workdir):
         context(name, workdir, prefill="exact")
 
 
-def test_memory_stays_flat_over_many_requests(workdir):
+def _flat(workdir, requests: int) -> None:
+    """``requests`` requests, one at a time, through the slots of one engine: the live device
+    arrays and the programs counted every tenth of the way stay the same."""
     import jax
 
     engine = generation.compile(context(LLAMA, workdir, max_new_tokens=3), 2, capacity=64)
     prompts = case(LLAMA, "batch")["prompts"]
     state = engine.init_state()
     counts = []
-    for i in range(300):
+    for i in range(requests):
         request = generation.Request(prompts[i % len(prompts)], seed=i, do_sample=i % 2 == 1)
         state = engine.insert(engine.prefill(request), state, i % 2)
         state, _ = engine.generate(state, 4)
-        if i % 50 == 49:
+        if i % (requests // 6) == requests // 6 - 1:
             counts.append((len(jax.live_arrays()), programs.count()))
-    assert len(set(counts)) == 1, counts
+    assert len(counts) >= 6 and len(set(counts)) == 1, counts
+
+
+def test_memory_stays_flat_over_many_requests(workdir):
+    _flat(workdir, 300)
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_over_thousands_of_requests(workdir):
+    _flat(workdir, 3000)
 
 
 def test_programs_go_with_the_last_engine_that_keeps_them(workdir):

@@ -95,14 +95,15 @@ def solo(eng, request, slot=0):
     return _summary(prefix, [t for t in got.get(slot, [])])
 
 
-@pytest.mark.parametrize("name", IN_PLACE + APPEND)
-def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workdir):
+def _every_offset(name, workdir, offsets):
+    """Each kind of request (greedy, seeded sampling, penalties; log-probabilities) inserted
+    into slot 1 after ``offset`` steps of two others equals its solo run, for each offset."""
     eng = engine(name, workdir)
     reqs = requests(name)
     alone = {k: solo(eng, r) for k, r in reqs.items()}
     for target in ("greedy", "sampled", "penalized"):
         others = [k for k in reqs if k != target]
-        for offset in range(0, 6):
+        for offset in offsets:
             state = eng.init_state()
             got: dict = {}
             state = eng.insert(eng.prefill(reqs[others[0]]), state, 0)
@@ -115,6 +116,35 @@ def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workd
             got.pop(1, None)
             _drain(eng, state, got, steps=3)
             assert _summary(prefix, got.get(1, [])) == alone[target], (target, offset)
+
+
+@pytest.mark.parametrize("name", IN_PLACE + APPEND)
+def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workdir):
+    _every_offset(name, workdir, range(0, 6))
+
+
+# every decoder-only text fixture: the slots' modes at every offset of a whole run, the grow ones
+# refused with the reason
+SWEEP = [
+    "bloom-optimum", "cohere-optimum", "falcon-optimum", "gemma2-optimum", "gemma3-genai-fp32",
+    "gemma3-genai-int4", "gemma3-optimum", "gpt-neox-optimum", "gpt2-optimum",
+    "granite-genai-fp32", "granite-optimum", "llama-genai-fp32", "llama-genai-int4",
+    "llama-optimum", "mistral-genai-fp32", "mistral-optimum", "mistral-window-genai-fp32",
+    "mistral-window-optimum", "olmo2-optimum", "opt-optimum", "phi3-genai-fp32", "phi3-optimum",
+    "qwen2-genai-fp32", "qwen2-genai-int4", "qwen2-optimum", "qwen3-genai-fp32", "qwen3-optimum",
+    "smollm3-optimum", "stablelm-optimum",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SWEEP)
+def test_every_family_at_every_offset_equals_its_solo_run_or_refuses_slots(name, workdir):
+    eng = engine(name, workdir)
+    if eng.compiled.grow_cache:  # a grow decoder: refused, saying why
+        with pytest.raises(ValueError, match="cannot run slots: its grow cache"):
+            eng.init_state()
+        return
+    _every_offset(name, workdir, range(0, NEW))
 
 
 @pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
@@ -156,6 +186,30 @@ def test_a_slot_freed_mid_chunk_is_reused(workdir):
         state = eng.insert(prefix, eng.insert(prefix, eng.init_state(), 0), 0)
 
 
+def test_a_slot_whose_request_ends_mid_chunk_takes_the_next_one(workdir):
+    import dataclasses
+
+    name = "llama-optimum"
+    eng = engine(name, workdir)
+    reqs = requests(name)
+    long = dataclasses.replace(reqs["sampled"], eos_token_id=())  # runs all its 8 tokens
+    short = Request(reqs["greedy"].prompt, max_new_tokens=3, eos_token_id=(), logprobs=True)
+    state = eng.init_state()
+    first_long, first_short = eng.prefill(long), eng.prefill(short)
+    state = eng.insert(first_long, state, 0)
+    state = eng.insert(first_short, state, 2)
+    got: dict = {}
+    state, tokens = eng.generate(state, 6)  # slot 2 ends after 2 of these steps, slot 0 runs on
+    _record(tokens, got)
+    assert state.live_slots == [0] and 2 in state.free_slots
+    assert _summary(first_short, got.pop(2)) == solo(eng, short)
+    prefix = eng.prefill(reqs["penalized"])
+    state = eng.insert(prefix, state, 2)  # the done slot takes a new request, not freed first
+    _drain(eng, state, got)
+    assert _summary(prefix, got[2]) == solo(eng, reqs["penalized"])
+    assert _summary(first_long, got[0]) == solo(eng, long)
+
+
 def test_finish_reasons_and_bad_requests(workdir):
     name = "llama-optimum"
     eng = engine(name, workdir)
@@ -174,9 +228,16 @@ def test_finish_reasons_and_bad_requests(workdir):
 
 
 def test_a_grow_decoder_refuses_slots_with_a_clear_error(workdir):
-    eng = generation.compile(context("gemma3-optimum", workdir), 2)
-    with pytest.raises(ValueError, match="cannot run slots: its grow cache has one length"):
-        eng.init_state()
+    spec = context("gemma3-optimum", workdir)
+    padded = generation.compile(spec, 2)
+    assert padded.compiled.grow_cache == "padded"
+    with pytest.raises(ValueError, match="cannot run slots: its grow cache is padded by one"):
+        padded.init_state()
+    exact = generation.compile(spec, 2, grow_cache="exact")
+    with pytest.raises(ValueError, match=r"keeps exact lengths.*because grow_cache='exact'"):
+        exact.init_state()
+    with pytest.raises(ValueError, match="cannot run slots"):
+        exact.prefill(Request((1, 2, 3)))
     beams = generation.compile(context("llama-optimum", workdir, num_beams=2), 2)
     with pytest.raises(ValueError, match="beam search needs a program of its own"):
         beams.init_state()

@@ -244,9 +244,10 @@ class Mode:
         return size
 
     def chunk_size(self, decode_steps: int) -> int:
-        """The most steps of a decode chunk on the device for ``decode_steps`` (below 2: every
-        step runs on the host)."""
-        return decode_steps if self.on_device and decode_steps >= 2 else 0
+        """The most steps of a decode program of the slots' step for ``decode_steps`` (1: the
+        same step, one at a time; 0: the cache changes shape every step, so the host runs each
+        step)."""
+        return decode_steps if self.on_device else 0
 
     def grown(self, capacity: int | None, length: int, step: int) -> int | None:
         """The capacity for a step of ``step`` tokens after ``length`` cached ones (None where
@@ -348,8 +349,8 @@ class GrowExact(Mode):
 
     def slot_refusal(self):
         return (
-            "its grow cache has one length for all rows (the padded rewrite counts one number "
-            "of padding rows for the batch), so rows cannot join at other lengths"
+            "its grow cache keeps exact lengths, one for all rows (every length a program of "
+            "its own), so rows cannot join at other lengths"
         )
 
     def capacity(self, longest, chunk):
@@ -381,6 +382,12 @@ class GrowPadded(GrowExact):
 
     def capacity(self, longest, chunk):
         return bucket(longest)  # the rows of a grow group feed the same tokens: no chunk past
+
+    def slot_refusal(self):
+        return (
+            "its grow cache is padded by one number of padding rows for the whole batch (the "
+            "padded rewrite's scalar input), so rows cannot join at other lengths"
+        )
 
     def mask(self, lengths, step, rows, xp=np):
         columns = xp.arange(rows + step)[None, :]  # padding rows hidden, then valid rows, tokens

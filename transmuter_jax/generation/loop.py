@@ -1,11 +1,13 @@
 """compile() and generate(): the host loop as verbs (prefill, decode, select) over the rows.
 
-``generate`` runs each group of rows that share a cache: ``prefill`` feeds the prompts in
-power-of-two steps on the host (rows that finish their prompt early take tokens meanwhile),
-then ``decode`` runs the rest in chunks on the device (:mod:`.decode`) or, where a chunk cannot
-run (beam search, a task's own processors, exact-length grow, ``decode_steps=1``), one step at a
-time on the host. A selection strategy (:class:`Sampler` or :class:`BeamSearch`) turns each
-host step's logits into the rows' tokens.
+``generate`` runs each group of rows that share a cache: ``prefill`` feeds the prompts in steps
+of the prefill rule on the host (rows that finish their prompt early take tokens meanwhile),
+then ``decode`` runs the rest with the slots' step (:mod:`.chunk`) in chunks of up to
+``decode_steps`` (``decode_steps=1``: the same step with a limit of one) or, where the host
+selects (beam search, a task's own processors) or the cache changes shape every step
+(exact-length grow), one host step at a time. Host steps select with the slots' selection and
+:func:`.decode.end_of_row`, or with a strategy of their own (:class:`Sampler` with a task's
+processors, :class:`BeamSearch`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .beam import BeamPrompt
 from .chunk import Decoder, choose
 from .chunk import rows as device_rows
 from .context import Context
+from .decode import end_of_row
 from .engine import Compiled, Engine
 from .errors import GenerationError
 from .processors import Rows, static_masks
@@ -139,11 +142,12 @@ def _selection(ctx: Context, jit_options: Mapping[str, Any]):
 
 
 def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
-    """The decode chunks (the slots' step on the device), or None where decode runs step by
-    step on the host."""
+    """The decode programs: the slots' step in chunks of up to ``decode_steps`` (with
+    ``decode_steps=1``, the same step with a limit of one); None where the host selects (beam
+    search, a task's own processors) or the cache changes shape every step (exact-length grow)."""
     custom = any(not isinstance(p, str) for p in constraints.program_names(ctx.processors))
     size = steps.mode.chunk_size(options.decode_steps)
-    if size < 2 or options.num_beams > 1 or custom:
+    if size < 1 or options.num_beams > 1 or custom:
         return None
     mask = constraints.device_mask(ctx.processors)  # a finite constraint: its table on device
     if isinstance(mask, constraints.HostMask) and ctx.placement is not None:
@@ -152,11 +156,12 @@ def _decoder(ctx: Engine, steps: Steps, select, options) -> Decoder | None:
 
 
 def on_device(ctx: Engine) -> bool:
-    """Whether ``ctx`` decodes in chunks on the device (else one step at a time on the host)."""
+    """Whether ``ctx`` decodes in chunks of several steps on the device (else one step at a time:
+    the slots' step with a limit of one, or the host's selection)."""
     compiled = getattr(ctx, "compiled", None)
     if compiled is None:
         raise GenerationError("call generation.compile(ctx, batch_size) first")
-    return compiled.decoder is not None
+    return compiled.decoder is not None and compiled.decoder.size > 1
 
 
 @dataclasses.dataclass
@@ -430,15 +435,15 @@ class _Run:
 
     def decode(self, group: list[int], state: cache_modes.State) -> None:
         """Runs the group's rows until each is done: in chunks on the device where it can."""
-        decoder = self.ctx.compiled.decoder if on_device(self.ctx) else None
+        decoder = self.ctx.compiled.decoder
         mode = self.ctx.compiled.cache
         while self.live():
             room = 0
             if decoder is not None:  # a padded grow bucket may hold fewer more tokens
                 room = mode.room(decoder.size, state.capacity, int(state.lengths.max()))
-            if room < 2:
+            if room < 1:  # the host's selection, or a full grow bucket that grows
                 self.step(state)
-            else:
+            else:  # the slots' step: up to ``room`` of them in one program
                 self.chunk(decoder, state, room)
 
     def step(self, state: cache_modes.State) -> None:
@@ -481,7 +486,7 @@ class _Run:
             if constraint is not None:
                 decoder.mask.release(constraint)
         state.arrays = result.cache
-        eos, options = ctx.eos, ctx.options
+        options = ctx.options
         for i in range(out.token.shape[0]):
             token = out.token[i]
             if not (token >= 0).any():  # a step the loop did not run
@@ -493,7 +498,7 @@ class _Run:
                 if row.done:
                     shown[b] = -1
                     continue
-                if int(token[b]) not in eos:
+                if not out.ends[i, b]:  # decode.end_of_row's verdict, in the step
                     _keep(row, int(token[b]), logprob, top, b)
                 row.done = bool(out.done[i, b]) or _stopped(ctx, row)
             self.emit(shown, logprob, top)
@@ -630,6 +635,9 @@ class Sampler:
             chosen = out[:, 0] if out.ndim == 2 else out
             logprob = out[:, 1].view(np.float32) if out.ndim == 2 else None
             top = out[:, 2:] if out.ndim == 2 and out.shape[1] > 2 else None
+            max_new = np.array([r.max_new for r in rows], np.int32)
+            eos = np.array(ctx.eos or (-1,), np.int64)
+            ends, _, _, done = end_of_row(chosen, taking, eos, counts, max_new, xp=np)
         # else a step of prompts only: nothing to select
         for i, row in enumerate(rows):
             if not run.members[i] or row.done:
@@ -638,16 +646,10 @@ class Sampler:
                 row.fed += int(step.real[i])
                 if row.fed < len(row.prompt):
                     continue
-            t = token[i] = int(chosen[i])
-            if ends is not None:  # decode.end_of_row's verdict
-                if not ends[i]:
-                    _keep(row, t, logprob, top, i)
-                row.done = bool(done[i]) or (not ends[i] and _stopped(ctx, row))
-            elif t in ctx.eos:
-                row.done = True
-            else:
-                _keep(row, t, logprob, top, i)
-                row.done = len(row.generated) >= row.max_new or _stopped(ctx, row)
+            token[i] = int(chosen[i])
+            if not ends[i]:  # decode.end_of_row's verdict, then the stop strings
+                _keep(row, int(chosen[i]), logprob, top, i)
+            row.done = bool(done[i]) or (not ends[i] and _stopped(ctx, row))
         run.emit(token, logprob, top)
         return None
 

@@ -283,7 +283,11 @@ def check(engine: Engine) -> None:
     spec, mode = engine.spec, engine.cache_mode
     refusal = mode.slot_refusal()
     if refusal:
-        raise GenerationError(f"{spec.model.path!r} cannot run slots: {refusal}; use generate()")
+        unpadded = engine.compiled.unpadded if engine.compiled is not None else ""
+        why = f" (exact lengths because {unpadded})" if unpadded else ""
+        raise GenerationError(
+            f"{spec.model.path!r} cannot run slots: {refusal}{why}; use generate()"
+        )
     options = spec.options
     if options.num_beams > 1:
         raise GenerationError("beam search needs a program of its own: use generate()")
