@@ -1277,7 +1277,8 @@ def test_a_long_stop_string_costs_no_more_than_a_short_one():
 
     counts = {}
     for length in (3, 100_000):
-        hold = runner._Hold(("Q" * length,), "Q" * min(length - 1, 50))
+        # a stop string that the pieces keep starting and never end
+        hold = runner._Hold(("Q" * length + "!",), "Q" * min(length - 1, 50))
         calls = [0]
         step = hold._step
 

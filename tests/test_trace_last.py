@@ -49,7 +49,7 @@ def _graph(tmp_path, tail: list[str]):
 )
 def test_one_position_per_row_equals_that_row_of_the_whole_output(tmp_path, tail, head):
     model = _graph(tmp_path, tail)
-    found = model._head("logits")
+    found = model.head("logits")
     assert (found is not None) == head
     if head:
         ops = [n.op_type for n in found[1]]

@@ -482,7 +482,7 @@ class Model:
         ``output`` comes from a hidden state [B, S, H] through a matrix product by weights and
         element-wise nodes (an LM head), the head runs on those rows alone; elsewhere the whole
         output is computed and the rows taken from it."""
-        found = self._head(output)
+        found = self.head(output)
         if found is None:
             outputs = self.trace(static, params, inputs)
             full = outputs[output]
@@ -501,7 +501,7 @@ class Model:
         run_nodes(self._graph, scope, nodes=tail)
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
 
-    def _head(self, output: str) -> tuple[str, list] | None:
+    def head(self, output: str) -> tuple[str, list] | None:
         """The hidden state's name and the nodes that make ``output`` from it row by row (a
         matrix product by weights, then element-wise nodes with weight-only other inputs), or
         None."""
