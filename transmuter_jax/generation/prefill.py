@@ -134,9 +134,15 @@ def advance(engine: Engine, pending: Pending) -> Pending:
     ``pending`` is donated)."""
     if pending.done:
         return pending
+    return step(engine, pending, _size(engine, int(pending.remaining.max()), pending.chunk))
+
+
+def step(engine: Engine, pending: Pending, size: int) -> Pending:
+    """One step of ``size`` tokens of every row: the next part of its prompt, padded (a row
+    with none left feeds padding after its valid rows, which the next ones overwrite or the
+    mask hides). The cache of ``pending`` is donated."""
     mode, capacity = engine.cache_mode, engine.slot_capacity
     remaining, n = pending.remaining, len(pending.requests)
-    size = _size(engine, int(remaining.max()), pending.chunk)
     real = np.minimum(remaining, size).astype(np.int32)
     tokens = np.full((n, size), slots._pad_token(engine), np.int32)
     for i, request in enumerate(pending.requests):

@@ -170,7 +170,7 @@ class PrefixCache:
                     f"of {BLOCK}, needs more than the slots' capacity of {engine.slot_capacity}"
                 )
         while not pending.done:
-            pending = _block(engine, pending)
+            pending = prefills.step(engine, pending, BLOCK)
         prefixes = prefills.end(engine, pending)[: len(requests)]
         for request, prefix in zip(requests, prefixes, strict=True):
             whole = len(request.prompt) // BLOCK * BLOCK
@@ -230,35 +230,6 @@ def _steps(pending: prefills.Pending, row: int | None = None) -> int:
 def written(pending: prefills.Pending, row: int) -> int:
     """Cache rows the blocks of ``row`` write (its last block padded)."""
     return int(pending.fed[row] + BLOCK * _steps(pending, row))
-
-
-def _block(engine: Engine, pending: prefills.Pending) -> prefills.Pending:
-    """One step of :data:`BLOCK` tokens of every row: the next part of its prompt, padded (a
-    row with none left feeds padding after its valid rows, which the next ones overwrite or
-    the mask hides). The cache of ``pending`` is donated."""
-    mode, capacity = engine.cache_mode, engine.slot_capacity
-    remaining, n = pending.remaining, len(pending.requests)
-    real = np.minimum(remaining, BLOCK).astype(np.int32)
-    tokens = np.full((n, BLOCK), slots._pad_token(engine), np.int32)
-    for i, request in enumerate(pending.requests):
-        start = int(pending.fed[i])
-        tokens[i, : real[i]] = request.prompt[start : start + real[i]]
-    feed: dict = {"tokens": tokens}
-    if "attention_mask" in {i.name for i in engine.model.inputs}:
-        feed["attention_mask"] = mode.mask(pending.lengths, BLOCK, capacity)
-    axes = slots._axes(engine)
-    if axes:
-        positions = (np.arange(BLOCK)[None, :] + pending.fed[:, None]).astype(np.int32)
-        feed["position_ids"] = np.broadcast_to(positions, (3, n, BLOCK)) if axes == 3 else positions
-    last = np.maximum(real - 1, 0).astype(np.int32)
-    logits, cache = engine.compiled.steps(pending.cache, feed, pending.lengths, last)
-    ending = jnp.asarray((remaining > 0) & (remaining <= BLOCK))  # rows fed their last token
-    if pending.logits is not None:
-        logits = jnp.where(ending[:, None], logits, pending.logits)
-    lengths = mode.advance(pending.lengths, real, BLOCK).astype(np.int32)
-    return dataclasses.replace(
-        pending, fed=pending.fed + real, lengths=lengths, cache=cache, logits=logits
-    )
 
 
 def blocks_apply(engine: Engine) -> bool:
