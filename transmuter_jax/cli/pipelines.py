@@ -25,19 +25,27 @@ def use_instead(model: str | None, task_key: str) -> ValueError:
     return ValueError(f"{name} is {article} {what} model: use '{task.command}'")
 
 
+def _load(load, model: str | None, args: argparse.Namespace) -> tuple[Any, float]:
+    """``load(model, dtype=, file=)`` and its seconds; a model for another task gets the
+    command to use."""
+    from ..tasks import detect
+
+    start = time.perf_counter()
+    try:
+        pipe = load(model, dtype=args.dtype, file=args.file)
+    except detect.WrongTask as error:
+        raise use_instead(model, error.task) from None
+    return pipe, time.perf_counter() - start
+
+
 def text_pipeline(task: str, model: str | None, args: argparse.Namespace):
     """The pipeline of ``task`` ("generation" or "text_to_text"), with the command to use when
     the model is for another task."""
     from .. import text
 
     make = text.generation if task == "generation" else text.text_to_text
-    start = time.perf_counter()
-    try:
-        pipe = make(model, dtype=args.dtype, file=args.file)
-    except text.WrongTask as error:
-        raise use_instead(model, error.task) from None
-    say(args, f"loaded {pipe.files.decoder} ({pipe.files.family}) in "
-         f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    pipe, seconds = _load(make, model, args)
+    say(args, f"loaded {pipe.files.decoder} ({pipe.files.family}) in {seconds:.1f} s")
     return pipe
 
 
@@ -45,14 +53,9 @@ def speech_pipeline(model: str | None, args: argparse.Namespace):
     """The speech-to-text pipeline of ``model``, with the command to use when the model is for
     another task."""
     from .. import audio
-    from ..tasks import detect
 
-    start = time.perf_counter()
-    try:
-        pipe = audio.speech_to_text(model, dtype=args.dtype, file=args.file)
-    except detect.WrongTask as error:
-        raise use_instead(model, error.task) from None
-    say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
+    pipe, seconds = _load(audio.speech_to_text, model, args)
+    say(args, f"loaded {pipe.files.decoder} in {seconds:.1f} s")
     return pipe
 
 
@@ -101,10 +104,6 @@ def caption_pipeline(model: str, args: argparse.Namespace):
     files, task = detected(model, args)
     if task is not detect.IMAGE_TO_TEXT:
         raise use_instead(model, task.key)
-    start = time.perf_counter()
-    try:
-        pipe = vision.image_to_text(model, dtype=args.dtype, file=args.file)
-    except detect.WrongTask as error:
-        raise use_instead(model, error.task) from None
-    say(args, f"loaded {pipe.files.decoder} in {time.perf_counter() - start:.1f} s")
+    pipe, seconds = _load(vision.image_to_text, model, args)
+    say(args, f"loaded {pipe.files.decoder} in {seconds:.1f} s")
     return pipe
