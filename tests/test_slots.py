@@ -17,6 +17,12 @@ from transmuter_jax.generation import Request
 IN_PLACE = ["llama-genai-fp32", "qwen2-genai-fp32", "gemma3-genai-fp32"]
 APPEND = ["llama-optimum", "qwen2-optimum", "gpt2-optimum"]  # gpt2: position_ids, so append
 NEW = 8
+# the quick tier: one family per cache mode, and gpt2 (position_ids in an append cache)
+FAST = ["llama-genai-fp32", "llama-optimum", "gpt2-optimum"]
+
+
+def _tiered(names):
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +124,7 @@ def _every_offset(name, workdir, offsets):
             assert _summary(prefix, got.get(1, [])) == alone[target], (target, offset)
 
 
-@pytest.mark.parametrize("name", IN_PLACE + APPEND)
+@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND))
 def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workdir):
     _every_offset(name, workdir, range(0, 6))
 

@@ -25,8 +25,9 @@ NEW = 20
 LOOKUP = 4
 
 
-def _tiered(names):
-    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+def _tiered(names, fast=FAST):
+    """The quick tier runs the names in ``fast``; the others are marked slow."""
+    return [n if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def _prompts(name):
     return [prompts[0], prompts[0] + prompts[0], prompts[-1] + prompts[-1][:3] + prompts[-1]]
 
 
-@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND))
+@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND, ["llama-optimum"]))
 def test_generate_with_prompt_lookup_equals_plain_greedy(name, workdir):
     prompts = _prompts(name)
     options = dict(max_new_tokens=NEW, token_logprobs=True)
@@ -106,7 +107,7 @@ def _lookup(request, k=LOOKUP, n=2):
                       "max_matching_ngram_size": n})  # fmt: skip
 
 
-@pytest.mark.parametrize("name", _tiered(IN_PLACE[:3] + APPEND[:3]))
+@pytest.mark.parametrize("name", _tiered(IN_PLACE[:3] + APPEND[:3], ["llama-genai-fp32"]))
 def test_every_cut_inside_accepted_runs_equals_plain(name, workdir):
     eng = _engine(name, workdir)
     for prompt in _hitting(eng, name):  # a prompt whose drafts are accepted
@@ -194,7 +195,7 @@ class _Texts:
         self.token_texts = texts
 
 
-@pytest.mark.parametrize("name", _tiered(["llama-optimum", "llama-genai-fp32"]))
+@pytest.mark.parametrize("name", _tiered(["llama-optimum", "llama-genai-fp32"], ["llama-optimum"]))
 def test_speculating_and_plain_slots_share_a_batch(name, workdir):
     eng = _engine(name, workdir)
     prompts = _prompts(name)
