@@ -197,7 +197,8 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
     for i, request in enumerate(pending.requests):
         after, out = chosen[i]
         one = jax.tree.map(lambda a, i=i: a[i : i + 1], after)
-        drafts = dataclasses.replace(one.drafts, cache=slots._drafted(engine, request.prompt))
+        drafted = slots._drafted(engine, request.prompt, pending.resolved[i]["assisted"])
+        drafts = dataclasses.replace(one.drafts, cache=drafted)
         cache = jax.tree.map(lambda a, i=i: a[i : i + 1], pending.cache)
         one = dataclasses.replace(one, cache=cache, drafts=drafts)
         if pending.resolved[i]["max_new"] == 0:

@@ -776,7 +776,7 @@ def prefill(
     table = _table_of(engine, request, r["eos"])
     cache = None if past is None else past[0]
     logits, cache, lengths = _prompt(engine, prompt, capacity, cache, start)
-    drafted = _drafted(engine, prompt)
+    drafted = _drafted(engine, prompt, r["assisted"])
     rows = _request_rows(engine, request, r, jnp.asarray(lengths), cache, table, drafted)
     if r["max_new"] == 0:
         logits.delete()
@@ -792,10 +792,14 @@ def prefill(
     return Prefix(request, rows, token, table)
 
 
-def _drafted(engine: Engine, prompt: Sequence[int]) -> dict[str, jax.Array]:
-    """The draft model's cache of the whole prompt (empty without an assistant model)."""
+def _drafted(engine: Engine, prompt: Sequence[int], assisted: bool) -> dict[str, jax.Array]:
+    """The draft model's cache of the whole prompt (empty without an assistant model). A request
+    that does not draft with it (``assisted`` False) gets an empty cache of batch 1: its slot
+    never drafts, so the draft model does not run its prompt."""
     if engine.assistant is None:
         return {}
+    if not assisted:
+        return _assistant_cache(engine, 1, engine.slot_capacity)
     last, drafted, _ = _prompt(engine.assistant, list(prompt), engine.slot_capacity)
     last.delete()
     return drafted

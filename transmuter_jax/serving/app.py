@@ -35,6 +35,8 @@ class Served:
         generation_config: take omitted sampling fields from generation_config.json (vLLM's
             ``--generation-config auto``) instead of OpenAI's defaults.
         decode_steps: the engine's decode chunk (new tokens per device call).
+        speculative_tokens: with a draft model (``--speculative-model``), the tokens it drafts
+            per step where a request gives no ``num_speculative_tokens``; None without one.
     """
 
     name: str
@@ -43,6 +45,7 @@ class Served:
     vocab_size: int
     generation_config: bool = False
     decode_steps: int | None = None
+    speculative_tokens: int | None = None
 
 
 def _field(loc: Sequence[Any]) -> str | None:
@@ -313,13 +316,7 @@ def _submission(
         options["min_new_tokens"] = int(body.min_tokens)
     if body.ignore_eos:
         options["eos_token_id"] = []
-    lookup = body.prompt_lookup_num_tokens or body.num_speculative_tokens
-    if lookup:
-        if body.n > 1:
-            raise ApiError(
-                400, "prompt_lookup_num_tokens: speculative decoding takes n=1", param="n"
-            )
-        options["prompt_lookup_num_tokens"] = int(lookup)
+    options.update(_speculation(served, body))
     if body.logit_bias:
         options["sequence_bias"] = _logit_bias(body.logit_bias, served.vocab_size)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -344,6 +341,29 @@ def _submission(
         presence_penalty=float(body.presence_penalty),
         frequency_penalty=float(body.frequency_penalty),
     )
+
+
+def _speculation(served: Served, body: Any) -> dict[str, int]:
+    """The speculative decoding options of a request (docs/speculative.md). Without a draft
+    model, ``prompt_lookup_num_tokens`` (or ``num_speculative_tokens``) is prompt lookup's K.
+    With one, ``prompt_lookup_num_tokens`` takes precedence (prompt lookup, the draft model
+    idle), else the draft model drafts ``num_speculative_tokens`` (0: none) or the server's K;
+    with n > 1 a request asks for no speculation (400 where it does) and gets none."""
+    lookup, asked = body.prompt_lookup_num_tokens, body.num_speculative_tokens
+    if served.speculative_tokens is None:
+        lookup = lookup or asked
+    elif not lookup:
+        k = served.speculative_tokens if asked is None else asked
+        if body.n > 1 and asked is None:
+            k = 0  # the server's default speculation: not for n > 1
+        if k and body.n > 1:
+            raise ApiError(400, "num_speculative_tokens: speculative decoding takes n=1", param="n")
+        return {"num_assistant_tokens": int(k)}
+    if not lookup:
+        return {}
+    if body.n > 1:
+        raise ApiError(400, "prompt_lookup_num_tokens: speculative decoding takes n=1", param="n")
+    return {"prompt_lookup_num_tokens": int(lookup)}
 
 
 def _frozen(value: Any) -> Any:

@@ -11,11 +11,14 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 API_KEY_ENV = "TRANSMUTER_JAX_API_KEY"
 MAX_MODEL_LEN = 2048  # the default context at most: each slot holds this many cache rows
 DECODE_STEPS = 8  # the default decode chunk of the slots
 PREFIX_CACHE_BYTES = 256 << 20
+SPECULATIVE_TOKENS = 5  # the default draft length of --speculative-model's requests
+MAX_SPECULATIVE_TOKENS = 32  # generation.options.MAX_DRAFT (not imported: argparse only here)
 HELP = "serve a model behind the OpenAI API (needs the 'serve' extra)"
 DESCRIPTION = (
     "Serve MODEL (a folder, a hub id, or the default model when left out) behind an "
@@ -88,6 +91,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the most bytes of prompt KV rows kept on the device for later prompts that start "
         "the same way (suffixes K, M, G; 0: off; default 256M)",
     )
+    parser.add_argument(
+        "--speculative-model",
+        "--draft-model",
+        dest="speculative_model",
+        metavar="DRAFT",
+        help="a draft model of the same tokenizer (a folder or hub id): requests decode "
+        "speculatively with it (docs/speculative.md)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="the tokens the draft model drafts per step where a request does not say "
+        f"(1 to {MAX_SPECULATIVE_TOKENS}; default {SPECULATIVE_TOKENS}); needs --speculative-model",
+    )
     parser.add_argument("--dtype", help="variant of the ONNX files: fp32 (default), q4, int4, ...")
     parser.add_argument("--file", help="the decoder .onnx file to use, relative to MODEL")
     parser.add_argument("--verbose", "-v", action="store_true", help="show details and tracebacks")
@@ -123,6 +141,26 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.decode_steps is not None and args.decode_steps < 1:
         raise ValueError(f"--decode-steps must be positive, got {args.decode_steps}")
+    k = args.num_speculative_tokens
+    if k is not None and not args.speculative_model:
+        raise ValueError("--num-speculative-tokens needs --speculative-model (a draft model)")
+    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+
+
+def _draft(pipe: Any, model: str) -> Any:
+    """The draft model ``model`` (a ``TextGeneration``); raises ValueError naming the flag when
+    it cannot draft for ``pipe`` (another vocabulary or token texts, a grow cache)."""
+    from .. import text
+    from ..tasks import decoding
+
+    draft = text.generation(model)
+    helper = (draft.files.folder, draft.decoder, draft.embed)
+    try:
+        decoding.check_assistant(pipe.files.folder, pipe.decoder, pipe.embed, helper)
+    except ValueError as error:
+        raise ValueError(f"--speculative-model {model}: {error}") from None
+    return draft
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     pipe = text.generation(
         args.model, dtype=args.dtype, file=args.file, chat_template=_template(args.chat_template)
     )
+    draft = _draft(pipe, args.speculative_model) if args.speculative_model else None
     raw = hub.read_json(pipe.files.folder, "config.json")  # or genai_config.json's equivalent
     config = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
     positions = int(config.get("max_position_embeddings") or 2048)
@@ -157,17 +196,27 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or "default"
     steps = args.decode_steps or DECODE_STEPS
     auto = args.generation_config == "auto"
-    served = Served(name, pipe, max_len, vocab, auto, args.decode_steps)
+    k = None
+    if draft is not None:
+        k = args.num_speculative_tokens or SPECULATIVE_TOKENS
+    served = Served(name, pipe, max_len, vocab, auto, args.decode_steps, k)
     try:
         backend = SlotBackend(
             pipe, args.max_batch_size, max_model_len=max_len, decode_steps=steps,
-            prefix_cache_bytes=args.prefix_cache_bytes,
+            prefix_cache_bytes=args.prefix_cache_bytes, draft=draft, draft_tokens=k or 0,
         )  # fmt: skip
         prefixes = backend.prefixes
         kind = f"continuous batching in {args.max_batch_size} slots of {steps}-token chunks"
     except ValueError as error:  # a model the slots cannot run
+        if draft is not None:  # the draft model drafts in the slots only
+            raise ValueError(
+                f"--speculative-model: the slots cannot run {pipe.files.folder} with a draft "
+                f"model: {error}"
+            ) from None
         backend, prefixes = PipelineBackend(pipe, args.max_batch_size), None
         kind = f"static batching (the slots cannot run this model: {error})"
+    if draft is not None:
+        kind += f", drafting {k} tokens with {draft.files.folder}"
     metrics = Metrics(
         lambda: backend.waiting,
         lambda: backend.running,

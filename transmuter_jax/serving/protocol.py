@@ -112,9 +112,10 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    # speculative decoding by prompt lookup (docs/speculative.md; at most MAX_DRAFT, 32, tokens)
+    # speculative decoding (docs/speculative.md; at most MAX_DRAFT, 32, tokens): by prompt
+    # lookup, or with the server's draft model (--speculative-model; 0: this request does not)
     prompt_lookup_num_tokens: int | None = Field(default=None, ge=1, le=32)
-    num_speculative_tokens: int | None = Field(default=None, ge=1, le=32)
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=32)
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
 

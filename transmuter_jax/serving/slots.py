@@ -81,6 +81,11 @@ class SlotBackend:
         prefix_cache_bytes: the bound of the prefix cache (0: off).
         warm: compile the programs requests run before taking any (the server is ready when
             this returns), so no request waits for a compile.
+        draft: a draft model of the same tokenizer (a ``TextGeneration``) for speculative
+            decoding (docs/speculative.md): a request drafts with it the submission's
+            ``num_assistant_tokens`` (0 or none: it does not); requests on the pipeline path
+            do not speculate.
+        draft_tokens: the draft length the warm-up compiles for (0: none).
 
     Raises:
         GenerationError: when the model cannot run slots (the caller serves with
@@ -96,6 +101,8 @@ class SlotBackend:
         decode_steps: int = 8,
         prefix_cache_bytes: int = 0,
         warm: bool = True,
+        draft: Any = None,
+        draft_tokens: int = 0,
     ):
         from .. import generation as gen
         from ..generation.prefixes import PrefixCache
@@ -104,9 +111,13 @@ class SlotBackend:
         self.decode_steps = int(decode_steps)
         self.step_seconds = 0.0  # the measured time of a decode step (a running mean)
         self._sizes: set[int] = set()  # the chunk sizes that have run
+        assistant = None
+        if draft is not None:
+            assistant = gen.context(draft.files.folder, draft.decoder, embed=draft.embed)
+        self.draft_tokens = int(draft_tokens) if draft is not None else 0
         spec = gen.context(
             pipe.files.folder, pipe.decoder, embed=pipe.embed, tokenizer=pipe.tokenizer,
-            **pipe.options,
+            assistant=assistant, **pipe.options,
         )  # fmt: skip
         capacity = -(-int(max_model_len) // 64) * 64
         self.engine = gen.compile(
@@ -188,6 +199,8 @@ class SlotBackend:
                     raise RuntimeError("the backend is closing")
                 if self._fallback is None:
                     self._fallback = PipelineBackend(self.pipe, self._max_batch_size)
+            options = tuple((k, v) for k, v in submission.options if k != "num_assistant_tokens")
+            submission = dataclasses.replace(submission, options=options)  # no draft model there
             return self._fallback.submit(submission, emit)
         ticket = Ticket(submission, emit)
         runs = self._runs(ticket)
@@ -244,6 +257,7 @@ class SlotBackend:
             logit_bias=tuple((ids[-1], bias) for ids, bias in o.get("sequence_bias") or ()),
             min_new_tokens=int(o.get("min_new_tokens") or 0),
             prompt_lookup_num_tokens=o.get("prompt_lookup_num_tokens"),  # docs/speculative.md
+            num_assistant_tokens=o.get("num_assistant_tokens", 0),  # 0: no draft model here
             constraint=_constraint(o),
         )
         groups = [[j] for j in range(sub.n)] if sampling else [list(range(sub.n))]
@@ -312,17 +326,27 @@ class SlotBackend:
                 break
             self.prefill_rows = rows
         vocab = self.engine.vocab_size or 1000
-        probe = Request(tuple(3 + i % max(vocab - 3, 1) for i in range(8)), self.decode_steps + 2)
-        prefix = PrefixCache(self.engine, 0).prefill(probe)
-        state = self.engine.insert(prefix, self._state, 0)
-        for steps in (1, self.decode_steps):
-            state, _ = self.engine.generate(state, steps)
-            self._sizes.add(steps)
-        self._state = self.engine.free(state, 0)
+        prompt = tuple(3 + i % max(vocab - 3, 1) for i in range(8))
+        k = self.draft_tokens
+        probes = [Request(prompt, self.decode_steps + 2, num_assistant_tokens=0)]
+        if k:  # the draft model's prompt and chunk programs of the server's K
+            most = self.engine.slot_capacity - len(prompt)
+            most = min(self.decode_steps * (k + 1) + 2, most)
+            probes.append(Request(prompt, most, eos_token_id=(), num_assistant_tokens=k))
+        state = self._state
+        for probe in probes:
+            prefix = PrefixCache(self.engine, 0).prefill(probe)
+            state = self.engine.insert(prefix, state, 0)
+            for steps in (1, self.decode_steps):
+                state, _ = self.engine.generate(state, steps)
+                self._sizes.add(steps)
+            state = self.engine.free(state, 0)
+        self._state = state
         log.info(
             "compiled the prefill and decode programs in %.1f s (prompts prefilled together: "
-            "at most %d; decode chunks of 1 or %d steps)",
+            "at most %d; decode chunks of 1 or %d steps%s)",
             time.perf_counter() - start, self.prefill_rows, self.decode_steps,
+            f"; drafts of {k} tokens" if k else "",
         )  # fmt: skip
 
     def _measured(self, seconds: float) -> None:
