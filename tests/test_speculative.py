@@ -422,13 +422,83 @@ def test_the_server_fields_switch_prompt_lookup_on():
     from transmuter_jax.serving import app, protocol
 
     served = SimpleNamespace(max_model_len=100, pipe=None, generation_config=False,
-                             vocab_size=512, decode_steps=0)  # fmt: skip
+                             vocab_size=512, decode_steps=0, speculative_tokens=None)  # fmt: skip
     for field in ("prompt_lookup_num_tokens", "num_speculative_tokens"):
         body = protocol.CompletionRequest(model="m", prompt="x", temperature=0, **{field: 4})
         options = dict(app._submission(served, body, [1, 2, 3], 5, None, "prompt").options)
         assert options["prompt_lookup_num_tokens"] == 4
+    body = protocol.CompletionRequest(model="m", prompt="x", num_speculative_tokens=0)
+    options = dict(app._submission(served, body, [1, 2, 3], 5, None, "prompt").options)
+    assert "prompt_lookup_num_tokens" not in options and "num_assistant_tokens" not in options
     body = protocol.CompletionRequest(model="m", prompt="x", n=2, prompt_lookup_num_tokens=4)
     with pytest.raises(protocol.ApiError, match="speculative decoding takes n=1"):
         app._submission(served, body, [1, 2, 3], 5, None, "prompt")
     with pytest.raises(ValueError):
         protocol.CompletionRequest(model="m", prompt="x", prompt_lookup_num_tokens=0)
+
+
+def test_the_server_fields_with_a_draft_model():
+    """With --speculative-model: the server's K by default, the request's num_speculative_tokens
+    (0: none), prompt lookup first where asked; n > 1 drafts only when asked, and is refused."""
+    from types import SimpleNamespace
+
+    from transmuter_jax.serving import app, protocol
+
+    served = SimpleNamespace(max_model_len=100, pipe=None, generation_config=False,
+                             vocab_size=512, decode_steps=0, speculative_tokens=5)  # fmt: skip
+
+    def options(**fields):
+        body = protocol.CompletionRequest(model="m", prompt="x", temperature=0.5, **fields)
+        got = dict(app._submission(served, body, [1, 2, 3], 5, None, "prompt").options)
+        return got.get("num_assistant_tokens"), got.get("prompt_lookup_num_tokens")
+
+    assert options() == (5, None)
+    assert options(num_speculative_tokens=2) == (2, None)
+    assert options(num_speculative_tokens=0) == (0, None)
+    assert options(prompt_lookup_num_tokens=3) == (None, 3)
+    assert options(prompt_lookup_num_tokens=3, num_speculative_tokens=2) == (None, 3)
+    assert options(n=2) == (0, None)  # the server's default: not for n > 1
+    for fields in ({"num_speculative_tokens": 2}, {"prompt_lookup_num_tokens": 2}):
+        with pytest.raises(protocol.ApiError, match="speculative decoding takes n=1") as error:
+            options(n=2, **fields)
+        assert error.value.status == 400 and error.value.param == "n"
+    for bad in (-1, 33):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            protocol.CompletionRequest(model="m", prompt="x", num_speculative_tokens=bad)
+
+
+def test_a_request_that_does_not_draft_skips_the_draft_models_prompt(workdir):
+    """On an engine with a draft model, a request with num_assistant_tokens=0 gets an empty
+    draft cache (the draft model never ran its prompt) and plain greedy's tokens, alone and
+    prefilled together with one that drafts."""
+    import jax
+
+    from transmuter_jax.generation import prefill as prefills
+
+    name, helper = "llama-optimum", "llama-genai-int4"
+    prompts = _prompts(name)[:2]
+    plain = generation.compile(context(name, workdir, max_new_tokens=NEW), len(prompts))
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    spec = context(name, workdir, max_new_tokens=NEW, assistant=context(helper, workdir))
+    eng = generation.compile(spec, 2, capacity=128)
+    quiet = Request(prompts[0], num_assistant_tokens=0)
+    drafting = Request(prompts[1], num_assistant_tokens=4)
+
+    def empty(prefix):
+        cache = jax.device_get(prefix.rows.drafts.cache)
+        return bool(cache) and not any(np.any(a) for a in cache.values())
+
+    assert empty(eng.prefill(quiet)) and not empty(eng.prefill(drafting))
+    together = prefills.prefill_many(eng, [quiet, drafting])
+    assert empty(together[0]) and not empty(together[1])
+    state = eng.init_state()
+    for slot, prefix in enumerate(together):
+        state = eng.insert(prefix, state, slot)
+    got = [[] if p.first.eos else [p.first.token] for p in together]
+    while state.live_slots:
+        state, tokens = eng.generate(state, 3)
+        for t in tokens:
+            if not t.eos:
+                got[t.slot].append(t.token)
+    assert got == want
+    assert speculative.stats(state, 0).drafted == 0 and speculative.stats(state, 1).drafted > 0
