@@ -757,3 +757,132 @@ def test_a_model_the_slots_cannot_run_is_refused_by_name():
     grow = text.generation(ROOT / "tests" / "fixtures" / "gemma3-optimum")
     with pytest.raises(ValueError, match="cannot run slots: its grow cache"):
         SlotBackend(grow, 2, max_model_len=128)
+
+
+# -- a draft model (--speculative-model): one server -------------------------------------------
+
+DRAFT = ROOT / "tests" / "fixtures" / "llama-genai-int4"  # llama-optimum's tokenizer, other weights
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory):
+    """A server whose requests draft with llama-genai-int4, 4 tokens unless they say."""
+    s = Server(
+        tmp_path_factory.mktemp("drafted"), "--speculative-model", str(DRAFT),
+        "--num-speculative-tokens", "4", "--max-batch-size", "2",
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+def test_a_draft_model_serves_the_librarys_greedy_answers_and_usage(drafted, pipe):
+    """Greedy answers with the draft model (the server's K, a request's own, none, prompt lookup
+    first) are the library's plain ones, log-probabilities and usage too, streamed or not, two
+    at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert "drafting 4 tokens with" in drafted.log.read_text()
+    client = drafted.client()
+    want = _greedy(pipe, MESSAGES, 16, token_logprobs=True)
+    prompt = pipe.prompt_ids(MESSAGES)
+
+    def ask(extra):
+        return client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+            extra_body=extra,
+        )  # fmt: skip
+
+    extras = [{}, {"num_speculative_tokens": 7}, {"num_speculative_tokens": 0},
+              {"prompt_lookup_num_tokens": 3}]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, extras + extras[:2]))
+    for extra, got in zip(extras + extras[:2], answers, strict=True):
+        choice = got.choices[0]
+        assert choice.message.content == want.text, extra
+        assert [c.logprob for c in choice.logprobs.content] == pytest.approx(
+            want.logprobs, abs=1e-5
+        )
+        assert got.usage.prompt_tokens == len(prompt)
+        assert got.usage.completion_tokens == len(want.token_ids)
+        assert got.usage.total_tokens == len(prompt) + len(want.token_ids)
+    stream = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    words = ["Once upon", "The quiet river"]
+    plain = pipe.generate(words, chat=False, do_sample=False, max_new_tokens=9)
+    got = client.completions.create(model=NAME, prompt=words, max_tokens=9, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w.text for w in plain]
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in plain)
+
+
+def test_a_draft_model_samples_reproducibly_and_refuses_n_with_drafts(drafted):
+    client = drafted.client()
+    args = dict(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0.9, seed=7)
+    first = client.chat.completions.create(**args, logprobs=True)
+    assert first.usage.completion_tokens == len(first.choices[0].logprobs.content) > 0
+    assert client.chat.completions.create(**args).choices[0].message.content == (
+        first.choices[0].message.content
+    )
+    many = client.chat.completions.create(**args, n=2)  # the server's drafts: not for n > 1
+    assert len(many.choices) == 2
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**args, n=2, extra_body={"num_speculative_tokens": 2})
+    assert error.value.status_code == 400 and error.value.body["param"] == "n"
+
+
+def _other_texts(into: pathlib.Path) -> pathlib.Path:
+    """A copy of llama-genai-int4 whose tokenizer swaps the ids of two tokens: a draft of other
+    token texts."""
+    import shutil
+
+    shutil.copytree(DRAFT, into)
+    tokenizer = json.loads((DRAFT / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (into / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return into
+
+
+@pytest.mark.parametrize(
+    "target, other, message",
+    [
+        (MODEL, True, r"--speculative-model \S+: the assistant model .* other token texts"),
+        (ROOT / "tests" / "fixtures" / "gemma3-optimum", False,
+         r"--speculative-model: the slots cannot run \S+ with a draft model: .*grow cache"),
+    ],
+)  # fmt: skip
+def test_a_draft_model_that_cannot_draft_is_refused_at_start(tmp_path, target, other, message):
+    """One error line and status 1, before the server starts."""
+    draft = _other_texts(tmp_path / "other") if other else DRAFT
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "transmuter_jax", "serve", str(target), "--port",
+           str(_free_port()), "--speculative-model", str(draft)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1, done.stderr
+    assert lines[-1].startswith("transmuter-jax: error: "), done.stderr
+    assert re.search(message, lines[-1]), lines[-1]
+    assert "Traceback" not in done.stderr and "serving" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-speculative-tokens", "4"], "--num-speculative-tokens needs --speculative-model"),
+        (["--speculative-model", "x", "--num-speculative-tokens", "0"], r"must be in \[1, 32\]"),
+        (["--speculative-model", "/no/such/draft"], "--speculative-model /no/such/draft: "),
+        (["--draft-model", "x", "--num-speculative-tokens", "33"], r"must be in \[1, 32\], got 33"),
+    ],
+)
+def test_bad_speculative_flags_are_refused(flags, message, capsys):
+    from transmuter_jax import cli
+
+    assert cli.main(["serve", str(MODEL), *flags]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("transmuter-jax: error: "), err
+    assert re.search(message, err[0]), err

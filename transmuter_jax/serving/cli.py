@@ -154,11 +154,11 @@ def _draft(pipe: Any, model: str) -> Any:
     from .. import text
     from ..tasks import decoding
 
-    draft = text.generation(model)
-    helper = (draft.files.folder, draft.decoder, draft.embed)
     try:
+        draft = text.generation(model)
+        helper = (draft.files.folder, draft.decoder, draft.embed)
         decoding.check_assistant(pipe.files.folder, pipe.decoder, pipe.embed, helper)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         raise ValueError(f"--speculative-model {model}: {error}") from None
     return draft
 
