@@ -782,6 +782,7 @@ def test_a_draft_model_serves_the_librarys_greedy_answers_and_usage(drafted, pip
     from concurrent.futures import ThreadPoolExecutor
 
     assert "drafting 4 tokens with" in drafted.log.read_text()
+    assert _metric(drafted, "transmuter_jax_speculative_drafted_tokens") == 0
     client = drafted.client()
     want = _greedy(pipe, MESSAGES, 16, token_logprobs=True)
     prompt = pipe.prompt_ids(MESSAGES)
@@ -817,6 +818,9 @@ def test_a_draft_model_serves_the_librarys_greedy_answers_and_usage(drafted, pip
     got = client.completions.create(model=NAME, prompt=words, max_tokens=9, temperature=0)
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w.text for w in plain]
     assert got.usage.completion_tokens == sum(len(w.token_ids) for w in plain)
+    drafts = _metric(drafted, "transmuter_jax_speculative_drafted_tokens")
+    accepted = _metric(drafted, "transmuter_jax_speculative_accepted_tokens")
+    assert drafts > 0 and 0 < accepted <= drafts
 
 
 def test_a_draft_model_samples_reproducibly_and_refuses_n_with_drafts(drafted):

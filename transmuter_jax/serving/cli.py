@@ -145,7 +145,9 @@ def _check(args: argparse.Namespace) -> None:
     if k is not None and not args.speculative_model:
         raise ValueError("--num-speculative-tokens needs --speculative-model (a draft model)")
     if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+        raise ValueError(
+            f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
+        )
 
 
 def _draft(pipe: Any, model: str) -> Any:
@@ -221,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: backend.waiting,
         lambda: backend.running,
         prefix=(lambda: prefixes.stats) if prefixes is not None else None,
+        speculative=(lambda: backend.speculated) if isinstance(backend, SlotBackend) else None,
     )
     scheduler = Scheduler(backend, metrics, args.max_queue)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -19,6 +19,7 @@ class Metrics:
         waiting: Callable[[], float],
         running: Callable[[], float],
         prefix: Callable[[], Any] | None = None,
+        speculative: Callable[[], tuple[int, int]] | None = None,
     ):
         self.registry = CollectorRegistry()
         r = self.registry
@@ -56,6 +57,14 @@ class Metrics:
         self.running.set_function(running)
         if prefix is not None:  # the prefix cache's PrefixStats
             self._prefix_gauges(prefix)
+        if speculative is not None:  # (drafted, accepted) tokens of finished requests
+            for i, name in enumerate(("drafted", "accepted")):
+                gauge = Gauge(
+                    f"{PREFIX}_speculative_{name}_tokens",
+                    f"draft tokens {name} in speculative decoding, over the finished requests",
+                    registry=r,
+                )
+                gauge.set_function(lambda i=i: speculative()[i])
 
     def _prefix_gauges(self, stats: Callable[[], Any]) -> None:
         r = self.registry

@@ -115,6 +115,7 @@ class SlotBackend:
         if draft is not None:
             assistant = gen.context(draft.files.folder, draft.decoder, embed=draft.embed)
         self.draft_tokens = int(draft_tokens) if draft is not None else 0
+        self.speculated = (0, 0)  # (drafted, accepted) tokens of the finished requests
         spec = gen.context(
             pipe.files.folder, pipe.decoder, embed=pipe.embed, tokenizer=pipe.tokenizer,
             assistant=assistant, **pipe.options,
@@ -429,6 +430,12 @@ class SlotBackend:
         from ..tasks.runner import trim
 
         run = self._slots[slot]
+        if run.request.num_assistant_tokens or run.request.prompt_lookup_num_tokens:
+            from ..generation import speculative
+
+            stats = speculative.stats(self._state, slot)
+            drafted, accepted = self.speculated
+            self.speculated = (drafted + stats.drafted, accepted + stats.accepted)
         self._release(slot)
         if run.ticket.cancelled.is_set():
             return
