@@ -102,17 +102,26 @@ def test_int4_export_matches_onnxruntime_with_exact_dequantisation(
 
 def test_int4_export_follows_onnxruntime_at_accuracy_level_4(default_model, default_reference):
     """By default the activations are quantized to int8 as accuracy_level 4 allows and
-    onnxruntime's CPU kernels do (the same scheme; the sums run in another order)."""
+    onnxruntime's CPU kernels do (the same scheme; the sums run in another order, which differs
+    between onnxruntime's own AVX2 and AVX-512 kernels too). One ulp upstream can move an
+    activation to the next int8 step, so the logits differ by up to ~0.5 on average: the argmax
+    must agree wherever onnxruntime's top two logits are further apart than twice that."""
     import onnxruntime as ort
 
     source = default_model / "genai-int4" / "model.onnx"
     session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
     model = tj.load(source)
     inputs = _int4_inputs(model, default_reference)
-    ours = np.asarray(model(inputs)["logits"])
-    theirs = session.run(["logits"], inputs)[0]
-    assert np.abs(ours - theirs).mean() < 0.5
-    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
+    ours = np.asarray(model(inputs)["logits"])[0]
+    theirs = session.run(["logits"], inputs)[0][0]
+    noise = np.abs(ours - theirs).mean()
+    assert noise < 0.5
+    top = np.sort(theirs, axis=-1)
+    clear = top[:, -1] - top[:, -2] > 2 * 0.5  # not a near-tie at this scheme's noise
+    assert clear.mean() >= 0.5  # the check covers most positions
+    agree = ours.argmax(-1) == theirs.argmax(-1)
+    assert agree[clear].all(), np.flatnonzero(clear & ~agree)
+    assert agree.mean() >= 0.8  # and near-ties mostly agree too
 
 
 def test_int4_answers(default_model):
