@@ -56,6 +56,7 @@ def test_int4_fixture_rows_do_not_depend_on_the_batch(name, tmp_path, monkeypatc
     assert all(tokens == batched[0] for tokens in same)
 
 
+@pytest.mark.slow  # ~2 min; the fixtures' int4 rows run in the quick tier
 @pytest.mark.default_model
 def test_int4_default_model_row_0_equal_at_batch_1_and_8(default_model, monkeypatch):
     """SmolLM2-135M int4 (genai), 64 greedy tokens: the first chat prompt alone, in a batch of 8
