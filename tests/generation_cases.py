@@ -99,3 +99,13 @@ def context(name: str, tmp: pathlib.Path, *, given=(), image_token=None, **optio
         image_token=image_token,
         **options,
     )
+
+
+def swap_two_tokens(folder: pathlib.Path, into: pathlib.Path) -> None:
+    """Writes ``into``/tokenizer.json: ``folder``'s, with the ids of two tokens swapped (a model
+    of the same vocabulary size but other token texts)."""
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (into / "tokenizer.json").write_text(json.dumps(tokenizer))

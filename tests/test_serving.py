@@ -850,12 +850,10 @@ def _other_texts(into: pathlib.Path) -> pathlib.Path:
     token texts."""
     import shutil
 
+    from generation_cases import swap_two_tokens
+
     shutil.copytree(DRAFT, into)
-    tokenizer = json.loads((DRAFT / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (into / "tokenizer.json").write_text(json.dumps(tokenizer))
+    swap_two_tokens(DRAFT, into)
     return into
 
 

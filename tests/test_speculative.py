@@ -376,17 +376,14 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
 def _other_tokenizer(folder, into):
     """A copy of ``folder``'s json files whose tokenizer swaps the ids of two tokens."""
-    import json
     import shutil
+
+    from generation_cases import swap_two_tokens
 
     into.mkdir(exist_ok=True)
     for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
         shutil.copy(folder / name, into / name)
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (into / "tokenizer.json").write_text(json.dumps(tokenizer))
+    swap_two_tokens(folder, into)
     return into
 
 
