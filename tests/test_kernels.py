@@ -84,6 +84,24 @@ def test_matmul_kernel(rng, m, k, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (300, 100), (1536, 70)])
+def test_matmul_kernel_rows_are_independent(rng, k, n):
+    """Each row of every batch up to MATMUL_MAX_ROWS is bit for bit the row computed alone:
+    the paths for many rows (K in blocks, pairs of panels) sum in the single-row order, so a
+    slot's decode does not depend on how many slots run beside it (AVX2 leaves the one-pass
+    path above 6 rows, AVX-512 above 12)."""
+    x = rng.standard_normal((kernels.MATMUL_MAX_ROWS, k)).astype(np.float32)
+    packed = jnp.asarray(kernels.pack(rng.standard_normal((k, n)).astype(np.float32)))
+    fn = jax.jit(kernels.matmul, static_argnums=2)
+    picks = (0, 6, 12, 96, kernels.MATMUL_MAX_ROWS - 1)
+    solo = {r: np.asarray(fn(x[r : r + 1], packed, n))[0] for r in picks}
+    for m in (2, 7, 8, 13, 16, 40, 97, kernels.MATMUL_MAX_ROWS):
+        got = np.asarray(fn(x[:m], packed, n))
+        for r in (r for r in picks if r < m):
+            np.testing.assert_array_equal(got[r], solo[r], err_msg=f"row {r} of {m}")
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [kernels.MATMUL_MAX_ROWS, kernels.MATMUL_MAX_ROWS + 1])
 def test_matmul_many_rows_go_to_xla(rng, rows):
     """Up to MATMUL_MAX_ROWS rows the kernel runs; more (over all leading dimensions) leave the

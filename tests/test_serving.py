@@ -453,12 +453,6 @@ def test_the_server_runs_the_slots_with_the_prefix_cache(server):
     assert "continuous batching in 8 slots" in server.log.read_text()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, open in issue 23: on an AVX2 machine one greedy answer of 12 differed from "
-    "its solo run under load (a near-tie flipped: a row's decode bits depend on its batch there); "
-    "it passes on AVX-512",
-)
 def test_concurrent_answers_equal_solo_answers_token_for_token_with_logprobs(server):
     """Greedy and seeded requests under load (staggered, mixed options) get the tokens and
     log-probabilities they get alone, exactly."""

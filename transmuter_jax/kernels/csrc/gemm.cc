@@ -46,13 +46,47 @@ constexpr int64_t kRowGroup = 96;                // rows of X per chunk when M i
 constexpr int64_t kDepth = 256;                  // values of K per block when M > kRows
 static_assert(kStrip % kPanel == 0, "a strip holds whole panels");
 
+// Accumulators of R rows and V vectors from Y[0:R, 0:cols] (zeros past cols), and back. A
+// product split into blocks of K resumes each block from the sum so far instead of adding the
+// block's own sum to it: every path then computes an output as the same chain of multiply-adds
+// over K in order, so a row's result never depends on how many rows run with it.
+template <int R, int V>
+static void load_acc(gv (&acc)[R][V], const float* y, int64_t ldy, int64_t cols) {
+  constexpr int kWidth = V * kGemmLanes;
+  for (int r = 0; r < R; ++r) {
+    const float* in = y + r * ldy;
+    if (cols == kWidth) {
+      for (int v = 0; v < V; ++v) acc[r][v] = gload(in + v * kGemmLanes);
+    } else {
+      float tmp[kWidth] = {};
+      for (int64_t c = 0; c < cols; ++c) tmp[c] = in[c];
+      for (int v = 0; v < V; ++v) acc[r][v] = gload(tmp + v * kGemmLanes);
+    }
+  }
+}
+
+template <int R, int V>
+static void store_acc(const gv (&acc)[R][V], float* y, int64_t ldy, int64_t cols) {
+  constexpr int kWidth = V * kGemmLanes;
+  for (int r = 0; r < R; ++r) {
+    float* out = y + r * ldy;
+    if (cols == kWidth) {
+      for (int v = 0; v < V; ++v) gstore(out + v * kGemmLanes, acc[r][v]);
+    } else {
+      float tmp[kWidth];
+      for (int v = 0; v < V; ++v) gstore(tmp + v * kGemmLanes, acc[r][v]);
+      for (int64_t c = 0; c < cols; ++c) out[c] = tmp[c];
+    }
+  }
+}
+
 // Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ panel[0:k] (V vectors wide, rows kStrip apart),
-// cols <= V * kGemmLanes; adds to Y when `add`.
+// cols <= V * kGemmLanes; resumes from Y when `add`.
 template <int R, int V>
 static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
                   int64_t ldy, int64_t cols, bool add) {
-  constexpr int kWidth = V * kGemmLanes;
   gv acc[R][V] = {};
+  if (add) load_acc<R, V>(acc, y, ldy, cols);
   for (int64_t i = 0; i < k; ++i) {
     const float* p = panel + i * kStrip;
     gv w[V];
@@ -62,19 +96,7 @@ static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, fl
       for (int v = 0; v < V; ++v) acc[r][v] += a * w[v];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* out = y + r * ldy;
-    if (cols == kWidth) {
-      for (int v = 0; v < V; ++v) {
-        gstore(out + v * kGemmLanes,
-               add ? gload(out + v * kGemmLanes) + acc[r][v] : acc[r][v]);
-      }
-    } else {
-      float tmp[kWidth];
-      for (int v = 0; v < V; ++v) gstore(tmp + v * kGemmLanes, acc[r][v]);
-      for (int64_t c = 0; c < cols; ++c) out[c] = add ? out[c] + tmp[c] : tmp[c];
-    }
-  }
+  store_acc<R, V>(acc, y, ldy, cols);
 }
 
 // Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [panel a | panel b] (cols <= 2 * kPanel): twice the columns
@@ -83,6 +105,7 @@ template <int R>
 static void micro_pair(const float* x, int64_t ldx, const float* a, const float* b, int64_t k,
                        float* y, int64_t ldy, int64_t cols, bool add) {
   gv acc[R][2 * kVecs] = {};
+  if (add) load_acc<R, 2 * kVecs>(acc, y, ldy, cols);
   for (int64_t i = 0; i < k; ++i) {
     gv w[2 * kVecs];
     for (int v = 0; v < kVecs; ++v) {
@@ -94,12 +117,7 @@ static void micro_pair(const float* x, int64_t ldx, const float* a, const float*
       for (int v = 0; v < 2 * kVecs; ++v) acc[r][v] += xv * w[v];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float tmp[2 * kPanel];
-    for (int v = 0; v < 2 * kVecs; ++v) gstore(tmp + v * kGemmLanes, acc[r][v]);
-    float* out = y + r * ldy;
-    for (int64_t c = 0; c < cols; ++c) out[c] = add ? out[c] + tmp[c] : tmp[c];
-  }
+  store_acc<R, 2 * kVecs>(acc, y, ldy, cols);
 }
 
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
