@@ -24,12 +24,20 @@ NAMES = ["llama-optimum", "whisper-optimum", "marian-optimum"] + sorted(
 )
 
 
+# The quick tier runs every case of these; each other family runs one case there (a different
+# one from family to family, so every case runs on several families); the rest is slow.
+EVERY_CASE = ("llama-optimum", "whisper-optimum", "marian-optimum")
+
+
 def _cases():
     params = []
-    for name in NAMES:
-        for case in reference(name)[0]["cases"]:
-            if case["name"].startswith(("processors_", "logprobs")):
-                params.append(pytest.param(name, case, id=f"{name}/{case['name']}"))
+    for i, name in enumerate(NAMES):
+        cases = reference(name)[0]["cases"]
+        cases = [c for c in cases if c["name"].startswith(("processors_", "logprobs"))]
+        for j, case in enumerate(cases):
+            quick = name in EVERY_CASE or j == i % len(cases)
+            marks = () if quick else (pytest.mark.slow,)
+            params.append(pytest.param(name, case, id=f"{name}/{case['name']}", marks=marks))
     return params
 
 
