@@ -23,18 +23,26 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 TOLERANCE = 1e-4
 
 
+# The quick tier runs every prompt of these; each other fixture runs one prompt of each case
+# there (which one turns from fixture to fixture); the rest is in the slow sweep.
+EVERY_PROMPT = ("llama-optimum", "llama-genai-fp32", "whisper-optimum", "qwen25vl-genai-fp32")
+
+
 def _cases():
     params = []
-    for file in sorted(FIXTURES.glob("*/reference.json")):
+    for f, file in enumerate(sorted(FIXTURES.glob("*/reference.json"))):
         reference = json.loads(file.read_text())
         if not reference.get("exact"):  # the vision fixtures keep other references
             continue
         for case in reference["cases"]:
             if case["name"] == "beam" or "logits" not in case:
                 continue
-            for i in range(len(case["prompts"])):
+            count = len(case["prompts"])
+            for i in range(count):
                 name = f"{file.parent.name}/{case['name']}/{i}"
-                params.append(pytest.param(file.parent, case["name"], i, id=name))
+                quick = file.parent.name in EVERY_PROMPT or i == f % count
+                marks = () if quick else (pytest.mark.slow,)
+                params.append(pytest.param(file.parent, case["name"], i, id=name, marks=marks))
     return params
 
 
