@@ -8,12 +8,18 @@ import pathlib
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import transmuter_jax as tj
 from transmuter_jax import generation
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+def tiered(*values, quick: bool, id: str | None = None):
+    """A test parameter of the quick tier when ``quick``, else marked slow (the full sweep)."""
+    return pytest.param(*values, id=id, marks=() if quick else (pytest.mark.slow,))
 
 
 @functools.cache

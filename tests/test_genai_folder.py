@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from generation_cases import FIXTURES, case, decoder, embed
+from generation_cases import FIXTURES, case, decoder, embed, tiered
 
 from transmuter_jax import generation, hub, text
 
@@ -60,11 +60,7 @@ FEW_PIPELINES = {"llama-genai-fp32", "qwen2-genai-int4", "gemma3-genai-fp32"}
 
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=() if n in FEW_PIPELINES else pytest.mark.slow)
-        for n in GENAI
-        if not n.startswith("qwen25vl")
-    ],
+    [tiered(n, id=n, quick=n in FEW_PIPELINES) for n in GENAI if not n.startswith("qwen25vl")],
 )
 def test_text_generation_of_a_raw_folder(name, tmp_path):
     """text.generation on the folder as it is (the README's genai layout)."""

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from generation_cases import FIXTURES, context, encoder_inputs, reference
+from generation_cases import FIXTURES, context, encoder_inputs, reference, tiered
 
 from transmuter_jax import generation
 
@@ -36,8 +36,7 @@ def _cases():
         cases = [c for c in cases if c["name"].startswith(("processors_", "logprobs"))]
         for j, case in enumerate(cases):
             quick = name in EVERY_CASE or j == i % len(cases)
-            marks = () if quick else (pytest.mark.slow,)
-            params.append(pytest.param(name, case, id=f"{name}/{case['name']}", marks=marks))
+            params.append(tiered(name, case, id=f"{name}/{case['name']}", quick=quick))
     return params
 
 

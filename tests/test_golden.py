@@ -15,6 +15,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from generation_cases import tiered
 
 import transmuter_jax as tj
 from transmuter_jax.testing import example_inputs
@@ -41,8 +42,7 @@ def _cases():
             for i in range(count):
                 name = f"{file.parent.name}/{case['name']}/{i}"
                 quick = file.parent.name in EVERY_PROMPT or i == f % count
-                marks = () if quick else (pytest.mark.slow,)
-                params.append(pytest.param(file.parent, case["name"], i, id=name, marks=marks))
+                params.append(tiered(file.parent, case["name"], i, id=name, quick=quick))
     return params
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from generation_cases import FIXTURES, context, encoder_inputs, reference
+from generation_cases import FIXTURES, context, encoder_inputs, reference, tiered
 
 from transmuter_jax import generation
 
@@ -29,8 +29,7 @@ def _cases() -> list:
         cases = [c for c in reference(name)[0]["cases"] if c["name"].startswith("options_")]
         for j, c in enumerate(cases):
             quick = f == 0 or f == 1 + j % (len(NAMES) - 1)
-            marks = () if quick else (pytest.mark.slow,)
-            params.append(pytest.param(name, c["name"], id=f"{name}/{c['name']}", marks=marks))
+            params.append(tiered(name, c["name"], id=f"{name}/{c['name']}", quick=quick))
     return params
 
 
