@@ -4,6 +4,7 @@ and PyTorch, with the memory-bandwidth limit measured in the same run.
 Usage: python benchmarks/perf.py [--exports genai-fp32,optimum,genai-int4]
            [--peers jax,ort,genai,torch] [--batches 1,8] [--new 64] [--repeats 2] [--no-cold]
            [--decode-steps N] [--sweep 1,4,8,16,32,64] [--profile] [--out benchmarks/results]
+           [--genai-path DIR]
 
 The prompt is the first chat prompt of the default model's reference.json, the same for every
 row; each peer generates exactly --new greedy tokens (eos suppressed until then) in its own
@@ -13,6 +14,8 @@ process (perf_workers.py), on its own best settings:
 - ort: onnxruntime ``InferenceSession`` on the same ONNX file, a Python step loop (IOBinding:
   presents fed back as pasts without a copy), intra_op_num_threads = cores;
 - genai: onnxruntime-genai's ``Generator`` (genai exports only), intra_op_num_threads = cores;
+  the preparation environment's (0.15.2), or with --genai-path DIR the one installed there
+  (``pip install --target DIR onnxruntime-genai==0.18.0``), run by this interpreter;
 - torch: transformers' ``generate`` on the PyTorch weights (the ``hf`` folder), fp32.
 
 Figures: decode tokens/s after the first token (all rows), the best of --repeats warm calls, and
@@ -140,6 +143,21 @@ def peer_jobs(args, folders: dict, hf: str) -> list[tuple[str, str, str]]:
     return jobs
 
 
+def _own_genai(args, peer: str) -> bool:
+    """Whether ``peer`` is the Generator installed in --genai-path (run by this interpreter)."""
+    return peer == "genai" and bool(args.genai_path)
+
+
+def _interpreter(args, peer: str, tools: str | None, jax_env: dict | None):
+    """(python, environment) of one peer's worker."""
+    if _own_genai(args, peer):
+        path = os.pathsep.join(p for p in (args.genai_path, os.environ.get("PYTHONPATH")) if p)
+        return sys.executable, dict(os.environ, PYTHONPATH=path)
+    if peer in TOOLS_PEERS:
+        return tools, None
+    return sys.executable, jax_env if peer == "jax" else None
+
+
 def measure(args) -> dict:
     """Runs every selected peer, export and batch; returns the figures."""
     from transmuter_jax import default
@@ -156,7 +174,7 @@ def measure(args) -> dict:
     )
     bw_start = bandwidth(cores())
     tools, tools_why = None, ""
-    if any(p in TOOLS_PEERS for p in args.peers):
+    if any(p in TOOLS_PEERS and not _own_genai(args, p) for p in args.peers):
         try:
             tools = default.tools_python()
         except Exception as error:  # noqa: BLE001 - any failure skips these peers only
@@ -180,14 +198,13 @@ def measure(args) -> dict:
         for peer, export, folder in peer_jobs(args, folders, default.path("hf")):
             for batch in args.batches:
                 print(f"  {peer:<5} {export:<10} batch {batch} ...", end=" ", flush=True)
-                if peer in TOOLS_PEERS and tools is None:
+                if peer in TOOLS_PEERS and tools is None and not _own_genai(args, peer):
                     result, why = None, tools_why
                 else:
                     job = make_job(peer, folder, prompt, batch, args.new, repeats=args.repeats)
                     job["spinning"] = args.ort_spinning == "on"
                     job["decode_steps"] = args.decode_steps
-                    python = tools if peer in TOOLS_PEERS else sys.executable
-                    env = envs.get(export) if peer == "jax" else None
+                    python, env = _interpreter(args, peer, tools, envs.get(export))
                     result, why = run_worker(python, job, env)
                 if result is None:
                     print(f"skipped: {why}")
@@ -375,6 +392,8 @@ def print_tables(figures: dict) -> None:
     print(header + "\n" + "-" * len(header))
     for r in figures["rows"]:
         one = r["batch"] == 1
+        if r["peer"] == "genai" and r.get("versions"):
+            print(f"(genai: onnxruntime-genai {r['versions'].get('onnxruntime_genai')})")
         print(
             f"{r['peer']:<6} {r['export']:<11} {r['batch']:>5} {r['tokens_per_s']:>7.1f} "
             f"{_fmt(r['limit_tokens_per_s'] if one else None, '.1f'):>6} "
@@ -610,11 +629,20 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="jax batch 1 also with each of these decode_steps, e.g. 1,4,8,16,32,64",
     )
+    parser.add_argument(
+        "--genai-path",
+        metavar="DIR",
+        default=None,
+        help="a folder holding onnxruntime_genai (pip install --target DIR "
+        "onnxruntime-genai==0.18.0): the genai peer runs it with this interpreter",
+    )
     parser.add_argument("--profile", action="store_true", help="run profile_decode.py too")
     parser.add_argument("--out", default=RESULTS, help="folder of the JSON and the plot")
     parser.add_argument("--markdown", action="store_true", help="also print Markdown tables")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a run; no runs")
     args = parser.parse_args(argv)
+    if args.genai_path and not os.path.isdir(os.path.join(args.genai_path, "onnxruntime_genai")):
+        parser.error(f"--genai-path {args.genai_path!r} holds no onnxruntime_genai package")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.sweep = [int(n) for n in args.sweep.split(",") if n.strip()]
     if args.new < 2 or args.repeats < 1 or min(args.batches) < 1:
