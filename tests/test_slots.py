@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from generation_cases import case, context
+from generation_cases import case, context, tiered
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,7 @@ FAST = ["llama-genai-fp32", "llama-optimum", "gpt2-optimum"]
 
 
 def _tiered(names):
-    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+    return [tiered(n, quick=n in FAST, id=n) for n in names]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from generation_cases import FIXTURES, case, context
+from generation_cases import FIXTURES, case, context, tiered
 
 from transmuter_jax import generation
 from transmuter_jax.generation import Request, speculative
@@ -27,7 +27,7 @@ LOOKUP = 4
 
 def _tiered(names, fast=FAST):
     """The quick tier runs the names in ``fast``; the others are marked slow."""
-    return [n if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]
+    return [tiered(n, quick=n in fast, id=n) for n in names]
 
 
 @pytest.fixture(scope="module")
