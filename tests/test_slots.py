@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transmuter_jax import generation
-from transmuter_jax.generation import Request
+from transmuter_jax.generation import Request, slots
 
 IN_PLACE = ["llama-genai-fp32", "qwen2-genai-fp32", "gemma3-genai-fp32"]
 APPEND = ["llama-optimum", "qwen2-optimum", "gpt2-optimum"]  # gpt2: position_ids, so append
@@ -127,6 +127,42 @@ def _every_offset(name, workdir, offsets):
 @pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND))
 def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workdir):
     _every_offset(name, workdir, range(0, 6))
+
+
+@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum", "gpt2-optimum"])
+def test_a_request_beside_a_long_one_equals_its_solo_run(name, workdir):
+    """A chunk reads only the cache rows its longest slot needs (64, 128, 256, ...): requests
+    beside a long one run with more rows than alone, and get the same bits."""
+    eng = generation.compile(context(name, workdir, max_new_tokens=NEW), 3, capacity=256,
+                             top_logprobs=3)  # fmt: skip
+    vocab = eng.vocab_size
+    reqs = requests(name)
+    long = Request(tuple((5 + 7 * i) % vocab for i in range(150)), max_new_tokens=NEW + 4,
+                   logprobs=True, top_logprobs=3)  # fmt: skip
+    alone = {k: solo(eng, r) for k, r in reqs.items()}
+    for target in ("greedy", "sampled", "penalized"):
+        state = eng.init_state()
+        got: dict = {}
+        state = eng.insert(eng.prefill(long), state, 0)
+        state, tokens = eng.generate(state, 2)
+        _record(tokens, got)
+        prefix = eng.prefill(reqs[target])
+        state = eng.insert(prefix, state, 2)
+        _drain(eng, state, got, steps=3)
+        assert _summary(prefix, got.get(2, [])) == alone[target], target
+    assert slots.window_of(40, 256) == 64 and slots.window_of(65, 256) == 128
+    assert slots.window_of(157, 256) == 256 and slots.window_of(300, 256) == 256
+
+
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
+def test_a_request_gets_the_same_bits_in_every_slot_of_eight(name, workdir):
+    """A row's place in the batch changes no bit (XLA's dot of a small weight summed the rows
+    past its first tile of rows in another order: slots 6 and 7 of 8 on AVX2)."""
+    eng = generation.compile(context(name, workdir, max_new_tokens=NEW), 8, capacity=128,
+                             top_logprobs=3)  # fmt: skip
+    request = requests(name)["penalized"]
+    alone = solo(eng, request, slot=0)
+    assert [solo(eng, request, slot=s) for s in range(1, 8)] == [alone] * 7
 
 
 # every decoder-only text fixture: the slots' modes at every offset of a whole run, the grow ones

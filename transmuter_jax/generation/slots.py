@@ -539,9 +539,27 @@ def run_steps(one, size: int, k: int, params, rows: Rows_, limit, **extra):
     return rows, out
 
 
-def _chunk(engine: Engine, capacity: int, k: int, size: int):
+def window_of(need: int, capacity: int) -> int:
+    """The cache rows a decode chunk reads: the smallest of 64, 128, 256, ... that holds
+    ``need`` rows (the longest live slot's length plus the chunk's steps), at most
+    ``capacity``."""
+    window = 64
+    while window < need:
+        window *= 2
+    return min(window, capacity)
+
+
+def windows(capacity: int) -> list[int]:
+    """Every window a chunk of slots of ``capacity`` cache rows may read (:func:`window_of`)."""
+    return sorted({window_of(64 << i, capacity) for i in range(max(capacity, 64).bit_length())})
+
+
+def _chunk(engine: Engine, capacity: int, k: int, size: int, window: int | None = None):
     """The jitted ``(params, rows, limit, table) -> (rows, StepOut [size, B])``: up to ``limit``
-    steps in a ``lax.while_loop`` that stops when every slot is done; the cache donated."""
+    steps in a ``lax.while_loop`` that stops when every slot is done; the cache donated.
+    ``window`` (< ``capacity``): the steps read and write only the first ``window`` rows of
+    each self-attention cache (attention over the rest, all hidden, would only cost time)."""
+    window = capacity if window is None or window >= capacity else int(window)
     key = (
         "slots",
         engine.compiled.steps.key("slots", True, None),
@@ -551,13 +569,25 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int):
         k,
         size,
         engine.compiled.steps.local(),
+        *((window,) if window < capacity else ()),
     )
+    own = {e.input for e in engine.cache.entries if not e.cross}
 
     def make():
-        one = _step_function(engine, capacity, k)
+        one = _step_function(engine, window, k)
 
         def run(params, rows: Rows_, limit, table):
-            return run_steps(one, size, k, params, rows, limit, table=table)
+            if window == capacity:
+                return run_steps(one, size, k, params, rows, limit, table=table)
+            full = rows.cache
+            cut = {n: a[:, :, :window] if n in own else a for n, a in full.items()}
+            rows = dataclasses.replace(rows, cache=cut)
+            rows, out = run_steps(one, size, k, params, rows, limit, table=table)
+            cache = {
+                n: full[n].at[:, :, :window].set(a) if n in own else a
+                for n, a in rows.cache.items()
+            }
+            return dataclasses.replace(rows, cache=cache), out
 
         return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
 
@@ -1064,9 +1094,23 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
     if not live:
         return state, []
     size = 1 << (steps - 1).bit_length()  # compiled sizes: powers of two
-    run = _chunk(engine, state.capacity, state.top_logprobs, size)
+    longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
+    window = window_of(longest + steps, state.capacity)
+    run = _chunk(engine, state.capacity, state.top_logprobs, size, window)
     rows, out = run(engine.model.params, state.rows, np.int32(steps), state.live_table)
     return read(state, rows, jax.device_get(out))
+
+
+def warm(engine: Engine, state: SlotState, steps: int) -> SlotState:
+    """Compiles the decode chunks :func:`generate` runs for ``steps`` steps, one per window of
+    the cache (:func:`windows`), running none of their steps; returns the state (its arrays
+    were donated)."""
+    size = 1 << (max(int(steps), 1) - 1).bit_length()
+    for window in windows(state.capacity):
+        run = _chunk(engine, state.capacity, state.top_logprobs, size, window)
+        rows, _ = run(engine.model.params, state.rows, np.int32(0), state.live_table)
+        state = dataclasses.replace(state, rows=rows)
+    return state
 
 
 def read(state: SlotState, rows: Rows_, out: StepOut) -> tuple[SlotState, list[Token]]:

@@ -25,8 +25,11 @@ from .trace import outer_names, subgraphs
 
 DOMAIN = "transmuter_jax"
 MS = "com.microsoft"
-# Smaller matrices (elements) stay as they are: the kernel's call overhead would dominate.
-PACK_MIN = 1 << 15
+# Every matrix a product reads is packed, the smallest too: the kernel computes each row of a
+# product the same way at any batch, where XLA's dot tiles the rows of a small product and sums
+# the last tile's rows in another order (on AVX2, rows 6 and 7 of a batch of 8), so a slot's
+# tokens would depend on where it runs. The kernel's call costs microseconds.
+PACK_MIN = 1
 
 
 @dataclass(frozen=True)

@@ -314,7 +314,7 @@ class SlotBackend:
         """Compiles what requests run (prefill steps of each batch size, the first-token
         selection, insert, both decode chunk sizes) and finds :attr:`prefill_rows`: the most
         prompts a prefill runs together whose rows keep their bits (:func:`rows_agree`)."""
-        from ..generation import Request
+        from ..generation import Request, slots
         from ..generation.prefixes import ROWS, PrefixCache, rows_agree
 
         start = time.perf_counter()
@@ -340,6 +340,7 @@ class SlotBackend:
             state = self.engine.insert(prefix, state, 0)
             for steps in (1, self.decode_steps):
                 state, _ = self.engine.generate(state, steps)
+                state = slots.warm(self.engine, state, steps)  # every window of the cache
                 self._sizes.add(steps)
             state = self.engine.free(state, 0)
         self._state = state
