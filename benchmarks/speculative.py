@@ -7,9 +7,10 @@ open-ended ones, at batch 1 (each prompt alone) and at batch 8 (a mix of both ki
 with ``prompt_lookup_num_tokens``; then each prompt alone with the int4 export as the draft
 model (``num_assistant_tokens``, heuristic schedule; ``--assistant 0`` skips it). It checks that
 the tokens are the same, and prints one JSON object: tokens/s (the new tokens over the whole
-call, prompts included, best of ``--repeats``), the ratios, per call the drafted and accepted
-tokens and the target steps saved, the load average (``uptime``) before and after, and the CPU.
-See benchmarks/README.md.
+call, prompts included, best of ``--repeats``; and decode tokens/s, the tokens after the first
+over the time after it, as ``perf.py`` reports decode), the ratios of both, per call the drafted
+and accepted tokens and the target steps saved, the load average (``uptime``) before and after,
+and the CPU. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _call(runner, tokenizer, prompts, options) -> tuple[float, list]:
     return time.perf_counter() - start, out
 
 
-def _measure(pipe, prompts, options, repeats) -> dict:
+def _measure(pipe, prompts, options, repeats) -> tuple[dict, list]:
     from transmuter_jax.generation import speculative
 
     runner = pipe._runner
@@ -59,6 +60,14 @@ def _measure(pipe, prompts, options, repeats) -> dict:
                     key=lambda pair: pair[0])  # fmt: skip
     tokens = sum(len(r.token_ids) for r in out)
     result = {"tokens": tokens, "seconds": round(best, 3), "tok_s": round(tokens / best, 1)}
+    # the prompt and the first token alone (the same for both: drafting starts after it), so
+    # that decode tokens/s (the tokens after the first over the time after it) is also known
+    first = {**options, "max_new_tokens": 1}
+    _call(runner, pipe.tokenizer, prompts, first)
+    ttft = min(_call(runner, pipe.tokenizer, prompts, first)[0] for _ in range(repeats))
+    after = max(tokens - len(prompts), 0)
+    result.update(first_token_s=round(ttft, 3),
+                  decode_tok_s=round(after / max(best - ttft, 1e-9), 1))  # fmt: skip
     if options.get("prompt_lookup_num_tokens") or options.get("num_assistant_tokens"):
         engine = runner.context(len(prompts), options)
         from transmuter_jax.generation.loop import new_tokens
@@ -113,17 +122,22 @@ def main() -> None:
             b, tokens_b = _measure(pipe, ids, spec, args.repeats)
             same &= tokens_a == tokens_b
             ratio = round(b["tok_s"] / a["tok_s"], 2)
-            report["runs"][f"{kind}-{i}"] = {"plain": a, "lookup": b, "ratio": ratio}
-            print(kind, i, ratio, b.get("acceptance"), flush=True)
-        ratios = [r["ratio"] for k, r in report["runs"].items() if k.startswith(kind)]
-        report[f"{kind}_ratio_mean"] = round(sum(ratios) / len(ratios), 2)
+            decode = round(b["decode_tok_s"] / a["decode_tok_s"], 2)
+            report["runs"][f"{kind}-{i}"] = {"plain": a, "lookup": b, "ratio": ratio,
+                                             "decode_ratio": decode}  # fmt: skip
+            print(kind, i, ratio, decode, b.get("acceptance"), flush=True)
+        runs = [r for k, r in report["runs"].items() if k.startswith(kind)]
+        report[f"{kind}_ratio_mean"] = round(sum(r["ratio"] for r in runs) / len(runs), 2)
+        decodes = [r["decode_ratio"] for r in runs]
+        report[f"{kind}_decode_ratio_mean"] = round(sum(decodes) / len(decodes), 2)
     if "batch8" in cases:
         mixed = [pipe.prompt_ids(p) for p in GROUNDED + OPEN]
         a, tokens_a = _measure(pipe, mixed, plain, args.repeats)
         b, tokens_b = _measure(pipe, mixed, spec, args.repeats)
         same &= tokens_a == tokens_b
         ratio = round(b["tok_s"] / a["tok_s"], 2)
-        report["batch8_mixed"] = {"plain": a, "lookup": b, "ratio": ratio}
+        decode = round(b["decode_tok_s"] / a["decode_tok_s"], 2)
+        report["batch8_mixed"] = {"plain": a, "lookup": b, "ratio": ratio, "decode_ratio": decode}
         print("batch8", ratio, flush=True)
     if args.assistant and "draft" in cases:  # the int4 export drafting for the fp32 one
         helped = text.generation(args.repo, assistant_model="default-int4")
@@ -137,7 +151,9 @@ def main() -> None:
                 b, tokens_b = _measure(helped, ids, assisted, args.repeats)
                 same &= tokens_a == tokens_b
                 ratio = round(b["tok_s"] / a["tok_s"], 2)
-                runs[f"{kind}-{i}"] = {"plain": a, "draft": b, "ratio": ratio}
+                decode = round(b["decode_tok_s"] / a["decode_tok_s"], 2)
+                runs[f"{kind}-{i}"] = {"plain": a, "draft": b, "ratio": ratio,
+                                       "decode_ratio": decode}  # fmt: skip
                 print("draft", kind, i, ratio, b.get("acceptance"), flush=True)
         ratios = [r["ratio"] for r in runs.values()]
         drafted = sum(r["draft"]["drafted"] for r in runs.values())
@@ -147,6 +163,9 @@ def main() -> None:
             "num_assistant_tokens": args.assistant,
             "runs": runs,
             "ratio_mean": round(sum(ratios) / len(ratios), 2),
+            "decode_ratio_mean": round(
+                sum(r["decode_ratio"] for r in runs.values()) / len(runs), 2
+            ),
             "acceptance": round(accepted / drafted, 3) if drafted else None,
         }
     report["same_tokens"] = same
