@@ -9,7 +9,7 @@ import gc
 import jax
 import numpy as np
 import pytest
-from generation_cases import FIXTURES, case, context, encoder_inputs, reference
+from generation_cases import FIXTURES, case, context, encoder_inputs, reference, tiered
 
 from transmuter_jax import generation
 
@@ -26,7 +26,10 @@ FAMILIES = {
     "smolvlm-torch": "append",
     "qwen25vl-genai-fp32": "in_place",
 }
-SLOW = {"gpt2-optimum", "qwen2-genai-fp32", "smolvlm-torch", "qwen25vl-genai-fp32"}
+SLOW = {
+    "gpt2-optimum", "qwen2-genai-fp32", "smolvlm-torch", "qwen25vl-genai-fp32", "gemma3-optimum",
+    "marian-optimum",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +98,9 @@ def test_chunks_equal_steps_and_transformers(name, workdir):
     _same_events(steps_events, chunk_events, logprobs=True)
 
 
-@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32", "whisper-optimum"])
+@pytest.mark.parametrize(
+    "name", ["llama-optimum", tiered("llama-genai-fp32", quick=False), "whisper-optimum"]
+)
 def test_eos_in_the_middle_of_a_chunk_stops_rows_at_different_steps(name, workdir):
     the_case = case(name, "batch")
     free, _ = _run(name, workdir, the_case, steps=1, eos_token_id=[])
@@ -118,7 +123,9 @@ def test_eos_in_the_middle_of_a_chunk_stops_rows_at_different_steps(name, workdi
         assert [t for t in shown if t >= 0 and t != eos] == tokens
 
 
-@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32", "marian-optimum"])
+@pytest.mark.parametrize(
+    "name", ["llama-optimum", tiered("llama-genai-fp32", quick=False), "marian-optimum"]
+)
 def test_sampled_chunks_equal_steps_and_rows_stay_independent(name, workdir):
     the_case = case(name, "batch")
     options = dict(do_sample=True, temperature=1.3, top_k=30, top_p=0.9, eos_token_id=[])

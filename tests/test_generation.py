@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from generation_cases import FIXTURES, case, context, decoder, encoder_inputs, reference
+from generation_cases import FIXTURES, case, context, decoder, encoder_inputs, reference, tiered
 
 from transmuter_jax import generation
 
@@ -65,8 +65,28 @@ def test_cache_mode_is_detected_from_the_graph(name):
     assert generation.cache_mode(decoder(name)) == MODES[name]
 
 
-@pytest.mark.parametrize("name", EXACT)
-@pytest.mark.parametrize("case_name", ["greedy", "batch"])
+# The quick tier runs the batch case (its prompts in one batch, a padding row after them) on every
+# family, and the one-prompt greedy case on one family of each exporter and cache mode; the rest
+# is in the slow sweep.
+GREEDY_QUICK = (
+    "llama-optimum", "llama-genai-fp32", "gemma3-optimum", "whisper-optimum", "marian-optimum",
+    "smolvlm-torch", "qwen25vl-genai-fp32", "bloom-optimum",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "case_name"),
+    [
+        tiered(
+            name,
+            case_name,
+            id=f"{case_name}-{name}",
+            quick=case_name == "batch" or name in GREEDY_QUICK,
+        )  # fmt: skip
+        for case_name in ("greedy", "batch")
+        for name in EXACT
+    ],
+)
 def test_greedy_tokens_equal_transformers(name, case_name, workdir):
     """The prompts of a case in ONE batch, with an empty padding row after them."""
     the_case = case(name, case_name)

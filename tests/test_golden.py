@@ -26,7 +26,7 @@ TOLERANCE = 1e-4
 
 # The quick tier runs every prompt of these; each other fixture runs one prompt of each case
 # there (which one turns from fixture to fixture); the rest is in the slow sweep.
-EVERY_PROMPT = ("llama-optimum", "llama-genai-fp32", "whisper-optimum", "qwen25vl-genai-fp32")
+EVERY_PROMPT = ("llama-optimum", "qwen25vl-genai-fp32")
 
 
 def _cases():

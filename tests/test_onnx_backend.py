@@ -50,15 +50,32 @@ def _cases():
         cases = collect_testcases(None)
     excluded = _excludes()
     params = []
-    for case in cases:
+    seen: dict[tuple, int] = {}
+    for case in sorted(cases, key=lambda c: c.name):
         opsets = {canonical_domain(o.domain): o.version for o in case.model.opset_import}
         if case.model.functions or not _implemented(case.model.graph, opsets):
             continue
         marks = []
         if case.name in excluded:
             marks.append(pytest.mark.skip(reason=excluded[case.name]))
+        key = _family(case)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > QUICK_PER_FAMILY:
+            marks.append(pytest.mark.slow)
         params.append(pytest.param(case, id=case.name, marks=marks))
     return params
+
+
+# The quick tier runs the first cases (by name) of each op, and of each op that heads an expanded
+# function body; every case is in the slow sweep.
+QUICK_PER_FAMILY = 2
+
+
+def _family(case) -> tuple:
+    ops = sorted({n.op_type for n in case.model.graph.node})
+    if len(ops) == 1:
+        return (ops[0],)
+    return ("expanded" if "expanded" in case.name else "several", ops[0])
 
 
 CASES = _cases()

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from generation_cases import case, decoder
+from generation_cases import case, decoder, tiered
 
 from transmuter_jax import generation, text
 from transmuter_jax.generation.stops import StopStrings
@@ -152,8 +152,15 @@ def test_the_cases_stop_where_they_are_meant_to():
             assert tokens == reference[: len(tokens)]
 
 
-@pytest.mark.parametrize("decode_steps", [1, 16])
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    ("name", "decode_steps"),
+    # the quick tier: every case in the device loop, every other one on the host path too
+    [
+        tiered(n, d, id=f"{n}-{d}", quick=d == 16 or i % 2 == 0)
+        for i, n in enumerate(CASES)
+        for d in (1, 16)
+    ],  # fmt: skip
+)
 def test_tokens_equal_transformers_generate_with_stop_strings(name, decode_steps):
     the_case = case("llama-optimum", name)
     rows = zip(the_case["input_ids"], the_case["stop_strings"], the_case["tokens"], strict=True)
