@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from generation_cases import context
+from generation_cases import FIXTURES, context, embed, reference
 from jax.sharding import AbstractMesh, PartitionSpec
 
 import transmuter_jax as tj
@@ -214,12 +214,22 @@ def test_every_mode_and_mesh():
     _check(result)
 
 
+def _stored(name: str, tmp: pathlib.Path):
+    """The fixture's context with its weights as stored, as ``load(mesh=...)`` keeps them (the
+    rules read plain products; a model loaded for one CPU holds its weights packed)."""
+    from transmuter_jax import kernels
+
+    with kernels.off():
+        model = tj.load(FIXTURES / name / reference(name)[0]["files"]["decoder"])
+    return generation.context(FIXTURES / name, model, embed=embed(name, tmp))
+
+
 @pytest.mark.parametrize("name", ["gpt2-optimum", "llama-genai-fp32"])
 def test_fused_qkv_products_split_by_heads(name, tmp_path):
     """GPT-2's c_attn (a product cut by a Split) and the genai builder's packed QKV (into
     GroupQueryAttention) become one product each: the same logits, and on "model" 2 the
     rules split q, k and v by heads with the output projection."""
-    model = context(name, tmp_path).model
+    model = _stored(name, tmp_path).model
     split = qkv.split_qkv(model)
     assert split is not model and qkv.split_qkv(split) is split  # nothing fused is left
     parts = [k for k in split.params if ".cols" in k]
@@ -289,7 +299,10 @@ def _fused_gemm(path, bias_from_node: bool):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     onnx.save(model, path)
-    return tj.load(path)
+    from transmuter_jax import kernels
+
+    with kernels.off():  # its weights as stored, as load(mesh=...) keeps them
+        return tj.load(path)
 
 
 @pytest.mark.parametrize("bias_from_node", [False, True])
@@ -349,7 +362,7 @@ def test_two_processes_give_single_device_tokens():
 
 def test_overrides_win_over_the_rules(tmp_path):
     """An override replaces the rules' spec (or replication); a wrong one names itself."""
-    ctx = context("llama-optimum", tmp_path)
+    ctx = _stored("llama-optimum", tmp_path)
     mesh = AbstractMesh((2,), ("model",))
     rules = sharding.find_rules(ctx.model, mesh, head_size=16, small=0)
     sharded = next(k for k, v in rules.specs.items() if v == PartitionSpec(None, "model"))
