@@ -129,7 +129,7 @@ def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workd
     _every_offset(name, workdir, range(0, 6))
 
 
-@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum", "gpt2-optimum"])
+@pytest.mark.parametrize("name", _tiered(["llama-genai-fp32", "llama-optimum", "qwen2-optimum"]))
 def test_a_request_beside_a_long_one_equals_its_solo_run(name, workdir):
     """A chunk reads only the cache rows its longest slot needs (64, 128, 256, ...): requests
     beside a long one run with more rows than alone, and get the same bits."""
