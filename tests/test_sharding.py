@@ -23,7 +23,7 @@ from generation_cases import FIXTURES, context, embed, reference
 from jax.sharding import AbstractMesh, PartitionSpec
 
 import transmuter_jax as tj
-from transmuter_jax import generation
+from transmuter_jax import generation, kernels
 from transmuter_jax.generation import GenerationError
 from transmuter_jax.onnx import qkv
 from transmuter_jax.parallel import sharding
@@ -217,8 +217,6 @@ def test_every_mode_and_mesh():
 def _stored(name: str, tmp: pathlib.Path):
     """The fixture's context with its weights as stored, as ``load(mesh=...)`` keeps them (the
     rules read plain products; a model loaded for one CPU holds its weights packed)."""
-    from transmuter_jax import kernels
-
     with kernels.off():
         model = tj.load(FIXTURES / name / reference(name)[0]["files"]["decoder"])
     return generation.context(FIXTURES / name, model, embed=embed(name, tmp))
@@ -299,8 +297,6 @@ def _fused_gemm(path, bias_from_node: bool):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     onnx.save(model, path)
-    from transmuter_jax import kernels
-
     with kernels.off():  # its weights as stored, as load(mesh=...) keeps them
         return tj.load(path)
 

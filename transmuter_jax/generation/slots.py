@@ -551,7 +551,16 @@ def window_of(need: int, capacity: int) -> int:
 
 def windows(capacity: int) -> list[int]:
     """Every window a chunk of slots of ``capacity`` cache rows may read (:func:`window_of`)."""
-    return sorted({window_of(64 << i, capacity) for i in range(max(capacity, 64).bit_length())})
+    found, window = [], 64
+    while window < capacity:
+        found.append(window)
+        window *= 2
+    return [*found, capacity]
+
+
+def program_size(steps: int) -> int:
+    """The steps a decode chunk of at most ``steps`` steps is compiled for: a power of two."""
+    return 1 << (max(int(steps), 1) - 1).bit_length()
 
 
 def _chunk(engine: Engine, capacity: int, k: int, size: int, window: int | None = None):
@@ -1093,7 +1102,7 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
     live = state.live_slots
     if not live:
         return state, []
-    size = 1 << (steps - 1).bit_length()  # compiled sizes: powers of two
+    size = program_size(steps)
     longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
     window = window_of(longest + steps, state.capacity)
     run = _chunk(engine, state.capacity, state.top_logprobs, size, window)
@@ -1105,7 +1114,7 @@ def warm(engine: Engine, state: SlotState, steps: int) -> SlotState:
     """Compiles the decode chunks :func:`generate` runs for ``steps`` steps, one per window of
     the cache (:func:`windows`), running none of their steps; returns the state (its arrays
     were donated)."""
-    size = 1 << (max(int(steps), 1) - 1).bit_length()
+    size = program_size(steps)
     for window in windows(state.capacity):
         run = _chunk(engine, state.capacity, state.top_logprobs, size, window)
         rows, _ = run(engine.model.params, state.rows, np.int32(0), state.live_table)

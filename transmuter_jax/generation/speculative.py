@@ -436,7 +436,7 @@ def generate(
         # no slot speculates, or a live slot is constrained (the verify step reads no constraint
         # table): plain steps, which give a speculating slot the same tokens, one at a time
         return slots.generate(engine, state, steps)
-    size = 1 << (steps - 1).bit_length()
+    size = slots.program_size(steps)
     run = _chunk(engine, state.capacity, state.top_logprobs, size, width, longest)
     helper = {} if engine.assistant is None else engine.assistant.model.params
     rows, out, _ = run(engine.model.params, helper, state.rows, np.int32(steps))
