@@ -4,13 +4,20 @@ OpenAI options the server needs (frequency_penalty, logit_bias, min_new_tokens).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from generation_cases import case, context
 
 from transmuter_jax import generation
 from transmuter_jax.generation import Request
-from transmuter_jax.generation.prefixes import PrefixCache, cache_bytes_per_token, rows_agree
+from transmuter_jax.generation import prefill as prefills
+from transmuter_jax.generation.prefixes import (
+    PrefixCache,
+    _row_function,
+    cache_bytes_per_token,
+    rows_agree,
+)
 
 NEW = 8
 _ENGINES: dict = {}
@@ -147,3 +154,45 @@ def test_prompts_run_together_equal_each_alone_bit_for_bit(workdir):
         for key in a.rows.cache:
             assert np.array_equal(a.rows.cache[key][:, :, :n], b.rows.cache[key][:, :, :n])
         assert _run(eng, a) == _run(eng, b)  # every token and log-probability
+
+
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
+def test_a_prompt_prefilled_in_a_window_over_a_long_requests_rows_equals_its_solo_run(
+    name, workdir
+):
+    """A short prompt runs in a cache of 64 rows (not the slots' 256) and goes into a slot whose
+    other rows still hold a long finished request's keys and values: the mask hides them, and
+    its tokens and log-probabilities equal those of a fresh slot, bit for bit."""
+    eng = engine(name, workdir)
+    nothing = PrefixCache(eng, max_bytes=0)
+    vocab = eng.vocab_size
+    long = Request([(5 + 7 * i) % vocab for i in range(150)], max_new_tokens=NEW, logprobs=True)
+    short = Request(list(case(name, "greedy")["prompts"][0]), max_new_tokens=NEW,
+                    logprobs=True, top_logprobs=3)  # fmt: skip
+    prefix = nothing.prefill(short)
+    assert {a.shape[2] for a in prefix.rows.cache.values()} == {64}  # a window, not 256 rows
+    assert {a.shape[2] for a in nothing.prefill(long).rows.cache.values()} == {256}
+    alone = _run(eng, prefix)
+    state = eng.insert(nothing.prefill(long), eng.init_state(), 1)
+    while state.live_slots:
+        state, _ = eng.generate(state, 4)
+    state = eng.free(state, 1)
+    prefix = nothing.prefill(short)
+    state = eng.insert(prefix, state, 1)
+    got = [prefix.first]
+    while state.live_slots:
+        state, tokens = eng.generate(state, 4)
+        got += tokens
+    assert [_row(t) for t in got] == alone
+
+
+def test_prefill_windows_and_a_stored_prompt_longer_than_the_window():
+    assert prefills.windows(1024) == [64, 256, 1024] and prefills.windows(64) == [64]
+    assert prefills.windows(200) == [64, 200]
+    assert [prefills.window(n, 1024) for n in (1, 64, 65, 256, 257, 5000)] == [
+        64, 64, 256, 256, 1024, 1024,
+    ]  # fmt: skip
+    cache = {"k": jnp.zeros((2, 1, 64, 2), jnp.float32)}
+    stored = {"k": jnp.arange(128 * 2, dtype=jnp.float32).reshape(1, 1, 128, 2)}
+    out = _row_function()(cache, stored, jnp.int32(1))["k"]
+    assert np.array_equal(out[1], stored["k"][0, :, :64]) and not np.asarray(out[0]).any()

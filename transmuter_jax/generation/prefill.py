@@ -37,7 +37,8 @@ class Pending:
         stops: each request's stop strings, or None.
         fed: [n] prompt tokens fed so far.
         lengths: [n] valid cached tokens.
-        cache: the rows' cache (batch n, the slots' capacity).
+        cache: the rows' cache (batch n; rows: the smallest of :func:`windows` that holds
+            every row the steps write).
         logits: [n, V] each row's logits after its last prompt token (rows that are done), or
             None before the first step.
         chunk: the most prompt tokens of one step.
@@ -65,6 +66,22 @@ class Pending:
         return not self.remaining.any()
 
 
+def windows(capacity: int) -> list[int]:
+    """The cache rows a prefill may run in, for slots of ``capacity`` rows: 64, 256, 1024, ...
+    below it, and the capacity (each is a program per batch size, compiled at a server's
+    start-up: a coarser ladder than the decode windows, :func:`.slots.windows`)."""
+    found, rows = [], 64
+    while rows < capacity:
+        found.append(rows)
+        rows *= 4
+    return [*found, capacity]
+
+
+def window(need: int, capacity: int) -> int:
+    """The fewest rows of :func:`windows` that hold ``need`` rows (the capacity at most)."""
+    return next((w for w in windows(capacity) if w >= need), capacity)
+
+
 def _size(engine: Engine, remaining: int, chunk: int) -> int:
     """Tokens of the next step of prompts with at most ``remaining`` tokens left."""
     return engine.cache_mode.prompt_step(min(remaining, chunk), engine.spec.prefill)
@@ -80,10 +97,19 @@ def _schedule(engine: Engine, lengths: Sequence[int], chunk: int) -> list[int]:
     return sizes
 
 
-def begin(engine: Engine, requests: Sequence[slots.Request], chunk: int = PREFILL_CAP) -> Pending:
+def begin(
+    engine: Engine,
+    requests: Sequence[slots.Request],
+    chunk: int = PREFILL_CAP,
+    *,
+    rows: int = 0,
+) -> Pending:
     """Admits ``requests`` (raises GenerationError, naming the request, for one the engine
-    cannot take) and gives their prompts to feed, in a cache of the slots' capacity, at most
-    ``chunk`` tokens (a multiple of 64 up to 512) of each per step."""
+    cannot take) and gives their prompts to feed, at most ``chunk`` tokens (a multiple of 64 up
+    to 512) of each per step, in a cache of the fewest rows of :func:`windows` that hold what
+    the steps write and at least ``rows`` (a warm-up's): the steps attend over those rows only,
+    and :func:`.slots.insert` puts them at the start of a slot, whose other rows the mask
+    hides."""
     requests = tuple(requests)
     if not requests:
         raise GenerationError("prefill needs at least one request")
@@ -123,7 +149,7 @@ def begin(engine: Engine, requests: Sequence[slots.Request], chunk: int = PREFIL
         tuple(s for _, s in admitted),
         np.zeros(n, np.int32),
         np.zeros(n, np.int32),
-        engine.cache.empty(n, capacity),
+        engine.cache.empty(n, window(max(int(written.max()), rows), capacity)),
         chunk=chunk,
         tables=tuple(tables),
     )
@@ -141,8 +167,8 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
     """One step of ``size`` tokens of every row: the next part of its prompt, padded (a row
     with none left feeds padding after its valid rows, which the next ones overwrite or the
     mask hides). The cache of ``pending`` is donated."""
-    mode, capacity = engine.cache_mode, engine.slot_capacity
-    remaining, n = pending.remaining, len(pending.requests)
+    mode, remaining, n = engine.cache_mode, pending.remaining, len(pending.requests)
+    rows = next(a.shape[2] for a in pending.cache.values())
     real = np.minimum(remaining, size).astype(np.int32)
     tokens = np.full((n, size), slots._pad_token(engine), np.int32)
     for i, request in enumerate(pending.requests):
@@ -150,7 +176,7 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
         tokens[i, : real[i]] = request.prompt[start : start + real[i]]
     feed: dict[str, Any] = {"tokens": tokens}
     if "attention_mask" in {i.name for i in engine.model.inputs}:
-        feed["attention_mask"] = mode.mask(pending.lengths, size, capacity)
+        feed["attention_mask"] = mode.mask(pending.lengths, size, rows)
     axes = slots._axes(engine)
     if axes:
         positions = (np.arange(size)[None, :] + pending.fed[:, None]).astype(np.int32)

@@ -70,9 +70,11 @@ def _copy_function():
 
 @functools.cache
 def _row_function():
-    def copy(cache, stored, row):
+    def copy(cache, stored, row):  # a stored prompt longer than the cache: its first rows
         return jax.tree.map(
-            lambda a, b: jax.lax.dynamic_update_slice(a, b.astype(a.dtype), (row, 0, 0, 0)),
+            lambda a, b: jax.lax.dynamic_update_slice(
+                a, b[:, :, : a.shape[2]].astype(a.dtype), (row, 0, 0, 0)
+            ),
             cache,
             stored,
         )
@@ -134,11 +136,14 @@ class PrefixCache:
         """``request``'s prefix: :meth:`prefill_many` of it alone."""
         return self.prefill_many([request])[0]
 
-    def prefill_many(self, requests: Sequence[slots.Request]) -> list[slots.Prefix]:
+    def prefill_many(
+        self, requests: Sequence[slots.Request], *, cache_rows: int = 0
+    ) -> list[slots.Prefix]:
         """The prefixes of ``requests`` (their prompts run together, each from the end of the
         stored blocks it starts with, in steps of :data:`BLOCK` tokens; a batch padded to a
-        size of :data:`ROWS` with one-token rows); then stores the rows of each prompt's whole
-        blocks.
+        size of :data:`ROWS` with one-token rows, in a cache of the rows of a prefill window,
+        :func:`.prefill.windows`, at least ``cache_rows``); then stores the rows of each
+        prompt's whole blocks.
 
         Raises:
             GenerationError: as :func:`.slots.prefill`, naming the request by its index.
@@ -146,7 +151,8 @@ class PrefixCache:
         engine, requests = self.engine, list(requests)
         rows = next((r for r in ROWS if r >= len(requests)), len(requests))
         pad = slots.Request((slots._pad_token(engine),), max_new_tokens=0)
-        pending = prefills.begin(engine, requests + [pad] * (rows - len(requests)), BLOCK)
+        padded = requests + [pad] * (rows - len(requests))
+        pending = prefills.begin(engine, padded, BLOCK, rows=cache_rows)
         fed, cache = pending.fed.copy(), pending.cache
         for i, request in enumerate(requests):
             prompt = request.prompt
@@ -169,6 +175,8 @@ class PrefixCache:
                     f"request {i}: its prompt of {len(request.prompt)} tokens, padded to blocks "
                     f"of {BLOCK}, needs more than the slots' capacity of {engine.slot_capacity}"
                 )
+            held = next(a.shape[2] for a in pending.cache.values())
+            assert max(after, written(pending, i)) <= held, "begin's window holds every block"
         while not pending.done:
             pending = prefills.step(engine, pending, BLOCK)
         prefixes = prefills.end(engine, pending)[: len(requests)]
@@ -214,6 +222,21 @@ class PrefixCache:
         kept = _take_function(rows)(cache)
         self._entries[prompt] = _Entry(prompt, kept, nbytes)
         self._bytes += nbytes
+
+
+def warm(engine: Engine, state: slots.SlotState, batches: Sequence[int]) -> slots.SlotState:
+    """Compiles what :meth:`PrefixCache.prefill_many` and :func:`.slots.insert` run for
+    prefills of ``batches`` prompts in every prefill window (:func:`.prefill.windows`): one
+    one-token prompt a row, each prefix put into slot 0 of ``state`` and freed; returns the
+    state (its arrays were donated; slot 0 must be free)."""
+    cache = PrefixCache(engine, 0)
+    prompt = (slots._pad_token(engine),)
+    for rows in prefills.windows(engine.slot_capacity):
+        for batch in batches:
+            requests = [slots.Request(prompt, max_new_tokens=1)] * batch
+            prefix = cache.prefill_many(requests, cache_rows=rows)[0]
+            state = slots.free(slots.insert(engine, prefix, state, 0), 0)
+    return state
 
 
 def cache_bytes_per_token(engine: Engine) -> int:

@@ -5,7 +5,8 @@ thread. Between decode chunks the thread frees the slots of requests that ended 
 went away, then admits waiting requests into the free slots: their prompts run together in one
 prefill (up to :attr:`SlotBackend.prefill_rows` of them, through the prefix cache,
 :mod:`transmuter_jax.generation.prefixes`) and each first token goes out at once; then one
-chunk of every live slot runs. A chunk is ``decode_steps`` steps where those last at most about
+chunk of every live slot runs. A chunk is ``decode_steps`` steps, or fewer (a power of two,
+fitted at start-up to the measured time of a step), that last at most about
 :data:`JOIN_WAIT_S`, else one step, so a request that arrives during a chunk waits about that
 long to join. Every program these run is compiled at start-up, before the server answers
 /health, so no request waits for a compile. The chunk's length changes no answer. Each slot
@@ -48,6 +49,17 @@ def _constraint(options: dict[str, Any]) -> Any:
     return from_options(Options(**given)) if given else None
 
 
+def _fitted(most: int, step_seconds: float) -> int:
+    """The steps of a decode chunk: ``most``, or else the most that are a power of two, that
+    last at most about JOIN_WAIT_S at ``step_seconds`` a step (at least one)."""
+    if most * step_seconds <= JOIN_WAIT_S:
+        return most
+    steps = 1
+    while steps * 2 < most and steps * 2 * step_seconds <= JOIN_WAIT_S:
+        steps *= 2
+    return steps
+
+
 def _steps(tokens: list) -> int:
     """How many steps a chunk ran: the most tokens one slot took."""
     counts: dict[int, int] = {}
@@ -77,7 +89,9 @@ class SlotBackend:
         max_batch_size: the slots.
         max_model_len: the most tokens of prompt plus answer: each slot's cache rows (rounded up
             to 64).
-        decode_steps: new tokens per decode chunk (a request waits at most one chunk to join).
+        decode_steps: the most new tokens of a decode chunk (a request waits at most one chunk
+            to join); fewer (a power of two) where they would last more than about
+            JOIN_WAIT_S at the step time measured at start-up.
         prefix_cache_bytes: the bound of the prefix cache (0: off).
         warm: compile the programs requests run before taking any (the server is ready when
             this returns), so no request waits for a compile.
@@ -134,6 +148,7 @@ class SlotBackend:
         self._max_batch_size = int(max_batch_size)
         self._device: dict[tuple, bool] = {}  # constraint, eos ids -> the slots take it
         self.prefill_rows = 1  # the most prompts one prefill runs (see _warm)
+        self.chunk_steps = self.decode_steps  # the steps of a long decode chunk (see _warm)
         if warm:
             self._warm()
         self._thread = threading.Thread(target=self._loop, name="transmuter-slots", daemon=True)
@@ -306,15 +321,19 @@ class SlotBackend:
                 self._fail_all(error)
 
     def _chunk(self) -> int:
-        """The steps of the next chunk: decode_steps where they last at most about JOIN_WAIT_S,
-        else one (two sizes, both compiled at start-up)."""
-        return self.decode_steps if self.decode_steps * self.step_seconds <= JOIN_WAIT_S else 1
+        """The steps of the next chunk: :attr:`chunk_steps` where those last at most about
+        JOIN_WAIT_S at the measured step time, else one (two sizes, both compiled at start-up)."""
+        steps = self.chunk_steps
+        return steps if steps * self.step_seconds <= JOIN_WAIT_S else 1
 
     def _warm(self) -> None:
-        """Compiles what requests run (prefill steps of each batch size, the first-token
-        selection, insert, both decode chunk sizes) and finds :attr:`prefill_rows`: the most
-        prompts a prefill runs together whose rows keep their bits (:func:`rows_agree`)."""
-        from ..generation import Request, slots
+        """Compiles what requests run (prefill steps of each batch size in each prefill window,
+        the first-token selection, insert, both decode chunk sizes), finds
+        :attr:`prefill_rows`: the most prompts a prefill runs together whose rows keep their
+        bits (:func:`rows_agree`), and :attr:`chunk_steps`: ``decode_steps``, or the most
+        steps below it that are a power of two, that last at most about JOIN_WAIT_S at the
+        measured time of a step."""
+        from ..generation import Request, prefixes
         from ..generation.prefixes import ROWS, PrefixCache, rows_agree
 
         start = time.perf_counter()
@@ -329,27 +348,44 @@ class SlotBackend:
         vocab = self.engine.vocab_size or 1000
         prompt = tuple(3 + i % max(vocab - 3, 1) for i in range(8))
         k = self.draft_tokens
-        probes = [Request(prompt, self.decode_steps + 2, num_assistant_tokens=0)]
+        most = min(self.decode_steps + 8, self.engine.slot_capacity - len(prompt))
+        probes = [Request(prompt, most, eos_token_id=(), num_assistant_tokens=0)]
         if k:  # the draft model's prompt and chunk programs of the server's K
             most = self.engine.slot_capacity - len(prompt)
             most = min(self.decode_steps * (k + 1) + 2, most)
             probes.append(Request(prompt, most, eos_token_id=(), num_assistant_tokens=k))
-        state = self._state
-        for probe in probes:
+        batches = [r for r in ROWS if r <= self.prefill_rows]
+        state = prefixes.warm(self.engine, self._state, batches)  # every prefill window
+        for n, probe in enumerate(probes):
             prefix = PrefixCache(self.engine, 0).prefill(probe)
             state = self.engine.insert(prefix, state, 0)
-            for steps in (1, self.decode_steps):
-                state, _ = self.engine.generate(state, steps)
-                state = slots.warm(self.engine, state, steps)  # every window of the cache
-                self._sizes.add(steps)
+            state = self._compiled(state, 1)
+            if n == 0:  # a step's time: every slot's row runs, live or not
+                for _ in range(3):
+                    ran = time.perf_counter()
+                    state, _ = self.engine.generate(state, 1)
+                    self._measured(time.perf_counter() - ran)
+                self.chunk_steps = _fitted(self.decode_steps, self.step_seconds)
+            if self.chunk_steps > 1:
+                state = self._compiled(state, self.chunk_steps)
             state = self.engine.free(state, 0)
         self._state = state
         log.info(
             "compiled the prefill and decode programs in %.1f s (prompts prefilled together: "
-            "at most %d; decode chunks of 1 or %d steps%s)",
-            time.perf_counter() - start, self.prefill_rows, self.decode_steps,
-            f"; drafts of {k} tokens" if k else "",
+            "at most %d; decode chunks of 1 or %d steps, a step %.0f ms%s)",
+            time.perf_counter() - start, self.prefill_rows, self.chunk_steps,
+            self.step_seconds * 1000, f"; drafts of {k} tokens" if k else "",
         )  # fmt: skip
+
+    def _compiled(self, state: Any, steps: int) -> Any:
+        """``state`` after a chunk of ``steps`` steps and the programs of every window of the
+        cache compiled for chunks of that size."""
+        from ..generation import slots
+
+        state, _ = self.engine.generate(state, steps)
+        state = slots.warm(self.engine, state, steps)
+        self._sizes.add(steps)
+        return state
 
     def _measured(self, seconds: float) -> None:
         mean = self.step_seconds
@@ -369,13 +405,17 @@ class SlotBackend:
             del self._slots[slot]
 
     def _admit(self) -> None:
-        """Admits waiting runs into the free slots: their prompts run together, at most
+        """Admits waiting runs into the free slots: their prompts run together, as many as a
+        prefill batch size holds without padding rows (3 waiting: 2, then 1), at most
         :attr:`prefill_rows` per prefill, and each first token goes out at once."""
+        from ..generation.prefixes import ROWS
+
         while True:
             free = [s for s in range(self._max_batch_size) if s not in self._slots]
             with self._lock:
                 self._queue = [r for r in self._queue if not r.ticket.cancelled.is_set()]
-                runs = self._queue[: min(len(free), self.prefill_rows)]
+                most = min(len(free), self.prefill_rows, len(self._queue))
+                runs = self._queue[: max((r for r in ROWS if r <= most), default=0)]
                 del self._queue[: len(runs)]
             if not runs:
                 return
