@@ -154,6 +154,32 @@ def test_a_request_beside_a_long_one_equals_its_solo_run(name, workdir):
     assert slots.window_of(157, 256) == 256 and slots.window_of(300, 256) == 256
 
 
+@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum"])
+def test_the_slots_hold_the_window_their_live_requests_need(name, workdir):
+    """The slots' cache holds the smallest window the live requests need (64 of 128 rows for
+    short ones): it grows for a long request and shrinks back when only short ones run, and a
+    short request run after a long one in the same slot equals its solo run."""
+    eng = engine(name, workdir)
+    vocab = eng.vocab_size
+    long = Request(tuple((5 + 7 * i) % vocab for i in range(90)), max_new_tokens=NEW)
+    short = requests(name)["greedy"]
+    alone = solo(eng, short)
+    state = eng.init_state()
+    assert slots.held(eng, state) == 64
+    state = eng.insert(eng.prefill(long), state, 1)
+    assert slots.held(eng, state) == 128  # its 90 prompt rows
+    state = _drain(eng, state, {})
+    state = eng.free(state, 1)
+    prefix = eng.prefill(short)
+    state = eng.insert(prefix, state, 1)
+    got: dict = {}
+    state, tokens = eng.generate(state, 2)
+    _record(tokens, got)
+    assert slots.held(eng, state) == 64  # only the short one runs
+    _drain(eng, state, got)
+    assert _summary(prefix, got.get(1, [])) == alone
+
+
 @pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
 def test_a_request_gets_the_same_bits_in_every_slot_of_eight(name, workdir):
     """A row's place in the batch changes no bit (XLA's dot of a small weight summed the rows

@@ -563,44 +563,82 @@ def program_size(steps: int) -> int:
     return 1 << (max(int(steps), 1) - 1).bit_length()
 
 
-def _chunk(engine: Engine, capacity: int, k: int, size: int, window: int | None = None):
+def _chunk(engine: Engine, rows: int, k: int, size: int):
     """The jitted ``(params, rows, limit, table) -> (rows, StepOut [size, B])``: up to ``limit``
     steps in a ``lax.while_loop`` that stops when every slot is done; the cache donated.
-    ``window`` (< ``capacity``): the steps read and write only the first ``window`` rows of
-    each self-attention cache (attention over the rest, all hidden, would only cost time)."""
-    window = capacity if window is None or window >= capacity else int(window)
+    ``rows``: the self-attention cache rows the slots hold (a decode window, :func:`held`)."""
     key = (
         "slots",
         engine.compiled.steps.key("slots", True, None),
         engine.spec.options.program_key,
         constraints.program_names(engine.spec.processors),
-        capacity,
+        rows,
         k,
         size,
         engine.compiled.steps.local(),
-        *((window,) if window < capacity else ()),
     )
-    own = {e.input for e in engine.cache.entries if not e.cross}
 
     def make():
-        one = _step_function(engine, window, k)
+        one = _step_function(engine, rows, k)
 
-        def run(params, rows: Rows_, limit, table):
-            if window == capacity:
-                return run_steps(one, size, k, params, rows, limit, table=table)
-            full = rows.cache
-            cut = {n: a[:, :, :window] if n in own else a for n, a in full.items()}
-            rows = dataclasses.replace(rows, cache=cut)
-            rows, out = run_steps(one, size, k, params, rows, limit, table=table)
-            cache = {
-                n: full[n].at[:, :, :window].set(a) if n in own else a
-                for n, a in rows.cache.items()
-            }
-            return dataclasses.replace(rows, cache=cache), out
+        def run(params, state_rows: Rows_, limit, table):
+            return run_steps(one, size, k, params, state_rows, limit, table=table)
 
         return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
 
     return program(key, make, engine.compiled.steps.held)
+
+
+def _own(engine: Engine) -> frozenset[str]:
+    """The self-attention cache inputs (the rows a window cuts; cross-attention keeps its own)."""
+    return frozenset(e.input for e in engine.cache.entries if not e.cross)
+
+
+def held(engine: Engine, state: SlotState) -> int:
+    """The self-attention cache rows each slot holds now: a decode window (:func:`window_of`)
+    or the capacity. A slot's valid rows are its first ``lengths``; the mask hides the rest."""
+    return _rows_of(engine, state.rows.cache, state.capacity)
+
+
+def _rows_of(engine: Engine, cache: dict[str, jax.Array], default: int) -> int:
+    own = _own(engine)
+    return next((a.shape[2] for n, a in cache.items() if n in own), default)
+
+
+_RESIZE: dict[tuple, Any] = {}  # (rows, inputs, jit options) -> the jitted resize
+
+
+def _resized_cache(engine: Engine, cache: dict[str, jax.Array], rows: int) -> dict:
+    """``cache`` with ``rows`` self-attention rows: its first ones, then zeros."""
+    own = _own(engine)
+    key = (rows, own, jit_key(engine.jit_options))
+    if key not in _RESIZE:
+
+        def resize(cache):
+            def one(a):
+                have = a.shape[2]
+                if have >= rows:
+                    return a[:, :, :rows]
+                return jnp.pad(a, ((0, 0), (0, 0), (0, rows - have), (0, 0)))
+
+            return {n: one(a) if n in own else a for n, a in cache.items()}
+
+        _RESIZE[key] = jax.jit(resize, **jit_options(dict(engine.jit_options)))
+    return _RESIZE[key](cache)
+
+
+def resized(engine: Engine, state: SlotState, rows: int) -> SlotState:
+    """``state`` whose slots hold ``rows`` self-attention cache rows (a window of the capacity):
+    each slot's first rows, then zeros. A step reads and writes every row it holds, so the slots
+    hold the smallest window their live requests need (:func:`generate` resizes them; a copy
+    of the cache when the window changes, where cutting a window out of the whole capacity and
+    writing it back cost a copy every chunk)."""
+    if not 0 < rows <= state.capacity:
+        raise GenerationError(f"rows must be in 1..{state.capacity}, got {rows!r}")
+    if held(engine, state) == rows:
+        return state
+    cache = _resized_cache(engine, state.rows.cache, rows)
+    return dataclasses.replace(state, rows=dataclasses.replace(state.rows, cache=cache))
 
 
 def _first(engine: Engine, k: int):
@@ -669,11 +707,11 @@ def init(engine: Engine) -> SlotState:
     ``slot_capacity`` rows."""
     check(engine)
     capacity = engine.slot_capacity
-    rows = _empty(engine, engine.batch_size, capacity)
+    rows = _empty(engine, engine.batch_size, capacity, window_of(1, capacity))
     return SlotState(rows, (None,) * engine.batch_size, capacity, engine.slot_top_logprobs)
 
 
-def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
+def _empty(engine: Engine, batch: int, capacity: int, held: int | None = None) -> Rows_:
     vocab = engine.vocab_size
     i = lambda v: jnp.full((batch,), v, jnp.int32)  # noqa: E731
     f = lambda v: jnp.full((batch,), v, jnp.float32)  # noqa: E731
@@ -695,7 +733,7 @@ def _empty(engine: Engine, batch: int, capacity: int) -> Rows_:
         min_p=f(0.0),
         repetition=f(1.0),
         presence=f(0.0),
-        cache=engine.cache.empty(batch, capacity),
+        cache=engine.cache.empty(batch, capacity if held is None else held),
         frequency=f(0.0),
         bias_ids=jnp.full((batch, BIAS_WIDTH), -1, jnp.int32),
         bias_values=jnp.zeros((batch, BIAS_WIDTH), jnp.float32),
@@ -995,6 +1033,13 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
     if prefix.table is not None:  # its state in the slots' table (a host row's: its handle)
         c = one.constraint
         one = dataclasses.replace(one, constraint=jnp.where(c >= 0, c + offset, c))
+    have, given = held(engine, state), _rows_of(engine, one.cache, state.capacity)
+    if given != have:  # the slots hold the window its rows need; it gives no more rows
+        length = int(jax.device_get(one.lengths)[0])
+        target = max(have, window_of(max(length, 1), state.capacity))
+        state = resized(engine, state, target)
+        if given > target:
+            one = dataclasses.replace(one, cache=_resized_cache(engine, one.cache, target))
     _release(state, slot)
     rows = _insert_function(jit_key(engine.jit_options))(state.rows, one, jnp.int32(slot))
     if done:
@@ -1105,7 +1150,8 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
     size = program_size(steps)
     longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
     window = window_of(longest + steps, state.capacity)
-    run = _chunk(engine, state.capacity, state.top_logprobs, size, window)
+    state = resized(engine, state, window)
+    run = _chunk(engine, window, state.top_logprobs, size)
     rows, out = run(engine.model.params, state.rows, np.int32(steps), state.live_table)
     return read(state, rows, jax.device_get(out))
 
@@ -1116,7 +1162,8 @@ def warm(engine: Engine, state: SlotState, steps: int) -> SlotState:
     were donated)."""
     size = program_size(steps)
     for window in windows(state.capacity):
-        run = _chunk(engine, state.capacity, state.top_logprobs, size, window)
+        state = resized(engine, state, window)
+        run = _chunk(engine, window, state.top_logprobs, size)
         rows, _ = run(engine.model.params, state.rows, np.int32(0), state.live_table)
         state = dataclasses.replace(state, rows=rows)
     return state
