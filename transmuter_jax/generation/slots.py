@@ -248,7 +248,7 @@ class SlotState:
     Attributes:
         rows: the device arrays (:class:`DecodeRows`).
         hosts: per slot, None when empty.
-        capacity: cache rows of each slot.
+        capacity: the most cache rows a slot takes (the rows it holds now: :func:`held`).
         top_logprobs: the most top_logprobs a request may ask for.
     """
 
@@ -703,8 +703,8 @@ def capacity_of(engine: Engine, capacity: int) -> int:
 
 
 def init(engine: Engine) -> SlotState:
-    """Empty slots: ``engine.batch_size`` of them, each with a cache of the engine's
-    ``slot_capacity`` rows."""
+    """Empty slots: ``engine.batch_size`` of them, each taking up to the engine's
+    ``slot_capacity`` cache rows and holding the smallest window (64 rows, :func:`held`)."""
     check(engine)
     capacity = engine.slot_capacity
     rows = _empty(engine, engine.batch_size, capacity, window_of(1, capacity))
