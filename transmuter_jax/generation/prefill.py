@@ -168,7 +168,7 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
     with none left feeds padding after its valid rows, which the next ones overwrite or the
     mask hides). The cache of ``pending`` is donated."""
     mode, remaining, n = engine.cache_mode, pending.remaining, len(pending.requests)
-    rows = next(a.shape[2] for a in pending.cache.values())
+    rows = slots._rows_of(engine, pending.cache, engine.slot_capacity)
     real = np.minimum(remaining, size).astype(np.int32)
     tokens = np.full((n, size), slots._pad_token(engine), np.int32)
     for i, request in enumerate(pending.requests):

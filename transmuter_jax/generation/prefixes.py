@@ -175,7 +175,7 @@ class PrefixCache:
                     f"request {i}: its prompt of {len(request.prompt)} tokens, padded to blocks "
                     f"of {BLOCK}, needs more than the slots' capacity of {engine.slot_capacity}"
                 )
-            held = next(a.shape[2] for a in pending.cache.values())
+            held = slots._rows_of(engine, pending.cache, engine.slot_capacity)
             assert max(after, written(pending, i)) <= held, "begin's window holds every block"
         while not pending.done:
             pending = prefills.step(engine, pending, BLOCK)

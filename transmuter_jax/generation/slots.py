@@ -601,6 +601,7 @@ def held(engine: Engine, state: SlotState) -> int:
 
 
 def _rows_of(engine: Engine, cache: dict[str, jax.Array], default: int) -> int:
+    """The self-attention rows of ``cache`` (``default`` where it has none)."""
     own = _own(engine)
     return next((a.shape[2] for n, a in cache.items() if n in own), default)
 
