@@ -12,7 +12,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ..runtime.jit import filled
 from ..runtime.stored import storable
 
 
@@ -52,8 +54,8 @@ def empty(
 ) -> Drafts:
     """Drafts of ``batch`` slots that draft up to ``lookup`` tokens (from ``ngram``-grams, or
     with the assistant model whose cache is ``cache``)."""
-    full = lambda v: jnp.full((batch,), v, jnp.int32)  # noqa: E731
-    flag = lambda v: jnp.full((batch,), v, bool)  # noqa: E731
+    full = lambda v: filled(batch, v, np.int32)  # noqa: E731
+    flag = lambda v: filled(batch, v, bool)  # noqa: E731
     return Drafts(full(lookup), full(ngram), full(lookup), full(0), full(0), full(0),
                   flag(model), flag(adaptive), dict(cache or {}))  # fmt: skip
 

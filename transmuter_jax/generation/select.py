@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..runtime.jit import put
 from ..runtime.stored import AutoStoredJit
 from .options import Options
 from .processors import LOWEST, Rows, process
@@ -163,7 +164,7 @@ def selection(
     """
     sample = bool(options.do_sample)
     logprobs, top = options.logprobs, int(options.top_logprobs)
-    device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
+    device_masks = {k: put(v) for k, v in masks.items()}
 
     def bits(x):
         return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
@@ -214,7 +215,7 @@ def beam_selection(
     beams = int(options.num_beams)
     keep = max(2, 1 + len(options.eos_token_id)) * beams
     sample = bool(options.do_sample)
-    device_masks = {k: jnp.asarray(v) for k, v in masks.items()}
+    device_masks = {k: put(v) for k, v in masks.items()}
 
     def select(logits, running, seeds, steps, rows: Rows, states):
         scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

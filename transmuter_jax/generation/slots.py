@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import hub
-from ..runtime.jit import jit_options
-from ..runtime.stored import storable
+from ..runtime.jit import filled, jit_options, put
+from ..runtime.stored import AutoStoredJit, storable
 from . import constraints
 from . import drafts as drafting
 from .cache import PREFILL_CAP, bucket
@@ -458,7 +458,7 @@ def _step_function(
     groups)."""
     spec, mode = engine.spec, engine.cache_mode
     step = engine.compiled.steps.function(branch, padded)
-    masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+    masks = {n: put(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
     names = {i.name for i in engine.model.inputs}
     axes = _axes(engine)
     pad = _pad_token(engine)
@@ -656,7 +656,7 @@ def _first(engine: Engine, k: int):
     )
 
     def make():
-        masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+        masks = {n: put(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
 
         def first(logits, rows: Rows_, table):
             views = Rows(
@@ -681,7 +681,11 @@ def _first(engine: Engine, k: int):
             )
             return rows, StepOut(chosen, logprob, ids, values, rows.done, ends)
 
-        return jax.jit(first)
+        # stored on disk (a new process skips tracing it) unless a task's own processors,
+        # which have no stable name, are among them
+        names = key[2]
+        stored = key if all(isinstance(p, str) for p in names) else None
+        return AutoStoredJit(first, stored)
 
     return program(key, make, engine.compiled.steps.held)
 
@@ -714,30 +718,30 @@ def init(engine: Engine) -> SlotState:
 
 def _empty(engine: Engine, batch: int, capacity: int, held: int | None = None) -> Rows_:
     vocab = engine.vocab_size
-    i = lambda v: jnp.full((batch,), v, jnp.int32)  # noqa: E731
-    f = lambda v: jnp.full((batch,), v, jnp.float32)  # noqa: E731
+    i = lambda v: filled(batch, v, np.int32)  # noqa: E731
+    f = lambda v: filled(batch, v, np.float32)  # noqa: E731
     return Rows_(
         token=i(0),
         lengths=i(0),
-        history=jnp.full((batch, capacity), -1, jnp.int32),
+        history=filled((batch, capacity), -1, np.int32),
         prompt=i(0),
         count=i(0),
         max_new=i(0),
         seeds=i(0),
-        done=jnp.ones(batch, bool),
-        eos=jnp.full((batch, EOS_WIDTH), -1, jnp.int32),
-        sample=jnp.zeros(batch, bool),
+        done=filled(batch, True, bool),
+        eos=filled((batch, EOS_WIDTH), -1, np.int32),
+        sample=filled(batch, False, bool),
         temperature=f(1.0),
         top_k=i(vocab),
         top_p_drop=f(0.0),
-        top_p_on=jnp.zeros(batch, bool),
+        top_p_on=filled(batch, False, bool),
         min_p=f(0.0),
         repetition=f(1.0),
         presence=f(0.0),
         cache=engine.cache.empty(batch, capacity if held is None else held),
         frequency=f(0.0),
-        bias_ids=jnp.full((batch, BIAS_WIDTH), -1, jnp.int32),
-        bias_values=jnp.zeros((batch, BIAS_WIDTH), jnp.float32),
+        bias_ids=filled((batch, BIAS_WIDTH), -1, np.int32),
+        bias_values=filled((batch, BIAS_WIDTH), 0.0, np.float32),
         min_new=i(0),
         constraint=i(-1),
         drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity)),
@@ -855,7 +859,7 @@ def prefill(
     cache = None if past is None else past[0]
     logits, cache, lengths = _prompt(engine, prompt, capacity, cache, start)
     drafted = _drafted(engine, prompt, r["assisted"])
-    rows = _request_rows(engine, request, r, jnp.asarray(lengths), cache, table, drafted)
+    rows = _request_rows(engine, request, r, put(lengths), cache, table, drafted)
     if r["max_new"] == 0:
         logits.delete()
         return Prefix(request, rows, None, table)
@@ -905,18 +909,18 @@ def _request_rows(
     bias_values = np.zeros((1, BIAS_WIDTH), np.float32)
     for j, (token, value) in enumerate(request.logit_bias):  # checked by _admit
         bias_ids[0, j], bias_values[0, j] = token, value
-    one = lambda v, t: jnp.asarray(np.array([v], t))  # noqa: E731
+    one = lambda v, t: put([v], t)  # noqa: E731
     seed = np.array([request.seed & 0xFFFFFFFF], np.uint32).view(np.int32)
     rows = Rows_(
         token=one(0, np.int32),
         lengths=lengths,
-        history=jnp.asarray(history),
+        history=put(history),
         prompt=one(len(prompt), np.int32),
         count=one(0, np.int32),
         max_new=one(r["max_new"], np.int32),
-        seeds=jnp.asarray(seed),
+        seeds=put(seed),
         done=one(r["max_new"] == 0, bool),
-        eos=jnp.asarray(eos),
+        eos=put(eos),
         sample=one(r["sample"], bool),
         temperature=one(r["temperature"], np.float32),
         top_k=one(r["top_k"] if r["top_k"] > 0 else vocab, np.int32),
@@ -927,8 +931,8 @@ def _request_rows(
         presence=one(float(request.presence_penalty), np.float32),
         cache=cache,
         frequency=one(float(request.frequency_penalty), np.float32),
-        bias_ids=jnp.asarray(bias_ids),
-        bias_values=jnp.asarray(bias_values),
+        bias_ids=put(bias_ids),
+        bias_values=put(bias_values),
         min_new=one(int(request.min_new_tokens), np.int32),
         constraint=one(_start_state(engine, request, r, table), np.int32),
         drafts=drafting.empty(

@@ -262,7 +262,7 @@ class Model:
                 params[tensor.name] = jax.device_put(packed)
             elif _is_weight(array):
                 array = to_device_dtype(np.asarray(array))  # a view of a memmap when it fits
-                params[tensor.name] = array if host else jnp.asarray(array)
+                params[tensor.name] = array if host else jax.device_put(array)
             else:
                 constants[tensor.name] = np.array(array)
         # Weights now live on the device (or in params on the host): drop them from the graph.
