@@ -10,7 +10,7 @@ import pytest
 from generation_cases import case, context
 
 from transmuter_jax import generation
-from transmuter_jax.generation import Request
+from transmuter_jax.generation import Request, prefixes
 from transmuter_jax.generation import prefill as prefills
 from transmuter_jax.generation.prefixes import (
     PrefixCache,
@@ -196,3 +196,39 @@ def test_prefill_windows_and_a_stored_prompt_longer_than_the_window():
     stored = {"k": jnp.arange(128 * 2, dtype=jnp.float32).reshape(1, 1, 128, 2)}
     out = _row_function()(cache, stored, jnp.int32(1))["k"]
     assert np.array_equal(out[1], stored["k"][0, :, :64]) and not np.asarray(out[0]).any()
+
+
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
+def test_a_prompt_of_one_block_runs_in_one_step_of_its_bucket_as_slots_prefill_does(
+    name, workdir
+):
+    """A prompt of at most 64 tokens runs in one step of its prompt bucket (37 tokens: 48), the
+    width slots.prefill runs it in, so its prefix equals slots.prefill's bit for bit; prompts of
+    other widths run beside it in steps of their own, and each equals its run alone."""
+    eng = engine(name, workdir)
+    vocab = eng.vocab_size
+    prompt = [(11 + 5 * i) % vocab for i in range(37)]
+    request = Request(prompt, max_new_tokens=NEW, logprobs=True, top_logprobs=3)
+    assert prefixes.width(eng, 37) == 48 and prefixes.width(eng, 64) == 64
+    assert prefixes.width(eng, 65) == prefixes.BLOCK and prefixes.width(eng, 1) == 16
+    nothing = PrefixCache(eng, max_bytes=0)
+    before = set(eng.compiled.steps.shapes)
+    mine = nothing.prefill(request)
+    ran = set(eng.compiled.steps.shapes) - before
+    assert all(shape[0] == 48 for shape in ran), ran  # steps of 48 tokens only
+    theirs = eng.prefill(request)
+    assert _row(mine.first) == _row(theirs.first)
+    for key in mine.rows.cache:
+        got, want = mine.rows.cache[key][:, :, :37], theirs.rows.cache[key][:, :, :37]
+        assert np.array_equal(got, want), key
+    assert _run(eng, mine) == _run(eng, theirs)
+    others = [
+        Request(prompt[:20], max_new_tokens=NEW, logprobs=True),  # 32 tokens
+        Request(prompt * 2, max_new_tokens=NEW, logprobs=True),  # two blocks
+    ]
+    together = nothing.prefill_many([request, *others])
+    for got, alone in zip(together, [mine] + [nothing.prefill(r) for r in others], strict=True):
+        assert _row(got.first) == _row(alone.first)
+        n = len(got.request.prompt)
+        for key in got.rows.cache:
+            assert np.array_equal(got.rows.cache[key][:, :, :n], alone.rows.cache[key][:, :, :n])

@@ -103,13 +103,14 @@ def begin(
     chunk: int = PREFILL_CAP,
     *,
     rows: int = 0,
+    names: Sequence[int] | None = None,
 ) -> Pending:
     """Admits ``requests`` (raises GenerationError, naming the request, for one the engine
     cannot take) and gives their prompts to feed, at most ``chunk`` tokens (a multiple of 64 up
     to 512) of each per step, in a cache of the fewest rows of :func:`windows` that hold what
     the steps write and at least ``rows`` (a warm-up's): the steps attend over those rows only,
     and :func:`.slots.insert` puts them at the start of a slot, whose other rows the mask
-    hides."""
+    hides. ``names``: the numbers errors name the requests by (their indices)."""
     requests = tuple(requests)
     if not requests:
         raise GenerationError("prefill needs at least one request")
@@ -126,7 +127,8 @@ def begin(
             admitted.append(slots._admit(engine, request))
             tables.append(slots._table_of(engine, request, admitted[-1][0]["eos"]))
         except GenerationError as error:
-            raise GenerationError(f"request {i}: {error}") from None
+            name = i if names is None else names[i]
+            raise GenerationError(f"request {name}: {error}") from None
     capacity = engine.slot_capacity
     prompts = [len(r.prompt) for r in requests]
     # every step writes its padded width after each row's valid rows: the cache must hold it
@@ -139,7 +141,8 @@ def begin(
         need = max(prompts[i] + r["max_new"], int(written[i]))
         if need > capacity:
             raise GenerationError(
-                f"request {i} needs {need} cache rows (a prompt of {prompts[i]} tokens, padded, "
+                f"request {i if names is None else names[i]} needs {need} cache rows (a prompt "
+                f"of {prompts[i]} tokens, padded, "
                 f"and {r['max_new']} new ones): more than the slots' capacity of {capacity}"
             )
     n = len(requests)

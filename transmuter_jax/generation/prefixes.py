@@ -1,15 +1,18 @@
 """A prefix cache for the slots: the KV rows of recent prompts stay on the device.
 
-:meth:`PrefixCache.prefill_many` runs the prompts of a few requests together, in steps of
-exactly :data:`BLOCK` tokens per row (a row's last block padded; a row whose prompt is done
-feeds padding until the others are), and keeps the cache rows of each prompt's whole blocks,
-bounded in bytes and evicted least recently used first. A later prompt that starts with stored
-blocks gets their rows copied into its row and runs only its other blocks. A row's steps depend
-on its own prompt alone (the same width, the same positions), so a request gets the same tokens
-and log-probabilities, bit for bit, with or without the cache and whichever prompts run beside
-it, where the rows of a step do not change each other's bits (:func:`rows_agree` checks that
-for a batch size). (The tokens equal a one-step :func:`.slots.prefill`'s; log-probabilities
-differ from it in the last bits, as steps of other shapes round differently.)
+:meth:`PrefixCache.prefill_many` runs the prompts of a few requests together, each in steps of
+its :func:`width`: a prompt of at most :data:`BLOCK` tokens in one step of its prompt bucket (a
+multiple of 16, as :func:`.slots.prefill` runs it), a longer one in steps of exactly
+:data:`BLOCK` tokens (its last block padded; a row whose prompt is done feeds padding until the
+others are). Only prompts of one width run together. It keeps the cache rows of each prompt's
+whole blocks, bounded in bytes and evicted least recently used first. A later prompt that
+starts with stored blocks gets their rows copied into its row and runs only its other blocks. A
+row's steps depend on its own prompt alone (the same width, the same positions), so a request
+gets the same tokens and log-probabilities, bit for bit, with or without the cache and whichever
+prompts run beside it, where the rows of a step do not change each other's bits
+(:func:`rows_agree` checks that for a batch size). (The tokens equal a one-step
+:func:`.slots.prefill`'s; for a prompt longer than a block, log-probabilities differ from it in
+the last bits, as steps of other shapes round differently.)
 """
 
 from __future__ import annotations
@@ -139,47 +142,68 @@ class PrefixCache:
     def prefill_many(
         self, requests: Sequence[slots.Request], *, cache_rows: int = 0
     ) -> list[slots.Prefix]:
-        """The prefixes of ``requests`` (their prompts run together, each from the end of the
-        stored blocks it starts with, in steps of :data:`BLOCK` tokens; a batch padded to a
-        size of :data:`ROWS` with one-token rows, in a cache of the rows of a prefill window,
-        :func:`.prefill.windows`, at least ``cache_rows``); then stores the rows of each
+        """The prefixes of ``requests``: each prompt from the end of the stored blocks it starts
+        with, in steps of its :func:`width`; prompts of one width run together, in batches of
+        :data:`ROWS` sizes (no padding rows), in a cache of the rows of a prefill window
+        (:func:`.prefill.windows`, at least ``cache_rows``); then stores the rows of each
         prompt's whole blocks.
 
         Raises:
             GenerationError: as :func:`.slots.prefill`, naming the request by its index.
         """
         engine, requests = self.engine, list(requests)
-        rows = next((r for r in ROWS if r >= len(requests)), len(requests))
-        pad = slots.Request((slots._pad_token(engine),), max_new_tokens=0)
-        padded = requests + [pad] * (rows - len(requests))
-        pending = prefills.begin(engine, padded, BLOCK, rows=cache_rows)
-        fed, cache = pending.fed.copy(), pending.cache
-        for i, request in enumerate(requests):
+        starts = []
+        for request in requests:
             prompt = request.prompt
             self._queries += 1
             self._query_tokens += len(prompt)
             entry, shared = self._lookup(prompt, (len(prompt) - 1) // BLOCK * BLOCK)
             if entry is not None:
-                # rows past ``shared`` are rewritten by the next blocks or hidden by the mask
-                cache = _row_function()(cache, entry.cache, jnp.int32(i))
-                fed[i] = shared
                 self._entries.move_to_end(entry.tokens)
                 self._hits += 1
                 self._hit_tokens += shared
+            starts.append((entry, shared))
+        groups: dict[int, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(width(engine, len(request.prompt)), []).append(i)
+        prefixes: list[slots.Prefix | None] = [None] * len(requests)
+        for size, members in groups.items():
+            while members:
+                n = max((r for r in ROWS if r <= len(members)), default=len(members))
+                part, members = members[:n], members[n:]
+                ran = self._run([requests[i] for i in part], [starts[i] for i in part], size,
+                                cache_rows, part)  # fmt: skip
+                for i, prefix in zip(part, ran, strict=True):
+                    prefixes[i] = prefix
+        return prefixes  # type: ignore[return-value]
+
+    def _run(self, requests, starts, size: int, cache_rows: int, names) -> list[slots.Prefix]:
+        """The prefixes of ``requests`` of one width (``size``) run together, each from its
+        start (a stored entry and the tokens it shares, or (None, 0))."""
+        engine = self.engine
+        pending = prefills.begin(engine, requests, BLOCK, rows=cache_rows, names=names)
+        fed, cache = pending.fed.copy(), pending.cache
+        for i, (entry, shared) in enumerate(starts):
+            if entry is not None:
+                # rows past ``shared`` are rewritten by the next blocks or hidden by the mask
+                cache = _row_function()(cache, entry.cache, jnp.int32(i))
+                fed[i] = shared
         pending = dataclasses.replace(pending, fed=fed, lengths=fed.astype(np.int32), cache=cache)
         for i, request in enumerate(requests):
-            # a row done before the others feeds a padded block after its prompt
-            after = len(request.prompt) + BLOCK if _steps(pending, i) < _steps(pending) else 0
-            if max(after, written(pending, i)) > engine.slot_capacity:
+            # a row done before the others feeds a padded step after its prompt
+            steps = _steps(pending, size)
+            after = len(request.prompt) + size if _steps(pending, size, i) < steps else 0
+            if max(after, written(pending, i, size)) > engine.slot_capacity:
                 raise GenerationError(
-                    f"request {i}: its prompt of {len(request.prompt)} tokens, padded to blocks "
-                    f"of {BLOCK}, needs more than the slots' capacity of {engine.slot_capacity}"
+                    f"request {names[i]}: its prompt of {len(request.prompt)} tokens, padded to "
+                    f"steps of {size}, needs more than the slots' capacity of "
+                    f"{engine.slot_capacity}"
                 )
             held = slots._rows_of(engine, pending.cache, engine.slot_capacity)
-            assert max(after, written(pending, i)) <= held, "begin's window holds every block"
+            assert max(after, written(pending, i, size)) <= held, "begin's window holds them"
         while not pending.done:
-            pending = prefills.step(engine, pending, BLOCK)
-        prefixes = prefills.end(engine, pending)[: len(requests)]
+            pending = prefills.step(engine, pending, size)
+        prefixes = prefills.end(engine, pending)
         for request, prefix in zip(requests, prefixes, strict=True):
             whole = len(request.prompt) // BLOCK * BLOCK
             self._store(request.prompt[:whole], prefix.rows.cache)
@@ -226,14 +250,21 @@ class PrefixCache:
 
 def warm(engine: Engine, state: slots.SlotState, batches: Sequence[int]) -> slots.SlotState:
     """Compiles what :meth:`PrefixCache.prefill_many` and :func:`.slots.insert` run for
-    prefills of ``batches`` prompts in every prefill window (:func:`.prefill.windows`): one
-    one-token prompt a row, each prefix put into slot 0 of ``state`` and freed; returns the
-    state (its arrays were donated; slot 0 must be free)."""
+    prefills of ``batches`` prompts: in the first prefill window (:func:`.prefill.windows`) a
+    step of every :func:`width`, in the others steps of :data:`BLOCK` (a prompt of more than
+    one block); each prefix put into slot 0 of ``state`` and freed; returns the state (its
+    arrays were donated; slot 0 must be free)."""
     cache = PrefixCache(engine, 0)
-    prompt = (slots._pad_token(engine),)
-    for rows in prefills.windows(engine.slot_capacity):
+    pad = slots._pad_token(engine)
+    shortest: dict[int, int] = {}  # the shortest prompt of each width
+    for n in range(BLOCK, 0, -1):
+        shortest[width(engine, n)] = n
+    first, *others = prefills.windows(engine.slot_capacity)
+    runs = [(first, n) for n in sorted(shortest.values())]
+    runs += [(rows, BLOCK + 1) for rows in others if rows >= 2 * BLOCK]
+    for rows, length in runs:
         for batch in batches:
-            requests = [slots.Request(prompt, max_new_tokens=1)] * batch
+            requests = [slots.Request((pad,) * length, max_new_tokens=1)] * batch
             prefix = cache.prefill_many(requests, cache_rows=rows)[0]
             state = slots.free(slots.insert(engine, prefix, state, 0), 0)
     return state
@@ -244,15 +275,26 @@ def cache_bytes_per_token(engine: Engine) -> int:
     return sum(e.heads * e.head_size * jnp.dtype(e.dtype).itemsize for e in engine.cache.entries)
 
 
-def _steps(pending: prefills.Pending, row: int | None = None) -> int:
-    """Steps of :data:`BLOCK` tokens that ``row`` (None: the longest row) has left."""
+def width(engine: Engine, length: int) -> int:
+    """Tokens of each prefill step of a prompt of ``length`` tokens in :class:`PrefixCache`:
+    one step of the engine's prompt bucket for a prompt of at most :data:`BLOCK` tokens (37
+    tokens as 48: the width :func:`.slots.prefill` runs it in; such a prompt has no whole block
+    to find stored), else :data:`BLOCK`. A step's width changes the bits of its rows' attention,
+    so prompts of one width only run together."""
+    if length <= BLOCK:
+        return engine.cache_mode.prompt_step(max(int(length), 1), engine.spec.prefill)
+    return BLOCK
+
+
+def _steps(pending: prefills.Pending, size: int, row: int | None = None) -> int:
+    """Steps of ``size`` tokens that ``row`` (None: the longest row) has left."""
     left = pending.remaining if row is None else pending.remaining[row : row + 1]
-    return int(-(-left.max() // BLOCK))
+    return int(-(-left.max() // size))
 
 
-def written(pending: prefills.Pending, row: int) -> int:
-    """Cache rows the blocks of ``row`` write (its last block padded)."""
-    return int(pending.fed[row] + BLOCK * _steps(pending, row))
+def written(pending: prefills.Pending, row: int, size: int = BLOCK) -> int:
+    """Cache rows the steps of ``size`` tokens of ``row`` write (its last step padded)."""
+    return int(pending.fed[row] + size * _steps(pending, size, row))
 
 
 def blocks_apply(engine: Engine) -> bool:
@@ -265,26 +307,31 @@ def blocks_apply(engine: Engine) -> bool:
 def rows_agree(engine: Engine, rows: int) -> bool:
     """Whether ``rows`` prompts run together by :meth:`PrefixCache.prefill_many` get the same
     prefixes (first tokens, log-probabilities and cache rows), bit for bit, as each run alone
-    (on some CPUs a larger matrix product or reduction sums in another order)."""
+    (on some CPUs a larger matrix product or reduction sums in another order): prompts of one
+    step (one :func:`width`), and of two blocks where the slots hold them."""
     vocab = engine.vocab_size or 1000
-    long = 70 if engine.slot_capacity >= 3 * BLOCK else 40  # two blocks where they fit
     top = engine.slot_top_logprobs
 
-    def request(j: int) -> slots.Request:
-        prompt = tuple((3 + j + 7 * i) % vocab for i in range(long if j == 0 else 40 - 5 * j))
+    def request(j: int, length: int) -> slots.Request:
+        prompt = tuple((3 + j + 7 * i) % vocab for i in range(length))
         return slots.Request(
             prompt, max_new_tokens=1, logprobs=True, top_logprobs=top, do_sample=j % 2 == 1,
             seed=j,
         )  # fmt: skip
 
-    requests = [request(j) for j in range(rows)]
+    sets = [[request(j, 40 - 2 * j) for j in range(rows)]]  # one width (48 tokens)
+    if engine.slot_capacity >= 3 * BLOCK:
+        sets.append([request(j, 70 + 5 * j) for j in range(rows)])  # two blocks each
     cache = PrefixCache(engine, 0)
-    alone = [cache.prefill_many([r])[0] for r in requests]
-    together = cache.prefill_many(requests)
 
     def bits(prefix: slots.Prefix) -> tuple:
         first, n = prefix.first, len(prefix.request.prompt)
         arrays = [np.asarray(a[:, :, :n]).tobytes() for _, a in sorted(prefix.rows.cache.items())]
         return first.token, np.float32(first.logprob).tobytes(), first.top, arrays
 
-    return all(bits(a) == bits(b) for a, b in zip(alone, together, strict=True))
+    for requests in sets:
+        alone = [cache.prefill_many([r])[0] for r in requests]
+        together = cache.prefill_many(requests)
+        if not all(bits(a) == bits(b) for a, b in zip(alone, together, strict=True)):
+            return False
+    return True
