@@ -101,12 +101,29 @@ static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, fl
 
 // Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [panel a | panel b] (cols <= 2 * kPanel): twice the columns
 // per broadcast of X, for many rows of X.
+// Brings row i of panel `p` (kPanel floats) into L2 (not L1, which holds the block in use).
+static inline void prefetch_row(const float* p, int64_t i) {
+  const char* row = reinterpret_cast<const char*>(p + i * kStrip);
+  for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(row + line, 0, 2);
+}
+
+// `fetch` rows of the next block of K of the panels (starting at `next_a`, `next_b`) are
+// prefetched, one every `every` values of K, so that the next block streams in from memory
+// while this one is computed from L1 (the weights of a decode step are read once: cold).
 template <int R>
 static void micro_pair(const float* x, int64_t ldx, const float* a, const float* b, int64_t k,
-                       float* y, int64_t ldy, int64_t cols, bool add) {
+                       float* y, int64_t ldy, int64_t cols, bool add, const float* next_a,
+                       const float* next_b, int64_t every, int64_t fetch) {
   gv acc[R][2 * kVecs] = {};
   if (add) load_acc<R, 2 * kVecs>(acc, y, ldy, cols);
+  int64_t at = 0, fetched = 0;  // the value of K of the next prefetch, rows prefetched
   for (int64_t i = 0; i < k; ++i) {
+    if (i == at && fetched < fetch) {  // a counter: no division in the loop
+      prefetch_row(next_a, fetched);
+      prefetch_row(next_b, fetched);
+      ++fetched;
+      at += every;
+    }
     gv w[2 * kVecs];
     for (int v = 0; v < kVecs; ++v) {
       w[v] = gload(a + i * kStrip + v * kGemmLanes);
@@ -123,7 +140,8 @@ static void micro_pair(const float* x, int64_t ldx, const float* a, const float*
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
                        bool);
 using MicroPair = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*,
-                           int64_t, int64_t, bool);
+                           int64_t, int64_t, bool, const float*, const float*, int64_t,
+                           int64_t);
 
 template <int V, int... I>
 constexpr std::array<Micro, sizeof...(I) + 1> micro_table(std::integer_sequence<int, I...>) {
@@ -205,12 +223,18 @@ static void gemm_pair_chunk(void* ctx, int64_t chunk) {
   const int64_t passes = (r1 - r0 + kPairRows - 1) / kPairRows;
   for (int64_t k0 = 0; k0 < job.k; k0 += kDepth) {
     const int64_t kc = std::min(kDepth, job.k - k0);
-    int64_t r = r0;
-    for (int64_t p = 0; p < passes; ++p) {
+    const int64_t next = std::min(kDepth, job.k - k0 - kc);  // rows of the next block
+    int64_t r = r0, done = 0;
+    for (int64_t p = 0; p < passes; ++p) {  // each pass prefetches its share of the next block
       const int64_t take = (r1 - r) / (passes - p);
+      const int64_t share = (next - done) / (passes - p);
+      const int64_t every = share > 0 ? std::max<int64_t>(1, kc / share) : 1;
+      const int64_t at = share > 0 ? k0 + kc + done : k0;  // in the panels either way
       kMicroPair[take](job.x + r * job.k + k0, job.k, a + k0 * kStrip, b + k0 * kStrip, kc,
-                       job.y + r * job.n + q * kPanel, job.n, cols, k0 > 0);
+                       job.y + r * job.n + q * kPanel, job.n, cols, k0 > 0, a + at * kStrip,
+                       b + at * kStrip, every, share);
       r += take;
+      done += share;
     }
   }
 }
