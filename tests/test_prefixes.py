@@ -4,6 +4,7 @@ OpenAI options the server needs (frequency_penalty, logit_bias, min_new_tokens).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -199,9 +200,7 @@ def test_prefill_windows_and_a_stored_prompt_longer_than_the_window():
 
 
 @pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
-def test_a_prompt_of_one_block_runs_in_one_step_of_its_bucket_as_slots_prefill_does(
-    name, workdir
-):
+def test_a_prompt_of_one_block_runs_in_one_step_of_its_bucket_as_slots_prefill_does(name, workdir):
     """A prompt of at most 64 tokens runs in one step of its prompt bucket (37 tokens: 48), the
     width slots.prefill runs it in, so its prefix equals slots.prefill's bit for bit; prompts of
     other widths run beside it in steps of their own, and each equals its run alone."""
@@ -232,3 +231,25 @@ def test_a_prompt_of_one_block_runs_in_one_step_of_its_bucket_as_slots_prefill_d
         n = len(got.request.prompt)
         for key in got.rows.cache:
             assert np.array_equal(got.rows.cache[key][:, :, :n], alone.rows.cache[key][:, :, :n])
+
+
+def test_after_the_warm_up_the_moves_between_windows_compile_nothing(workdir, caplog):
+    """prefixes.warm compiles every move a server's requests make between windows: a short
+    prompt's prefix put into slots that hold a long request's window, and the slots resized
+    down and up again (no request waits for a compile)."""
+    spec = context("llama-optimum", workdir, max_new_tokens=NEW)
+    eng = generation.compile(spec, 2, capacity=256, top_logprobs=3)
+    state = prefixes.warm(eng, eng.init_state(), [1, 2])
+    vocab = eng.vocab_size
+    cache = PrefixCache(eng, max_bytes=0)
+    long = cache.prefill(Request([(3 + i) % vocab for i in range(150)], max_new_tokens=NEW))
+    short = cache.prefill(Request([(7 + i) % vocab for i in range(30)], max_new_tokens=NEW))
+    with jax.log_compiles(), caplog.at_level("WARNING"):
+        caplog.clear()
+        state = eng.insert(long, state, 0)  # the slots grow to the long prompt's window
+        state = eng.insert(short, state, 1)  # a 64-row prefix into 256-row slots
+        for rows in (64, 128, 256, 64):
+            state = eng.free(state, 0) if rows == 64 and 0 in state.live_slots else state
+            state = generation.slots.resized(eng, state, max(rows, 64))
+    compiled = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not [c for c in compiled if "insert" in c or "resize" in c], compiled

@@ -252,8 +252,10 @@ def warm(engine: Engine, state: slots.SlotState, batches: Sequence[int]) -> slot
     """Compiles what :meth:`PrefixCache.prefill_many` and :func:`.slots.insert` run for
     prefills of ``batches`` prompts: in the first prefill window (:func:`.prefill.windows`) a
     step of every :func:`width`, in the others steps of :data:`BLOCK` (a prompt of more than
-    one block); each prefix put into slot 0 of ``state`` and freed; returns the state (its
-    arrays were donated; slot 0 must be free)."""
+    one block); each prefix put into slot 0 of ``state`` and freed; then the moves between
+    windows (:func:`.slots.warm_moves`: a prefix of each window into the slots at each window,
+    the slots resized between windows). Returns the state (its arrays were donated; slot 0
+    must be free)."""
     cache = PrefixCache(engine, 0)
     pad = slots._pad_token(engine)
     shortest: dict[int, int] = {}  # the shortest prompt of each width
@@ -262,11 +264,14 @@ def warm(engine: Engine, state: slots.SlotState, batches: Sequence[int]) -> slot
     first, *others = prefills.windows(engine.slot_capacity)
     runs = [(first, n) for n in sorted(shortest.values())]
     runs += [(rows, BLOCK + 1) for rows in others if rows >= 2 * BLOCK]
+    made: dict[int, slots.Prefix] = {}  # a prefix of each prefill window
     for rows, length in runs:
         for batch in batches:
             requests = [slots.Request((pad,) * length, max_new_tokens=1)] * batch
             prefix = cache.prefill_many(requests, cache_rows=rows)[0]
             state = slots.free(slots.insert(engine, prefix, state, 0), 0)
+            made[rows] = prefix
+    slots.warm_moves(engine, state, list(made.values()))
     return state
 
 

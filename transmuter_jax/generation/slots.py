@@ -611,6 +611,11 @@ _RESIZE: dict[tuple, Any] = {}  # (rows, inputs, jit options) -> the jitted resi
 
 def _resized_cache(engine: Engine, cache: dict[str, jax.Array], rows: int) -> dict:
     """``cache`` with ``rows`` self-attention rows: its first ones, then zeros."""
+    return _resize_program(engine, rows)(cache)
+
+
+def _resize_program(engine: Engine, rows: int):
+    """The jitted ``cache -> cache`` of :func:`_resized_cache` to ``rows`` rows."""
     own = _own(engine)
     key = (rows, own, jit_key(engine.jit_options))
     if key not in _RESIZE:
@@ -625,7 +630,7 @@ def _resized_cache(engine: Engine, cache: dict[str, jax.Array], rows: int) -> di
             return {n: one(a) if n in own else a for n, a in cache.items()}
 
         _RESIZE[key] = jax.jit(resize, **jit_options(dict(engine.jit_options)))
-    return _RESIZE[key](cache)
+    return _RESIZE[key]
 
 
 def resized(engine: Engine, state: SlotState, rows: int) -> SlotState:
@@ -1172,6 +1177,43 @@ def warm(engine: Engine, state: SlotState, steps: int) -> SlotState:
         rows, _ = run(engine.model.params, state.rows, np.int32(0), state.live_table)
         state = dataclasses.replace(state, rows=rows)
     return state
+
+
+def warm_moves(engine: Engine, state: SlotState, prefixes: Sequence[Prefix]) -> None:
+    """Compiles, without running them, the moves between windows that requests make as they
+    come and go: the slots' cache resized from each window of :func:`windows` to each other,
+    and each of ``prefixes`` (one of each prefill window) put into the slots at each window
+    (:func:`insert`: as it is where the window holds it, else cut to the window)."""
+    own = _own(engine)
+
+    def like(a: Any, shape: tuple | None = None) -> jax.ShapeDtypeStruct:
+        # a committed array's program is another one than an uncommitted array's: keep which
+        sharding = a.sharding if getattr(a, "committed", False) else None
+        return jax.ShapeDtypeStruct(np.shape(a) if shape is None else shape, a.dtype,
+                                    sharding=sharding)  # fmt: skip
+
+    def shaped(tree: Any, rows: int) -> Any:
+        """``tree``'s shapes, dtypes and placement, its self-attention cache at ``rows`` rows."""
+        cache = {
+            n: like(a, (*a.shape[:2], rows, *a.shape[3:])) if n in own else like(a)
+            for n, a in tree.cache.items()
+        }
+        return dataclasses.replace(jax.tree.map(like, tree), cache=cache)
+
+    sizes = windows(state.capacity)
+    for a in sizes:
+        for b in sizes:
+            if a != b:
+                _resize_program(engine, b).lower(shaped(state.rows, a).cache).compile()
+    insert_ = _insert_function(jit_key(engine.jit_options))
+    slot = jax.ShapeDtypeStruct((), jnp.int32)
+    for prefix in prefixes:
+        given = _rows_of(engine, prefix.rows.cache, state.capacity)
+        for rows in sizes:
+            if rows < given:
+                _resize_program(engine, rows).lower(shaped(prefix.rows, given).cache).compile()
+            one = shaped(prefix.rows, min(given, rows))
+            insert_.lower(shaped(state.rows, rows), one, slot).compile()
 
 
 def read(state: SlotState, rows: Rows_, out: StepOut) -> tuple[SlotState, list[Token]]:
