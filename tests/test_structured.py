@@ -244,6 +244,19 @@ def _device_decode(table: cs.TokenTable, state: jax.Array, logits: jax.Array) ->
     return jax.lax.scan(step, start, logits)[1].T
 
 
+CLOSED = {  # closed objects of booleans, enums and integers: the device path
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", 7]},
+        "n": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "minItems": 1, "maxItems": 2},
+        "code": {"type": "string", "pattern": "^[A-C][0-9]{1,2}$"},  # anchored: a device table
+    },
+    "required": ["ok", "color", "tags", "code"],
+    "additionalProperties": False,
+}
+
 DEVICE = [
     cs.Constraint("regex", r"[0-9]{2,5}(-[a-z]{1,4}){1,3}"),  # moves out of states that may end
     cs.Constraint("regex", r"(true|false|maybe)!?"),
@@ -275,7 +288,11 @@ def test_the_device_table_equals_the_host_path_token_for_token(constraint):
     assert ended >= 2
 
 
-@pytest.mark.parametrize("constraint", DEVICE, ids=DEVICE_IDS)
+@pytest.mark.parametrize(
+    "constraint",
+    [*DEVICE, cs.Constraint("json_schema", json.dumps(CLOSED))],
+    ids=[*DEVICE_IDS, "closed-schema"],
+)
 def test_device_masks_equal_llguidances_along_random_walks(constraint):
     """The table's mask (device and host) equals llguidance's own matcher's at every step of
     random token walks (300 steps)."""
@@ -316,6 +333,10 @@ def test_which_constraints_take_the_device_path():
     closed["properties"] |= {"color": {"enum": ["red", 7]}, "n": {"type": "integer"}}
     assert device(cs.Constraint("json_schema", json.dumps(closed)))
     closed["properties"]["name"] = {"type": "string"}  # strings: llguidance's escapes differ
+    assert not device(cs.Constraint("json_schema", json.dumps(closed)))
+    closed["properties"]["name"] = {"type": "string", "pattern": "^[a-c]{1,4}$"}  # anchored
+    assert device(cs.Constraint("json_schema", json.dumps(closed)))
+    closed["properties"]["name"] = {"type": "string", "pattern": "[a-c]{1,4}"}  # a search
     assert not device(cs.Constraint("json_schema", json.dumps(closed)))
 
 
@@ -375,19 +396,6 @@ def test_host_matchers_run_in_the_decode_chunk_as_the_host_step(model, option, s
     assert device == gen.generate(host_engine, PROMPTS, seeds)
     if "grammar" in option:  # short sentences: eos at their end, through the callbacks
         assert all(len(tokens) < 40 for tokens in device)
-
-
-CLOSED = {  # closed objects of booleans, enums and integers: the device path
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "color": {"enum": ["red", "green", 7]},
-        "n": {"type": "integer"},
-        "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "minItems": 1, "maxItems": 2},
-    },
-    "required": ["ok", "color", "tags"],
-    "additionalProperties": False,
-}
 
 
 @pytest.mark.parametrize("sample", [False, True])

@@ -766,9 +766,10 @@ def processor(
 def _plain(constraint: Constraint) -> bool:
     """Whether a table may equal llguidance's masks, before building it: a regex or a choice,
     or a schema of closed objects (additionalProperties false), arrays, enums, consts,
-    booleans, nulls and unbounded integers. outlines-core's regex of strings, numbers and
-    bounded integers differs from llguidance's JSON (escapes, exponents, bounds): building
-    their table only to drop it would cost up to seconds."""
+    booleans, nulls, unbounded integers and strings given by a pattern anchored at both ends.
+    outlines-core's regex of other strings, numbers and bounded integers differs from
+    llguidance's JSON (escapes, exponents, bounds, lengths, formats, unanchored patterns):
+    building their table only to drop it would cost up to seconds."""
     if constraint.kind != "json_schema":
         return True
     bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -782,6 +783,8 @@ def _plain(constraint: Constraint) -> bool:
             return True
         kinds = node.get("type")
         kinds = kinds if isinstance(kinds, list) else [kinds]
+        if kinds == ["string"]:
+            return _anchored(node)
         if "string" in kinds or "number" in kinds or any(b in node for b in bounds):
             return False
         if "object" in kinds and node.get("additionalProperties") is not False:
@@ -789,6 +792,17 @@ def _plain(constraint: Constraint) -> bool:
         return all(walk(v) for k, v in node.items() if k not in ("required", "type"))
 
     return walk(json.loads(constraint.text))
+
+
+def _anchored(node: dict) -> bool:
+    """Whether a string schema is a pattern anchored at both ends and nothing else that
+    constrains it (outlines-core and llguidance then take the same strings)."""
+    pattern = node.get("pattern")
+    if not isinstance(pattern, str) or set(node) - {"type", "pattern", "title", "description"}:
+        return False
+    body = pattern[:-1]
+    slashes = len(body) - len(body.rstrip("\\"))  # an odd count escapes the final "$"
+    return pattern.startswith("^") and pattern.endswith("$") and slashes % 2 == 0
 
 
 def restrict(scores: jax.Array, table: TokenTable | None, state: jax.Array) -> jax.Array:
