@@ -114,6 +114,7 @@ def begin(
     requests = tuple(requests)
     if not requests:
         raise GenerationError("prefill needs at least one request")
+    names = range(len(requests)) if names is None else names
     if (
         isinstance(chunk, bool)
         or not isinstance(chunk, int)
@@ -127,8 +128,7 @@ def begin(
             admitted.append(slots._admit(engine, request))
             tables.append(slots._table_of(engine, request, admitted[-1][0]["eos"]))
         except GenerationError as error:
-            name = i if names is None else names[i]
-            raise GenerationError(f"request {name}: {error}") from None
+            raise GenerationError(f"request {names[i]}: {error}") from None
     capacity = engine.slot_capacity
     prompts = [len(r.prompt) for r in requests]
     # every step writes its padded width after each row's valid rows: the cache must hold it
@@ -141,9 +141,8 @@ def begin(
         need = max(prompts[i] + r["max_new"], int(written[i]))
         if need > capacity:
             raise GenerationError(
-                f"request {i if names is None else names[i]} needs {need} cache rows (a prompt "
-                f"of {prompts[i]} tokens, padded, "
-                f"and {r['max_new']} new ones): more than the slots' capacity of {capacity}"
+                f"request {names[i]} needs {need} cache rows (a prompt of {prompts[i]} tokens, "
+                f"padded, and {r['max_new']} new ones): more than the slots' capacity of {capacity}"
             )
     n = len(requests)
     return Pending(

@@ -189,9 +189,9 @@ class PrefixCache:
                 cache = _row_function()(cache, entry.cache, jnp.int32(i))
                 fed[i] = shared
         pending = dataclasses.replace(pending, fed=fed, lengths=fed.astype(np.int32), cache=cache)
+        steps = _steps(pending, size)  # of the longest row
         for i, request in enumerate(requests):
             # a row done before the others feeds a padded step after its prompt
-            steps = _steps(pending, size)
             after = len(request.prompt) + size if _steps(pending, size, i) < steps else 0
             if max(after, written(pending, i, size)) > engine.slot_capacity:
                 raise GenerationError(

@@ -458,7 +458,7 @@ def _step_function(
     groups)."""
     spec, mode = engine.spec, engine.cache_mode
     step = engine.compiled.steps.function(branch, padded)
-    masks = {n: put(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+    masks = _device_masks(spec)
     names = {i.name for i in engine.model.inputs}
     axes = _axes(engine)
     pad = _pad_token(engine)
@@ -647,6 +647,12 @@ def resized(engine: Engine, state: SlotState, rows: int) -> SlotState:
     return dataclasses.replace(state, rows=dataclasses.replace(state.rows, cache=cache))
 
 
+def _device_masks(spec: Any) -> dict[str, jax.Array]:
+    """The specification's static token masks (:func:`.processors.static_masks`) on the
+    device, for the programs that close over them."""
+    return {n: put(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+
+
 def _first(engine: Engine, k: int):
     """The jitted ``(logits [B, V], rows, table) -> (rows, StepOut)``: the selection of the
     slots' step alone (a prefix's first token; generate()'s tokens on the host)."""
@@ -661,7 +667,7 @@ def _first(engine: Engine, k: int):
     )
 
     def make():
-        masks = {n: put(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+        masks = _device_masks(spec)
 
         def first(logits, rows: Rows_, table):
             views = Rows(
@@ -1201,19 +1207,21 @@ def warm_moves(engine: Engine, state: SlotState, prefixes: Sequence[Prefix]) -> 
         return dataclasses.replace(jax.tree.map(like, tree), cache=cache)
 
     sizes = windows(state.capacity)
+    slots_at = {rows: shaped(state.rows, rows) for rows in sizes}
     for a in sizes:
         for b in sizes:
             if a != b:
-                _resize_program(engine, b).lower(shaped(state.rows, a).cache).compile()
+                _resize_program(engine, b).lower(slots_at[a].cache).compile()
     insert_ = _insert_function(jit_key(engine.jit_options))
     slot = jax.ShapeDtypeStruct((), jnp.int32)
     for prefix in prefixes:
         given = _rows_of(engine, prefix.rows.cache, state.capacity)
+        whole = shaped(prefix.rows, given)
         for rows in sizes:
             if rows < given:
-                _resize_program(engine, rows).lower(shaped(prefix.rows, given).cache).compile()
-            one = shaped(prefix.rows, min(given, rows))
-            insert_.lower(shaped(state.rows, rows), one, slot).compile()
+                _resize_program(engine, rows).lower(whole.cache).compile()
+            one = whole if rows >= given else shaped(prefix.rows, rows)
+            insert_.lower(slots_at[rows], one, slot).compile()
 
 
 def read(state: SlotState, rows: Rows_, out: StepOut) -> tuple[SlotState, list[Token]]:

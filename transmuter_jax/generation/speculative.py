@@ -35,7 +35,7 @@ from . import slots
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
 from .errors import GenerationError
-from .processors import Rows, static_masks
+from .processors import Rows
 from .programs import program
 from .select import cutoffs
 
@@ -175,7 +175,7 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
     without an assistant model."""
     spec, mode = engine.spec, engine.cache_mode
     step = engine.compiled.steps.function(True, None)
-    masks = {n: jnp.asarray(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+    masks = slots._device_masks(spec)
     names = {i.name for i in engine.model.inputs}
     axes, pad = slots._axes(engine), slots._pad_token(engine)
     drafted = length - 1

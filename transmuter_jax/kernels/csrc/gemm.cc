@@ -99,15 +99,14 @@ static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, fl
   store_acc<R, V>(acc, y, ldy, cols);
 }
 
-// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [panel a | panel b] (cols <= 2 * kPanel): twice the columns
-// per broadcast of X, for many rows of X.
 // Brings row i of panel `p` (kPanel floats) into L2 (not L1, which holds the block in use).
 static inline void prefetch_row(const float* p, int64_t i) {
   const char* row = reinterpret_cast<const char*>(p + i * kStrip);
   for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(row + line, 0, 2);
 }
 
-// `fetch` rows of the next block of K of the panels (starting at `next_a`, `next_b`) are
+// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [panel a | panel b] (cols <= 2 * kPanel): twice the columns
+// per broadcast of X, for many rows of X. `fetch` rows of the next block of K of the panels (starting at `next_a`, `next_b`) are
 // prefetched, one every `every` values of K, so that the next block streams in from memory
 // while this one is computed from L1 (the weights of a decode step are read once: cold).
 template <int R>
