@@ -802,3 +802,13 @@ def test_kernel_cache_key_names_the_cpu(monkeypatch):
     here = build._key(build.compiler())
     monkeypatch.setattr(build, "cpu_identity", lambda: identity + " avx512f")
     assert build._key(build.compiler()) != here
+
+
+def test_a_product_of_another_k_is_refused_at_trace_time():
+    """x of another K than the packed weight gets the product's own shape error when traced
+    (as the unpacked path does), not the kernel's error when run."""
+    packed = kernels.pack(np.ones((12, 40), np.float32))
+    with pytest.raises(TypeError, match="contracting dimensions"):
+        jax.jit(lambda x: kernels.matmul(x, packed, 40))(np.ones((2, 1), np.float32))
+    got = jax.jit(lambda x: kernels.matmul(x, packed, 40))(np.ones((2, 12), np.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.full((2, 40), 12.0, np.float32))

@@ -117,6 +117,8 @@ def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     x = jnp.asarray(x, jnp.float32)
     if not enabled() or x.shape[-1] == 0 or math.prod(x.shape[:-1]) > MATMUL_MAX_ROWS:
         return _matmul_reference(x, packed, n)
+    if x.shape[-1] != packed.shape[-2]:  # another K: the product's own shape error
+        return _matmul_reference(x, packed, n)  # at trace time, not the kernel's at run time
     return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
 
 
