@@ -44,15 +44,16 @@ class Policy:
             "nextpow2" (one step padded to the next power of two) or "buckets" (one step
             padded to a multiple of 16 up to 64 tokens, then of 64, at most 512 a step: the
             implemented ``prefill="buckets"``, ``generation.cache.prompt_bucket``).
-        cache: append / in_place: "capacity64" (the longest row plus the first step, rounded
-            up to 64, as implemented), "capacity256" (rounded up to 256), "capacitypow2"
-            (rounded up to a power of two, at least 64), "capacitygeo" (rounded up to 2^k or
-            1.5 x 2^k, at least 64), "growing:K" (the buffer starts small and is copied into one
-            K rows larger when a step needs room) or "fixed:N" (always N rows). grow: "exact"
-            (the exact length, as implemented without padding), "padded64" (padded: the longest
-            row rounded up to 64, as implemented), "paddedpow2" (rounded up to a power of two,
-            at least 64), "bucket64" (the cache grows in steps of 64 rows as it fills: each
-            step's capacity is its valid tokens rounded up to 64) or "fixed:N".
+        cache: append / in_place: "capacity64" (the longest row plus the first step, rounded up to
+            64; when the first step feeds every prompt whole, the longer of the longest row and that
+            step, rounded up to 64: as implemented), "capacity256" (rounded up to 256),
+            "capacitypow2" (rounded up to a power of two, at least 64), "capacitygeo" (rounded up to
+            2^k or 1.5 x 2^k, at least 64), "growing:K" (the buffer starts small and is copied into
+            one K rows larger when a step needs room) or "fixed:N" (always N rows). grow: "exact"
+            (the exact length, as implemented without padding), "padded64" (padded: the longest row
+            rounded up to 64, as implemented), "paddedpow2" (rounded up to a power of two, at least
+            64), "bucket64" (the cache grows in steps of 64 rows as it fills: each step's capacity
+            is its valid tokens rounded up to 64) or "fixed:N".
     """
 
     prompt: str = "pow2"
@@ -125,8 +126,9 @@ def padding_allowed(mode: str, cache_policy: str) -> bool:
     return mode != "grow"
 
 
-def cache_rows(mode: str, cache_policy: str, longest: int, first: int) -> int:
-    """Rows of the cache buffer of a batch (0: grow, the exact length)."""
+def cache_rows(mode: str, cache_policy: str, longest: int, first: int, prompt: int = 0) -> int:
+    """Rows of the cache buffer of a batch (0: grow, the exact length); ``prompt``: the longest
+    prompt (a first step that feeds every prompt whole needs no room past the longest row)."""
     kind, _, arg = cache_policy.partition(":")
     if mode == "grow":
         if kind in ("exact", "bucket64"):
@@ -142,7 +144,7 @@ def cache_rows(mode: str, cache_policy: str, longest: int, first: int) -> int:
         raise ValueError(f"cache policy {cache_policy!r} is not one of grow's")
     need = longest + first
     if kind == "capacity64":
-        return round_up(need, 64)
+        return round_up(max(longest, first) if first >= prompt else need, 64)
     if kind == "capacity256":
         return round_up(need, 256)
     if kind == "capacitypow2":
@@ -205,7 +207,8 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
     longest = max(r.prompt + r.max_new for r in requests)
     first = step_tokens(policy.prompt, max(r.prompt for r in requests))
     kind, _, arg = policy.cache.partition(":")
-    rows = 0 if kind == "growing" else cache_rows(mode, policy.cache, longest, first)
+    prompt = max(r.prompt for r in requests)
+    rows = 0 if kind == "growing" else cache_rows(mode, policy.cache, longest, first, prompt)
     while any(s < r.steps for s, r in zip(selections, requests, strict=True)):
         remaining = [
             r.prompt - f if s < r.steps else 0

@@ -29,14 +29,17 @@ def test_powers_of_two_as_implemented():
 
 
 def test_other_prompt_policies():
+    # one step feeds the whole prompt: its padding is the only one, max(45 + 4, 45) -> 64 rows
     assert _shapes("append", "exact", "capacity64", [R(45, 4, 2)]) == {
-        (1, 45, 128, True),  # 45 + 4 + 45 = 94 -> 128
-        (1, 1, 128, True),
+        (1, 45, 64, True),
+        (1, 1, 64, True),
     }
     assert _shapes("in_place", "multiple:16", "capacity64", [R(45, 4, 2)]) == {
-        (1, 48, 128, True),
-        (1, 1, 128, True),
+        (1, 48, 64, True),  # max(49, 48) -> 64
+        (1, 1, 64, True),
     }
+    # a first step of 48 and a longest row of 61 + 4: 65 -> 128 rows
+    assert {s[2] for s in _shapes("in_place", "multiple:16", "capacity64", [R(61, 4, 2)])} == {128}
     assert {s[1] for s in _shapes("append", "pow2min:16", "capacity64", [R(45, 4, 2)])} == {
         32,
         16,  # the last 13 tokens, padded to 16

@@ -113,6 +113,13 @@ def test_gqa_prompt_long_zero_buffer():
     _gqa(buffer=8)
 
 
+@pytest.mark.parametrize("attrs", [{}, {"do_rotary": 1}, {"local_window_size": 2}])
+def test_gqa_prompt_in_a_buffer_of_the_step(attrs):
+    # a first prompt whose buffer holds the step's rows (the engine's in-place prompt step):
+    # every row's past is 0, so only the step's rows are attended
+    _gqa(seq=6, buffer=6, seqlens=(5, 2), total=6, **attrs)
+
+
 def test_gqa_prompt_packed():
     _gqa(packed=True)
 

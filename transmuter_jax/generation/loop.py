@@ -420,11 +420,12 @@ class _Run:
         self.members[group] = True
         longest = max(len(rows[i].prompt) + rows[i].max_new for i in group)
         mode = ctx.compiled.cache
-        first = mode.prompt_step(max(len(rows[i].prompt) for i in group), ctx.spec.prefill)
+        prompt = max(len(rows[i].prompt) for i in group)
+        first = mode.prompt_step(prompt, ctx.spec.prefill)
         states = self.given.get("encoder_hidden_states")
         encoder = 0 if states is None else int(states.shape[1])
         state = cache_modes.State(
-            mode, ctx.cache, len(rows), mode.capacity(longest, first), encoder
+            mode, ctx.cache, len(rows), mode.capacity(longest, first, prompt), encoder
         )
         if ctx.placement is not None:
             state.arrays = ctx.placement.place_cache(state.arrays)

@@ -19,7 +19,7 @@ typedef uint8_t vb16u __attribute__((vector_size(16), aligned(1)));
 
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
-inline vf splat(float s) { return vf{} + s; }
+inline vf splat(float s) { return s - vf{}; }  // x - 0 is x (x + 0 is not, for -0): a bare broadcast
 
 inline float hsum(vf v) {
   float lanes[kLanes];

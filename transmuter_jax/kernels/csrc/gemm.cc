@@ -6,7 +6,10 @@
 // Up to kRows rows of X (decoding): a chunk of work is one strip against all rows, in one pass of
 // a register-blocked micro-kernel per panel. More rows: a chunk is a pair of panels against a
 // group of up to kRowGroup rows, in passes of kPairRows rows, K in blocks of kDepth so that the
-// blocks of the panels stay in L1 across passes. Chunks are spread over the thread pool.
+// blocks of the panels stay in L1 across passes, each pass prefetching its share of the next
+// block; where the panel kernel holds more accumulators (AVX2), the most rows go back to strips
+// against row groups, in passes of kRows rows per panel, K in blocks. Chunks are spread over
+// the thread pool.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -31,7 +34,7 @@ typedef float gv __attribute__((vector_size(kVectorBytes)));
 typedef float gvu __attribute__((vector_size(kVectorBytes), aligned(4)));  // unaligned access
 inline gv gload(const float* p) { return *reinterpret_cast<const gvu*>(p); }
 inline void gstore(float* p, gv v) { *reinterpret_cast<gvu*>(p) = v; }
-inline gv gsplat(float s) { return gv{} + s; }
+inline gv gsplat(float s) { return s - gv{}; }  // x - 0 is x (x + 0 is not, for -0): a bare broadcast
 
 constexpr int kStrip = 32;                       // strip width in floats (the packed layout)
 constexpr int kGemmLanes = kVectorBytes / 4;     // floats per vector
@@ -44,6 +47,12 @@ constexpr int kWideRows = std::max(1, (kRegisters - kStrip / kGemmLanes - 1) / (
 constexpr int kPairRows = std::min(6, (kRegisters - 2 * kVecs - 1) / (2 * kVecs));
 constexpr int64_t kRowGroup = 96;                // rows of X per chunk when M is large
 constexpr int64_t kDepth = 256;                  // values of K per block when M > kRows
+// Where a pass of the pair kernel holds fewer accumulators than one of the panel kernel (AVX2:
+// 8 against 12), a product of at least kManyRows rows (compute-bound) runs on single panels; the
+// pair kernel, whose loads stream the weights faster, keeps the products of fewer rows (a
+// decoding batch), which the weights' stream bounds. kManyRows: the crossover measured on AVX2.
+constexpr bool kPanelsForMany = kPairRows * 2 * kVecs < kRows * kVecs;
+constexpr int64_t kManyRows = 2 * kRows;
 static_assert(kStrip % kPanel == 0, "a strip holds whole panels");
 
 // Accumulators of R rows and V vectors from Y[0:R, 0:cols] (zeros past cols), and back. A
@@ -82,12 +91,27 @@ static void store_acc(const gv (&acc)[R][V], float* y, int64_t ldy, int64_t cols
 
 // Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ panel[0:k] (V vectors wide, rows kStrip apart),
 // cols <= V * kGemmLanes; resumes from Y when `add`.
+// Brings row i of a panel of `width` floats at `p` into L2 (not L1, which holds the block in
+// use).
+template <int width>
+static inline void prefetch_row(const float* p, int64_t i) {
+  const char* row = reinterpret_cast<const char*>(p + i * kStrip);
+  for (int line = 0; line < width * 4; line += 64) __builtin_prefetch(row + line, 0, 2);
+}
+
 template <int R, int V>
 static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
-                  int64_t ldy, int64_t cols, bool add) {
+                  int64_t ldy, int64_t cols, bool add, const float* next, int64_t every,
+                  int64_t fetch) {
   gv acc[R][V] = {};
   if (add) load_acc<R, V>(acc, y, ldy, cols);
+  int64_t at = 0, fetched = 0;  // the value of K of the next prefetch, rows prefetched
   for (int64_t i = 0; i < k; ++i) {
+    if (i == at && fetched < fetch) {  // a counter: no division in the loop
+      prefetch_row<V * kGemmLanes>(next, fetched);
+      ++fetched;
+      at += every;
+    }
     const float* p = panel + i * kStrip;
     gv w[V];
     for (int v = 0; v < V; ++v) w[v] = gload(p + v * kGemmLanes);
@@ -97,12 +121,6 @@ static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, fl
     }
   }
   store_acc<R, V>(acc, y, ldy, cols);
-}
-
-// Brings row i of panel `p` (kPanel floats) into L2 (not L1, which holds the block in use).
-static inline void prefetch_row(const float* p, int64_t i) {
-  const char* row = reinterpret_cast<const char*>(p + i * kStrip);
-  for (int line = 0; line < kPanel * 4; line += 64) __builtin_prefetch(row + line, 0, 2);
 }
 
 // Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [panel a | panel b] (cols <= 2 * kPanel): twice the columns
@@ -118,8 +136,8 @@ static void micro_pair(const float* x, int64_t ldx, const float* a, const float*
   int64_t at = 0, fetched = 0;  // the value of K of the next prefetch, rows prefetched
   for (int64_t i = 0; i < k; ++i) {
     if (i == at && fetched < fetch) {  // a counter: no division in the loop
-      prefetch_row(next_a, fetched);
-      prefetch_row(next_b, fetched);
+      prefetch_row<kPanel>(next_a, fetched);
+      prefetch_row<kPanel>(next_b, fetched);
       ++fetched;
       at += every;
     }
@@ -137,7 +155,7 @@ static void micro_pair(const float* x, int64_t ldx, const float* a, const float*
 }
 
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                       bool);
+                       bool, const float*, int64_t, int64_t);
 using MicroPair = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*,
                            int64_t, int64_t, bool, const float*, const float*, int64_t,
                            int64_t);
@@ -182,12 +200,17 @@ static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
   const int64_t depth = passes > 1 ? kDepth : job.k;
   for (int64_t k0 = 0; k0 < job.k; k0 += depth) {
     const int64_t kc = std::min(depth, job.k - k0);
-    int64_t r = 0;
-    for (int64_t p = 0; p < passes; ++p) {  // balanced passes
+    const int64_t next = std::min(depth, job.k - k0 - kc);  // rows of the next block
+    int64_t r = 0, done = 0;
+    for (int64_t p = 0; p < passes; ++p) {  // balanced passes, each prefetching its share
       const int64_t take = (m - r) / (passes - p);
+      const int64_t share = (next - done) / (passes - p);
+      const int64_t every = share > 0 ? std::max<int64_t>(1, kc / share) : 1;
+      const int64_t at = share > 0 ? k0 + kc + done : k0;  // in the panel either way
       kMicro[take](x + r * job.k + k0, job.k, panel + k0 * kStrip, kc, y + r * job.n, job.n,
-                   cols, k0 > 0);
+                   cols, k0 > 0, panel + at * kStrip, every, share);
       r += take;
+      done += share;
     }
   }
 }
@@ -200,7 +223,7 @@ static void gemm_chunk(void* ctx, int64_t chunk) {
   if (kPanels > 1 && r1 - r0 <= kWideRows) {
     const int64_t cols = std::min<int64_t>(kStrip, job.n - s * kStrip);
     kWide[r1 - r0](job.x + r0 * job.k, job.k, job.packed + s * job.k * kStrip, job.k,
-                   job.y + r0 * job.n + s * kStrip, job.n, cols, false);
+                   job.y + r0 * job.n + s * kStrip, job.n, cols, false, nullptr, 1, 0);
     return;
   }
   for (int64_t q = s * kPanels; q < (s + 1) * kPanels; ++q) gemm_panel(job, q, r0, r1);
@@ -249,7 +272,7 @@ void gemm(const float* x, const float* packed, float* y, int64_t m, int64_t k, i
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t groups = (m + kRowGroup - 1) / kRowGroup;
   GemmJob job{x, packed, y, m, k, n, groups};
-  if (m > kRows) {
+  if (m > kRows && !(kPanelsForMany && m >= kManyRows)) {
     Pool::get().run((panels + 1) / 2 * groups, gemm_pair_chunk, &job);
   } else {
     Pool::get().run(strips * groups, gemm_chunk, &job);

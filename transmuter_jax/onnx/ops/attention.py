@@ -90,11 +90,17 @@ def GroupQueryAttention(
         rot = _gqa_rotary_positions(steps.pos, position_ids, first)
         q = rotate_at(q, rot, cos_cache, sin_cache, rotary_interleaved)
         k = rotate_at(k, rot, cos_cache, sin_cache, rotary_interleaved)
-    cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len)
+    # A first prompt (total_sequence_length is the step's length: every row's past is 0) in a
+    # buffer no longer than the step: no old row is valid, so none is read.
+    buffer = 0 if past_key is None else past_key.shape[2]
+    fresh = query_seqlens is None and query.shape[1] == total_len and buffer <= total_len
+    cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len, fresh)
     sink = _gqa_sink(head_sink, smooth_softmax, num_heads)
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
     window = local_window_size if causal else 0
-    if attention_bias is None and ctx.num_outputs <= 3:
+    if attention_bias is None and ctx.num_outputs <= 3 and fresh:
+        attend = partial(_gqa_attend_new, q, cache, steps)
+    elif attention_bias is None and ctx.num_outputs <= 3:
         attend = partial(_gqa_attend_split, q, cache, steps)
     else:
         attend = partial(_gqa_attend_buffer, q, cache, steps, bias=attention_bias)
@@ -154,14 +160,17 @@ class _Cache(NamedTuple):
     present_v: jax.Array
 
 
-def _gqa_write(past_key, past_value, k, v, past, total_len) -> _Cache:
-    """Writes this step's keys and values at rows ``past[b]``, one slice update per row."""
+def _gqa_write(past_key, past_value, k, v, past, total_len, fresh=False) -> _Cache:
+    """Writes this step's keys and values at rows ``past[b]``, one slice update per row
+    (``fresh``: every ``past[b]`` is 0 and the buffer holds the step's rows: they are it)."""
     b, s, nk, h = k.shape
     buffer = 0 if past_key is None else past_key.shape[2]
     length = max(buffer, total_len, s)
     old_k = _cache(past_key, b, nk, length, h, k.dtype)
     old_v = _cache(past_value, b, nk, length, h, v.dtype)
     new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if fresh and length == s:
+        return _Cache(old_k, old_v, new_k, new_v, new_k, new_v)
     present_k = write_rows(old_k, new_k, past, axis=2)
     present_v = write_rows(old_v, new_v, past, axis=2)
     return _Cache(old_k, old_v, new_k, new_v, present_k, present_v)
@@ -199,6 +208,16 @@ def _gqa_attend_split(q, cache: _Cache, steps: _Steps, scale, softcap, causal, w
     out = grouped_values(probs[..., :length], cache.old_v)
     out = out + grouped_values(probs[..., length:], cache.new_v)  # [B, S, N, H]
     return scores, probs, out
+
+
+def _gqa_attend_new(q, cache: _Cache, steps: _Steps, scale, softcap, causal, window, sink):
+    """Attends over this step's rows alone (a first prompt: no old row is valid), as
+    :func:`_gqa_attend_split` does less its old rows, which weigh 0 there."""
+    scores = cap(grouped_scores(q, cache.new_k, scale), softcap)  # [B, N, S, S]
+    valid = steps.pos < steps.total[:, None]
+    mask = _gqa_mask(steps, steps.pos, valid, causal, window)
+    probs = masked_softmax(scores, mask, sink)
+    return scores, probs, grouped_values(probs, cache.new_v)
 
 
 def _gqa_attend_buffer(q, cache: _Cache, steps, scale, softcap, causal, window, sink, *, bias):
