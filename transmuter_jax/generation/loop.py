@@ -414,7 +414,8 @@ class _Run:
     # -- the verbs --------------------------------------------------------------------------
 
     def prefill(self, group: list[int]) -> cache_modes.State:
-        """A new cache for ``group``, fed every prompt of the group in power-of-two steps."""
+        """A new cache for ``group``, fed every prompt of the group in steps of the prefill rule
+        (``ctx.spec.prefill``: buckets, or powers of two)."""
         ctx, rows = self.ctx, self.rows
         self.members = np.zeros(len(rows), bool)
         self.members[group] = True
