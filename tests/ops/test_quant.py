@@ -47,6 +47,31 @@ def _check_nbits(inputs, k, n, block, *, constants=("b", "scales", "zp"), bits=4
     )
 
 
+@pytest.mark.parametrize("accuracy_level", [0, 4])
+@pytest.mark.parametrize("width", [32, 96])
+def test_matmul_nbits_input_of_another_k_is_refused_at_trace_time(rng, accuracy_level, width):
+    """A of another width than K is the graph's error, named when traced (the int4 kernel would
+    refuse it only when run, as a bare runtime error)."""
+    from transmuter_jax.onnx.errors import GraphError
+
+    b, scales, _ = _nbits_inputs(rng, 64, 16, 32, 4, None)
+    a = rng.standard_normal((2, width)).astype(np.float32)
+    model = node_model(
+        "MatMulNBits",
+        {"a": a, "b": b, "scales": scales},
+        ("y",),
+        domain=MS,
+        constants=("b", "scales"),
+        K=64,
+        N=16,
+        block_size=32,
+        bits=4,
+        accuracy_level=accuracy_level,
+    )
+    with pytest.raises(GraphError, match=f"input A has {width} values per row, not K = 64"):
+        run_jax(model, {"a": a})
+
+
 @pytest.mark.parametrize("block", [16, 32, 64])
 @pytest.mark.parametrize("zero_points", [None, "packed"])
 @pytest.mark.parametrize("m", [1, 5])

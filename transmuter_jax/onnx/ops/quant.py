@@ -209,6 +209,9 @@ def _matmul_nbits(
     a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, packed
 ):
     a = jnp.asarray(a)
+    if a.ndim == 0 or a.shape[-1] != K:  # else the kernel would refuse it only when run
+        what = "is a scalar" if a.ndim == 0 else f"has {a.shape[-1]} values per row"
+        raise ValueError(f"input A {what}, not K = {K}")
     # onnxruntime quantizes the input only with 4 bits and integer zero points (or none).
     int8 = (
         int8_activations(accuracy_level)
