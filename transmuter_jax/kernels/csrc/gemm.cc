@@ -47,6 +47,7 @@ constexpr int kWideRows = std::max(1, (kRegisters - kStrip / kGemmLanes - 1) / (
 constexpr int kPairRows = std::min(6, (kRegisters - 2 * kVecs - 1) / (2 * kVecs));
 constexpr int64_t kRowGroup = 96;                // rows of X per chunk when M is large
 constexpr int64_t kDepth = 256;                  // values of K per block when M > kRows
+constexpr int64_t kPanelDepth = 192;             // the most values of K per block of a panel
 // Where a pass of the pair kernel holds fewer accumulators than one of the panel kernel (AVX2:
 // 8 against 12), a product of at least kManyRows rows (compute-bound) runs on single panels; the
 // pair kernel, whose loads stream the weights faster, keeps the products of fewer rows (a
@@ -196,8 +197,11 @@ static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
   const float* x = job.x + r0 * job.k;
   float* y = job.y + r0 * job.n + q * kPanel;
   const int64_t passes = (m + kRows - 1) / kRows;
-  // With several passes, K goes in blocks so that a block of the panel stays in L1 for all.
-  const int64_t depth = passes > 1 ? kDepth : job.k;
+  // With several passes, K goes in blocks so that a block of the panel stays in L1 for all:
+  // equal blocks of at most kPanelDepth values (a panel's rows are kStrip apart, so a block
+  // of 256 fills the L1 sets its lines map to, with X's rows beside it).
+  const int64_t blocks = (job.k + kPanelDepth - 1) / kPanelDepth;
+  const int64_t depth = passes > 1 ? (job.k + blocks - 1) / blocks : job.k;
   for (int64_t k0 = 0; k0 < job.k; k0 += depth) {
     const int64_t kc = std::min(depth, job.k - k0);
     const int64_t next = std::min(depth, job.k - k0 - kc);  // rows of the next block
