@@ -209,6 +209,9 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
     kind, _, arg = policy.cache.partition(":")
     prompt = max(r.prompt for r in requests)
     rows = 0 if kind == "growing" else cache_rows(mode, policy.cache, longest, first, prompt)
+    # as implemented: a first step that feeds every prompt whole runs in its own rows, which
+    # are then copied into the buffer
+    alone = first if kind == "capacity64" and prompt <= first < rows else 0
     while any(s < r.steps for s, r in zip(selections, requests, strict=True)):
         remaining = [
             r.prompt - f if s < r.steps else 0
@@ -222,10 +225,13 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
                 if rows:
                     trace.copies.add((batch, rows, need))
                 rows = need
-        trace.shapes.add((batch, size, rows, True))
+        here = alone if alone and trace.steps == 0 else rows
+        if here != rows and any(r.steps > 1 for r in requests):
+            trace.copies.add((batch, here, rows))
+        trace.shapes.add((batch, size, here, True))
         trace.steps += 1
         trace.tokens += batch * size
-        trace.attended += batch * size * (rows + size)
+        trace.attended += batch * size * (here + size)
         if size == 1:
             trace.decode_rows += batch * rows
         for i, r in enumerate(requests):

@@ -29,17 +29,20 @@ def test_powers_of_two_as_implemented():
 
 
 def test_other_prompt_policies():
-    # one step feeds the whole prompt: its padding is the only one, max(45 + 4, 45) -> 64 rows
+    # one step feeds the whole prompt, in a buffer of its own rows; its padding is the only
+    # one, so the buffer then holds max(45 + 4, 45) -> 64 rows
     assert _shapes("append", "exact", "capacity64", [R(45, 4, 2)]) == {
-        (1, 45, 64, True),
+        (1, 45, 45, True),
         (1, 1, 64, True),
     }
     assert _shapes("in_place", "multiple:16", "capacity64", [R(45, 4, 2)]) == {
-        (1, 48, 64, True),  # max(49, 48) -> 64
+        (1, 48, 48, True),  # then max(49, 48) -> 64
         (1, 1, 64, True),
     }
-    # a first step of 48 and a longest row of 61 + 4: 65 -> 128 rows
-    assert {s[2] for s in _shapes("in_place", "multiple:16", "capacity64", [R(61, 4, 2)])} == {128}
+    # a first step of 64 and a longest row of 61 + 4: 65 -> 128 rows
+    trace = sim.run("in_place", sim.policy("multiple:16", "capacity64"), 1, [R(61, 4, 2)])
+    assert trace.shapes == {(1, 64, 64, True), (1, 1, 128, True)}
+    assert trace.copies == {(1, 64, 128)}
     assert {s[1] for s in _shapes("append", "pow2min:16", "capacity64", [R(45, 4, 2)])} == {
         32,
         16,  # the last 13 tokens, padded to 16
@@ -125,9 +128,10 @@ def test_grow_groups_prompts_of_one_length():
 
 def test_shared_cache_rows_stop_at_their_own_length():
     trace = sim.run("append", sim.policy(), 2, [R(8, 16, 1), R(3, 16, 5)])
-    # Steps: 8 (row 0 ends its prompt and stops; row 1 ends its prompt), then 4 decode steps.
+    # Steps: 8 (row 0 ends its prompt and stops; row 1 ends its prompt) in a buffer of its own
+    # 8 rows, then 4 decode steps in the buffer of 64.
     assert trace.steps == 5
-    assert trace.shapes == {(2, 8, 64, True), (2, 1, 64, True)}
+    assert trace.shapes == {(2, 8, 8, True), (2, 1, 64, True)}
 
 
 def test_cumulative_counts_end_with_the_total():

@@ -285,6 +285,13 @@ class Mode:
             return bucket(max(longest, chunk))
         return bucket(longest + chunk)
 
+    def first_rows(self, chunk: int, prompt: int) -> int | None:
+        """Rows of the buffer a first step of ``chunk`` tokens runs in when it feeds every
+        prompt whole (``prompt``: the longest), before the buffer grows to its capacity: the
+        step's own rows (it attends over every row of its buffer, and GroupQueryAttention over
+        the step's alone when they are all it has); None: the capacity from the start."""
+        return chunk if chunk >= prompt else None
+
     def mask(self, lengths: Any, step: int, rows: int, xp: Any = np) -> Any:
         """[B, columns] int32 attention mask of a step of ``step`` tokens after ``lengths`` [B]
         valid cached tokens in a cache of ``rows`` rows (``xp``: numpy, or jax.numpy traced)."""
@@ -372,6 +379,9 @@ class GrowExact(Mode):
 
     def capacity(self, longest, chunk, prompt=None):
         return 0
+
+    def first_rows(self, chunk, prompt):
+        return None  # the cache's length is the step's input shape
 
     def mask(self, lengths, step, rows, xp=np):
         return xp.ones((lengths.shape[0], rows + step), xp.int32)

@@ -425,14 +425,20 @@ class _Run:
         first = mode.prompt_step(prompt, ctx.spec.prefill)
         states = self.given.get("encoder_hidden_states")
         encoder = 0 if states is None else int(states.shape[1])
-        state = cache_modes.State(
-            mode, ctx.cache, len(rows), mode.capacity(longest, first, prompt), encoder
-        )
+        capacity = mode.capacity(longest, first, prompt)
+        alone = mode.first_rows(first, prompt)  # the first step in a buffer of its own rows
+        alone = alone if alone is not None and alone < capacity else None
+        state = cache_modes.State(mode, ctx.cache, len(rows), alone or capacity, encoder)
         if ctx.placement is not None:
             state.arrays = ctx.placement.place_cache(state.arrays)
         self.width = cache_modes.bucket(longest)
         while self.live() and self.remaining().max() > 0:
             self.step(state)
+        if alone is not None and self.live():  # its rows first, then zeros the mask hides
+            state.arrays = slots._resized_cache(ctx, state.arrays, capacity)
+            if ctx.placement is not None:
+                state.arrays = ctx.placement.place_cache(state.arrays)
+            state.rows = capacity
         return state
 
     def decode(self, group: list[int], state: cache_modes.State) -> None:
