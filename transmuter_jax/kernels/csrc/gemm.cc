@@ -90,8 +90,6 @@ static void store_acc(const gv (&acc)[R][V], float* y, int64_t ldy, int64_t cols
   }
 }
 
-// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ panel[0:k] (V vectors wide, rows kStrip apart),
-// cols <= V * kGemmLanes; resumes from Y when `add`.
 // Brings row i of a panel of `width` floats at `p` into L2 (not L1, which holds the block in
 // use).
 template <int width>
@@ -100,6 +98,9 @@ static inline void prefetch_row(const float* p, int64_t i) {
   for (int line = 0; line < width * 4; line += 64) __builtin_prefetch(row + line, 0, 2);
 }
 
+// Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ panel[0:k] (V vectors wide, rows kStrip apart),
+// cols <= V * kGemmLanes; resumes from Y when `add`. `fetch` rows of the panel's next block of
+// K (from `next`) are prefetched, one every `every` values of K, as micro_pair does.
 template <int R, int V>
 static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
                   int64_t ldy, int64_t cols, bool add, const float* next, int64_t every,
@@ -125,9 +126,10 @@ static void micro(const float* x, int64_t ldx, const float* panel, int64_t k, fl
 }
 
 // Y[0:R, 0:cols] (+)= X[0:R, 0:k] @ [panel a | panel b] (cols <= 2 * kPanel): twice the columns
-// per broadcast of X, for many rows of X. `fetch` rows of the next block of K of the panels (starting at `next_a`, `next_b`) are
-// prefetched, one every `every` values of K, so that the next block streams in from memory
-// while this one is computed from L1 (the weights of a decode step are read once: cold).
+// per broadcast of X, for many rows of X. `fetch` rows of the next block of K of the panels
+// (starting at `next_a`, `next_b`) are prefetched, one every `every` values of K, so that the
+// next block streams in from memory while this one is computed from L1 (the weights of a
+// decode step are read once: cold).
 template <int R>
 static void micro_pair(const float* x, int64_t ldx, const float* a, const float* b, int64_t k,
                        float* y, int64_t ldy, int64_t cols, bool add, const float* next_a,

@@ -85,15 +85,14 @@ def GroupQueryAttention(
     q, k, v = _split_qkv(query, key, value, num_heads, kv_num_heads)  # [B, S, N|Nk, H]
     total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
     steps = _gqa_steps(seqlens_k, query_seqlens, query.shape[0], query.shape[1])
+    first = query_seqlens is None and query.shape[1] == total_len  # a first prompt
     if do_rotary:
-        first = query_seqlens is None and query.shape[1] == total_len
         rot = _gqa_rotary_positions(steps.pos, position_ids, first)
         q = rotate_at(q, rot, cos_cache, sin_cache, rotary_interleaved)
         k = rotate_at(k, rot, cos_cache, sin_cache, rotary_interleaved)
     # A first prompt (total_sequence_length is the step's length: every row's past is 0) in a
     # buffer no longer than the step: no old row is valid, so none is read.
-    buffer = 0 if past_key is None else past_key.shape[2]
-    fresh = query_seqlens is None and query.shape[1] == total_len and buffer <= total_len
+    fresh = first and (past_key is None or past_key.shape[2] <= total_len)
     cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len, fresh)
     sink = _gqa_sink(head_sink, smooth_softmax, num_heads)
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
@@ -162,14 +161,15 @@ class _Cache(NamedTuple):
 
 def _gqa_write(past_key, past_value, k, v, past, total_len, fresh=False) -> _Cache:
     """Writes this step's keys and values at rows ``past[b]``, one slice update per row
-    (``fresh``: every ``past[b]`` is 0 and the buffer holds the step's rows: they are it)."""
+    (``fresh``: every ``past[b]`` is 0 and the buffer is no longer than the step: the present
+    is the step's rows)."""
     b, s, nk, h = k.shape
     buffer = 0 if past_key is None else past_key.shape[2]
     length = max(buffer, total_len, s)
     old_k = _cache(past_key, b, nk, length, h, k.dtype)
     old_v = _cache(past_value, b, nk, length, h, v.dtype)
     new_k, new_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    if fresh and length == s:
+    if fresh:  # length == s: the buffer and total_sequence_length are at most the step
         return _Cache(old_k, old_v, new_k, new_v, new_k, new_v)
     present_k = write_rows(old_k, new_k, past, axis=2)
     present_v = write_rows(old_v, new_v, past, axis=2)
