@@ -33,29 +33,44 @@ def _padded(model: tj.Model, layout) -> rewrite.PaddedPast:
 
 def _compare(model, layout, padded, valid, rows, step, pad_value=None) -> dict[str, float]:
     """Max differences of the logits and the valid present rows: the original at ``valid`` past
-    tokens, the rewritten on ``rows`` rows whose first ones are large random padding."""
-    inputs = example_inputs(model, batch=2, length=step, past=valid, encoder_length=6, vocab=8)
-    want = model(inputs)
+    tokens (one count for both rows, or one per row: then each row runs alone), the rewritten on
+    ``rows`` rows whose first ones are large random padding."""
+    counts = [valid, valid] if isinstance(valid, int) else list(valid)
+    alike = len(set(counts)) == 1
+    runs = [
+        example_inputs(model, batch=2 if alike else 1, length=step, past=n, encoder_length=6,
+                       vocab=8, seed=b)  # fmt: skip
+        for b, n in enumerate(counts[:1] if alike else counts)
+    ]
+    wants = [model(inputs) for inputs in runs]
     rng = np.random.default_rng(1)
-    feed = dict(inputs)
-    for entry in layout.entries:
-        if not entry.cross:
-            x = inputs[entry.input]
-            junk = 5 * rng.standard_normal((*x.shape[:2], rows - valid, x.shape[3]))
-            feed[entry.input] = np.concatenate([junk.astype(x.dtype), x], axis=2)
-    if "attention_mask" in feed:
-        mask = feed["attention_mask"]
-        hidden = np.zeros((mask.shape[0], rows - valid), mask.dtype)
-        feed["attention_mask"] = np.concatenate([hidden, mask], axis=1)
-    pad = rows - valid if pad_value is None else pad_value
-    feed[padded.input] = np.array(pad, np.int64)
+    feed = {}
+    for name in runs[0]:
+        parts = []
+        for inputs, n in zip(runs, counts, strict=False):
+            x = inputs[name]
+            if any(e.input == name and not e.cross for e in layout.entries):
+                junk = 5 * rng.standard_normal((*x.shape[:2], rows - n, x.shape[3]))
+                x = np.concatenate([junk.astype(x.dtype), x], axis=2)
+            elif name == "attention_mask":
+                x = np.concatenate([np.zeros((x.shape[0], rows - n), x.dtype), x], axis=1)
+            parts.append(x)
+        apart = not alike and name not in model.static_inputs
+        feed[name] = np.concatenate(parts) if apart else parts[0]
+    pads = np.array([rows - n for n in counts], np.int64)
+    if pad_value is not None:
+        pads[:] = pad_value
+    feed[padded.input] = pads if padded.per_row else pads[0]
     got = padded.model(feed)
-    diff = {"logits": float(np.abs(np.asarray(got["logits"]) - want["logits"]).max())}
-    diff["present"] = max(
-        float(np.abs(np.asarray(got[e.output])[:, :, rows - valid :] - want[e.output]).max())
-        for e in layout.entries
-        if not e.cross
-    )
+    diff = {"logits": 0.0, "present": 0.0}
+    for b, (want, n) in enumerate(zip(wants if not alike else wants * 2, counts, strict=True)):
+        w = b if alike else 0  # the row of ``want``
+        logits = np.asarray(got["logits"])[b] - want["logits"][w]
+        diff["logits"] = max(diff["logits"], float(np.abs(logits).max()))
+        for e in layout.entries:
+            if not e.cross:
+                present = np.asarray(got[e.output])[b, :, rows - n :] - want[e.output][w]
+                diff["present"] = max(diff["present"], float(np.abs(present).max()))
     return diff
 
 
@@ -71,11 +86,16 @@ def test_the_rewrite_finds_positions_and_every_self_attention(name):
 
 
 @pytest.mark.parametrize("name", sorted(GROW))
-@pytest.mark.parametrize(("valid", "rows", "step"), [(5, 12, 1), (1, 64, 1), (17, 64, 8)])
+@pytest.mark.parametrize(
+    ("valid", "rows", "step"),
+    [(5, 12, 1), (1, 64, 1), (17, 64, 8), ((5, 9), 12, 1), ((40, 1), 64, 1), ((3, 17), 64, 8)],
+)
 def test_padded_graph_equals_the_graph_at_exact_length(name, valid, rows, step):
+    """Both rows with one count of valid rows, or each its own (a padding per row)."""
     model = decoder(name)
     layout = cache_modes.layout(model, hub.read_json(FIXTURES / name, "config.json"))
     padded = _padded(model, layout)
+    assert padded.per_row, padded.shared  # these graphs keep the batch first in their scores
     diff = _compare(model, layout, padded, valid, rows, step)
     assert diff["logits"] < 1e-4 and diff["present"] < 1e-4, diff
     wrong = _compare(model, layout, padded, valid, rows, step, pad_value=0)

@@ -211,9 +211,9 @@ def _step_function(
         else:
             inputs["input_ids"] = tokens
         inputs.update(cache)
-        if padding is not None:  # the rows before each row's valid ones (all rows alike)
-            have = cache_modes.cache_length(cache, layout)
-            inputs[padding.input] = jnp.int32(have) - lengths[0]
+        if padding is not None:  # the rows before each row's valid ones
+            have = jnp.int32(cache_modes.cache_length(cache, layout))
+            inputs[padding.input] = have - (lengths if padding.per_row else lengths[0])
         with switch.off_over_mesh(placed):  # a mesh: no custom calls
             # the LM head of each row's last real token only: [B, 1, V] ([B, P, V]: last [B, P])
             outputs = model.trace_last(static, params, inputs, last)

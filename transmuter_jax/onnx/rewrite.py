@@ -4,7 +4,8 @@ Some decoders (optimum's Whisper, Marian and Gemma 3 exports) take no position_i
 the positions of the new tokens from the length of the past keys (Shape -> Gather), so every
 cache length is a new input shape and compiles its own program. :func:`pad_past` rewrites such a
 graph to run on a past of any fixed length whose first ``pad`` rows are padding, where ``pad`` is
-a new scalar input:
+a new input: one number per row ([B], so rows of different lengths share one cache) where every
+self-attention's scores have the batch first and the keys last, else one for every row:
 
 - The padding comes first, so the graph's own view of the sequence (indices into the past plus
   the new tokens) is the true one shifted by ``pad``. Relative quantities (causal and sliding
@@ -91,15 +92,20 @@ class PaddedPast:
 
     Attributes:
         model: the rewritten decoder; it shares the original's weights.
-        input: the name of the new int64 scalar input, the number of padding rows.
+        input: the name of the new int64 input, the number of padding rows: [B], each row's own
+            (``per_row``), else a scalar for every row.
         shifted: the values used as absolute positions, from which ``pad`` is subtracted.
         masked: the Softmax nodes whose padding keys are masked.
+        per_row: whether each row has padding of its own (rows of other lengths share a cache).
+        shared: why rows share one padding ("" when ``per_row``).
     """
 
     model: Model
     input: str
     shifted: tuple[str, ...]
     masked: tuple[str, ...]
+    per_row: bool = False
+    shared: str = ""
 
 
 @dataclasses.dataclass
@@ -177,8 +183,10 @@ def _negative_axes(a: Any, b: Any) -> list[int]:
 
 @dataclasses.dataclass
 class _Plan:
-    shifts: list[tuple[tuple, int, int, str, np.dtype]]  # (path, node index, input, value, dtype)
-    masks: list[tuple[tuple, int, int, np.dtype]]  # (path, node index, axis, dtype)
+    # (path, node index, input, value, dtype, rank)
+    shifts: list[tuple[tuple, int, int, str, np.dtype, int]]
+    # (path, node index, axis, dtype, the scores' shape in the first trace)
+    masks: list[tuple[tuple, int, int, np.dtype, tuple]]
 
 
 def _label(node: NodeProto) -> str:
@@ -217,7 +225,8 @@ def _analyse(model: Model, first: Run, second: Run, past: Sequence[str], change:
             others = [n for j, n in enumerate(inputs) if j != i and n]
             if op in _RELATIVE and others and all(_coordinate(n, kinds, positions) for n in others):
                 continue
-            plan.shifts.append((path, index, i, name, np.dtype(first.values[name].dtype)))
+            value = first.values[name]
+            plan.shifts.append((path, index, i, name, np.dtype(value.dtype), len(value.shape)))
             corrected.update(outputs)
         # 2. Other values of the cache length: shapes, indices, or masks over the padded keys.
         for i, name in enumerate(inputs):
@@ -302,7 +311,8 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
             along = along - rank if along >= 0 else along
             if along != axis or axes != [axis] or (default == 1 and along != -1):
                 raise NotPaddable(f"Softmax {_label(node)} is not over the padded keys")
-            plan.masks.append((path, index, axis, np.dtype(out_a.dtype)))
+            scores = first.values[node.input[0]].shape
+            plan.masks.append((path, index, axis, np.dtype(out_a.dtype), tuple(scores)))
             taint[out] = ("zero", axis)
             return
         if op == "Concat":
@@ -357,28 +367,40 @@ def _subgraph(root: GraphProto, path: tuple) -> GraphProto:
     return graph
 
 
-def _rewrite(model: Model, plan: _Plan) -> Model:
+def _rewrite(model: Model, plan: _Plan, batch: int | None) -> Model:
     """A copy of ``model`` whose graph subtracts the padding from the planned positions and masks
-    the padding keys of the planned Softmax nodes."""
+    the padding keys of the planned Softmax nodes. ``batch``: the probes' batch, where the
+    padding input is one number per row ([B]); None: one number for every row."""
     proto = copy.deepcopy(model.graph.proto)
-    proto.input.append(helper.make_tensor_value_info(PAD_INPUT, TensorProto.INT64, []))
+    shape: list = [] if batch is None else ["batch"]
+    proto.input.append(helper.make_tensor_value_info(PAD_INPUT, TensorProto.INT64, shape))
     inserts: dict[tuple, dict[int, list[NodeProto]]] = {}
     counter = iter(range(1 << 30))
 
     def fresh(stem: str) -> str:
         return f"{PAD_INPUT}/{stem}_{next(counter)}"
 
-    for path, index, i, name, dtype in plan.shifts:
+    def per_row(value: str, rank: int) -> tuple[str, list[NodeProto]]:
+        """The padding as [B, 1, ...] of ``rank`` axes (a row's own on its batch index)."""
+        shaped, dims = fresh("rows"), fresh("dims")
+        dims_value = np.array([-1] + [1] * (rank - 1), np.int64)
+        return shaped, [
+            _constant(dims, dims_value),
+            helper.make_node("Reshape", [value, dims], [shaped], name=shaped),
+        ]
+
+    for path, index, i, name, dtype, rank in plan.shifts:
         node = _subgraph(proto, path).node[index]
         cast, shifted = fresh("cast"), fresh("shifted")
         to = helper.np_dtype_to_tensor_dtype(dtype)
-        new = [
-            helper.make_node("Cast", [PAD_INPUT], [cast], to=to, name=cast),
-            helper.make_node("Sub", [name, cast], [shifted], name=shifted),
-        ]
+        new = [helper.make_node("Cast", [PAD_INPUT], [cast], to=to, name=cast)]
+        if batch is not None:  # [S] positions become [B, S]: each row's own
+            cast, more = per_row(cast, max(rank, 2))
+            new += more
+        new.append(helper.make_node("Sub", [name, cast], [shifted], name=shifted))
         node.input[i] = shifted
         inserts.setdefault(path, {}).setdefault(index, []).extend(new)
-    for path, index, axis, dtype in plan.masks:
+    for path, index, axis, dtype, scores_shape in plan.masks:
         node = _subgraph(proto, path).node[index]
         scores = node.input[0]
         names = {k: fresh(k) for k in ("shape", "axis", "n", "zero", "one", "keys", "pad", "hide")}
@@ -391,11 +413,19 @@ def _rewrite(model: Model, plan: _Plan) -> Model:
             _constant(names["one"], np.array(1, np.int64)),
             helper.make_node("Range", [names["zero"], names["n"], names["one"]], [names["keys"]]),
             helper.make_node("Cast", [PAD_INPUT], [names["pad"]], to=TensorProto.INT64),
-            helper.make_node("Less", [names["keys"], names["pad"]], [names["hide"]]),
         ]
+        pad = names["pad"]
+        if batch is not None:  # [B, 1] against the keys: [B, keys], then the scores' axes
+            pad, more = per_row(pad, 2)
+            new += more
+        new.append(helper.make_node("Less", [names["keys"], pad], [names["hide"]]))
         hide = names["hide"]
-        if axis != -1:  # the keys' axis is not the last: align the mask with it
-            new.append(_constant(names["trail"], np.arange(1, -axis, dtype=np.int64)))
+        rank = len(scores_shape)
+        trail = np.arange(1, -axis, dtype=np.int64)  # the axes after the keys'
+        if batch is not None:
+            trail = np.arange(1, rank - 1, dtype=np.int64)  # the axes between batch and keys
+        if trail.size:
+            new.append(_constant(names["trail"], trail))
             new.append(helper.make_node("Unsqueeze", [hide, names["trail"]], [fresh("hide")]))
             hide = new[-1].output[0]
         new += [
@@ -412,7 +442,14 @@ def _rewrite(model: Model, plan: _Plan) -> Model:
             nodes.append(node)
         del graph.node[:]
         graph.node.extend(nodes)
-    return model.with_graph(proto, inputs=[*model.inputs, ValueInfo(PAD_INPUT, "int64", ())])
+    info = ValueInfo(PAD_INPUT, "int64", () if batch is None else ("batch",))
+    return model.with_graph(proto, inputs=[*model.inputs, info])
+
+
+def _rows_apart(plan: _Plan, batch: int) -> bool:
+    """Whether each row can have padding of its own: every masked Softmax is over the last axis
+    of scores whose first axis is the batch."""
+    return all(axis == -1 and shape[:1] == (batch,) for *_, axis, _, shape in plan.masks)
 
 
 def _constant(name: str, value: np.ndarray) -> NodeProto:
@@ -452,17 +489,36 @@ def pad_past(
         raise NotPaddable(f"cannot follow the cache through the graph: {error!r}") from error
     if not plan.masks:
         raise NotPaddable("no self-attention Softmax over the cache was found")
-    padded = _rewrite(model, plan)
-    if PAD_INPUT in static_dependencies(padded.graph):
-        raise NotPaddable("the padding would be needed at trace time")
     check = dict(inputs(PROBES[0]))
-    check[PAD_INPUT] = jax.ShapeDtypeStruct((), np.int32)
-    try:
-        probe(padded, check)
-    except Exception as error:  # noqa: BLE001 - any failure to trace keeps the original graph
-        raise NotPaddable(f"the rewritten graph does not trace: {error}") from error
-    shifted = tuple(name for _, _, _, name, _ in plan.shifts)
+    batch = int(np.shape(check[past[0]])[0])
+    padded, why = None, "a self-attention's scores do not have the batch first, the keys last"
+    if _rows_apart(plan, batch):  # a padding of each row's own, where the graph allows it
+        padded, why = _checked(model, _rewrite(model, plan, batch), check, (batch,), first)
+    per_row = padded is not None
+    if padded is None:
+        padded, error = _checked(model, _rewrite(model, plan, None), check, (), first)
+        if padded is None:
+            raise NotPaddable(error)
+    shifted = tuple(shift[3] for shift in plan.shifts)
     masked = tuple(
-        _subgraph(model.graph.proto, path).node[index].name for path, index, _, _ in plan.masks
+        _subgraph(model.graph.proto, path).node[index].name for path, index, *_ in plan.masks
     )
-    return PaddedPast(padded, PAD_INPUT, shifted, masked)
+    return PaddedPast(padded, PAD_INPUT, shifted, masked, per_row, why)
+
+
+def _checked(
+    model: Model, padded: Model, check: dict[str, Any], shape: tuple, first: Run
+) -> tuple[Model | None, str]:
+    """``padded`` if it traces with a padding input of ``shape`` and gives the outputs the
+    shapes of ``model``'s, else None and why."""
+    if PAD_INPUT in static_dependencies(padded.graph):
+        return None, "the padding would be needed at trace time"
+    try:
+        run = probe(padded, {**check, PAD_INPUT: jax.ShapeDtypeStruct(shape, np.int32)})
+    except Exception as error:  # noqa: BLE001 - any failure to trace keeps the original graph
+        return None, f"the rewritten graph does not trace: {error}"
+    for out in model.graph.proto.output:
+        want, got = first.values.get(out.name), run.values.get(out.name)
+        if want is not None and (got is None or tuple(got.shape) != tuple(want.shape)):
+            return None, f"the rewritten graph's {out.name} has another shape"
+    return padded, ""
