@@ -38,8 +38,9 @@ def _compare(model, layout, padded, valid, rows, step, pad_value=None) -> dict[s
     counts = [valid, valid] if isinstance(valid, int) else list(valid)
     alike = len(set(counts)) == 1
     runs = [
-        example_inputs(model, batch=2 if alike else 1, length=step, past=n, encoder_length=6,
-                       vocab=8, seed=b)  # fmt: skip
+        example_inputs(
+            model, batch=2 if alike else 1, length=step, past=n, encoder_length=6, vocab=8, seed=b
+        )  # fmt: skip
         for b, n in enumerate(counts[:1] if alike else counts)
     ]
     wants = [model(inputs) for inputs in runs]
