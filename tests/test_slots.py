@@ -16,9 +16,12 @@ from transmuter_jax.generation import Request, slots
 
 IN_PLACE = ["llama-genai-fp32", "qwen2-genai-fp32", "gemma3-genai-fp32"]
 APPEND = ["llama-optimum", "qwen2-optimum", "gpt2-optimum"]  # gpt2: position_ids, so append
+GROW = [
+    "gemma3-optimum"
+]  # positions from the cache length: the padded rewrite, its valid rows last
 NEW = 8
 # the quick tier: one family per cache mode, and gpt2 (position_ids in an append cache)
-FAST = ["llama-genai-fp32", "llama-optimum", "gpt2-optimum"]
+FAST = ["llama-genai-fp32", "llama-optimum", "gpt2-optimum", "gemma3-optimum"]
 
 
 def _tiered(names):
@@ -124,12 +127,14 @@ def _every_offset(name, workdir, offsets):
             assert _summary(prefix, got.get(1, [])) == alone[target], (target, offset)
 
 
-@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND))
+@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND + GROW))
 def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workdir):
     _every_offset(name, workdir, range(0, 6))
 
 
-@pytest.mark.parametrize("name", _tiered(["llama-genai-fp32", "llama-optimum", "qwen2-optimum"]))
+@pytest.mark.parametrize(
+    "name", _tiered(["llama-genai-fp32", "llama-optimum", "qwen2-optimum", "gemma3-optimum"])
+)
 def test_a_request_beside_a_long_one_equals_its_solo_run(name, workdir):
     """A chunk reads only the cache rows its longest slot needs (64, 128, 256, ...): requests
     beside a long one run with more rows than alone, and get the same bits."""
@@ -154,7 +159,7 @@ def test_a_request_beside_a_long_one_equals_its_solo_run(name, workdir):
     assert slots.window_of(157, 256) == 256 and slots.window_of(300, 256) == 256
 
 
-@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum"])
+@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum", "gemma3-optimum"])
 def test_the_slots_hold_the_window_their_live_requests_need(name, workdir):
     """The slots' cache holds the smallest window the live requests need (64 of 128 rows for
     short ones): it grows for a long request and shrinks back when only short ones run, and a
@@ -191,8 +196,8 @@ def test_a_request_gets_the_same_bits_in_every_slot_of_eight(name, workdir):
     assert [solo(eng, request, slot=s) for s in range(1, 8)] == [alone] * 7
 
 
-# every decoder-only text fixture: the slots' modes at every offset of a whole run, the grow ones
-# refused with the reason
+# every decoder-only text fixture: the slots' modes at every offset of a whole run (a grow one on
+# its padded rewrite), one that keeps exact lengths refused with the reason
 SWEEP = [
     "bloom-optimum", "cohere-optimum", "falcon-optimum", "gemma2-optimum", "gemma3-genai-fp32",
     "gemma3-genai-int4", "gemma3-optimum", "gpt-neox-optimum", "gpt2-optimum",
@@ -208,14 +213,14 @@ SWEEP = [
 @pytest.mark.parametrize("name", SWEEP)
 def test_every_family_at_every_offset_equals_its_solo_run_or_refuses_slots(name, workdir):
     eng = engine(name, workdir)
-    if eng.compiled.grow_cache:  # a grow decoder: refused, saying why
+    if eng.cache_mode.slot_refusal():  # a grow decoder of exact lengths: refused, saying why
         with pytest.raises(ValueError, match="cannot run slots: its grow cache"):
             eng.init_state()
         return
     _every_offset(name, workdir, range(0, NEW))
 
 
-@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32", "gemma3-optimum"])
 def test_solo_runs_are_generates_and_transformers_tokens(name, workdir):
     eng = engine(name, workdir)
     greedy = case(name, "greedy")
@@ -295,12 +300,20 @@ def test_finish_reasons_and_bad_requests(workdir):
         Request(())
 
 
-def test_a_grow_decoder_refuses_slots_with_a_clear_error(workdir):
+def test_a_grow_decoder_runs_slots_on_its_padded_rewrite_or_refuses_them_saying_why(workdir):
+    """A grow decoder takes slots on its padded rewrite (each row's padding its own: its valid
+    rows last); with exact lengths, or without a way to roll back drafts, it refuses."""
     spec = context("gemma3-optimum", workdir)
-    padded = generation.compile(spec, 2)
-    assert padded.compiled.grow_cache == "padded"
-    with pytest.raises(ValueError, match="cannot run slots: its grow cache is padded by one"):
-        padded.init_state()
+    padded = generation.compile(spec, 2, capacity=128)
+    assert padded.compiled.grow_cache == "padded" and padded.compiled.steps.padding.per_row
+    assert padded.init_state().free_slots == [0, 1]
+    with pytest.raises(ValueError, match="valid rows last, so the rows of rejected drafts"):
+        padded.prefill(Request((1, 2, 3), prompt_lookup_num_tokens=3))
+    with pytest.raises(ValueError, match="valid rows last, so the rows of rejected drafts"):
+        lookup = generation.compile(
+            context("gemma3-optimum", workdir, prompt_lookup_num_tokens=3), 1
+        )
+        generation.generate(lookup, [[1, 2, 3]], [0])
     exact = generation.compile(spec, 2, grow_cache="exact")
     with pytest.raises(ValueError, match=r"keeps exact lengths.*because grow_cache='exact'"):
         exact.init_state()
@@ -326,7 +339,19 @@ _OPS = st.lists(
 )
 @given(ops=_OPS)
 def test_random_insert_free_generate_sequences_equal_solo_runs(ops, workdir):
-    name = "llama-optimum"
+    _random_sequence("llama-optimum", ops, workdir)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=_OPS)
+def test_random_sequences_in_a_grow_cache_equal_solo_runs(ops, workdir):
+    """The same in a padded grow cache, whose valid rows come last."""
+    _random_sequence("gemma3-optimum", ops, workdir)
+
+
+def _random_sequence(name, ops, workdir):
     eng = engine(name, workdir)
     reqs = list(requests(name).values())
     alone = _SOLO.setdefault(name, [solo(eng, r) for r in reqs])

@@ -270,6 +270,26 @@ class Mode:
         """Why slots (rows that join and leave a running batch) cannot run ("" when they can)."""
         return ""
 
+    def draft_refusal(self) -> str:
+        """Why speculative decoding cannot run ("" when it can): its rejected rows must stay
+        behind a row's valid ones, hidden by the mask."""
+        return ""
+
+    def start_rows(self, rows: int) -> int:
+        """Rows of a new cache of ``rows`` rows before its first step (grow: none, the first
+        step's present is the cache)."""
+        return rows
+
+    def resize(self, a: Any, rows: int) -> Any:
+        """Traced: a self-attention cache array [B, heads, R, head_size] with ``rows`` rows, its
+        valid rows kept (they come first: the first rows, then zeros)."""
+        have = a.shape[SEQ]
+        if have >= rows:
+            return jax.lax.slice_in_dim(a, 0, rows, axis=SEQ)
+        widths = [(0, 0)] * a.ndim
+        widths[SEQ] = (0, rows - have)
+        return jnp.pad(a, widths)
+
     def prompt_rows(self, length: int) -> int:
         """Rows of an empty cache for one step of ``length`` tokens (see prompt_inputs)."""
         return 0
@@ -363,7 +383,8 @@ class GrowExact(Mode):
         padding, reason = pad()
         if padding is None:
             return self, None, "exact", reason
-        return (GrowBuckets() if grow_cache == "buckets" else GrowPadded()), padding, grow_cache, ""
+        kind = GrowBuckets if grow_cache == "buckets" else GrowPadded
+        return kind("" if padding.per_row else padding.shared), padding, grow_cache, ""
 
     def prompt_step(self, remaining, rule):
         return chunk(remaining)  # padding tokens would be cached: no bucket past the prompt
@@ -376,6 +397,15 @@ class GrowExact(Mode):
             "its grow cache keeps exact lengths, one for all rows (every length a program of "
             "its own), so rows cannot join at other lengths"
         )
+
+    def draft_refusal(self):
+        return (
+            "a grow cache keeps each row's valid rows last, so the rows of rejected drafts "
+            "cannot be left behind them"
+        )
+
+    def start_rows(self, rows):
+        return 0
 
     def capacity(self, longest, chunk, prompt=None):
         return 0
@@ -407,14 +437,27 @@ class GrowPadded(GrowExact):
     padded = True
     on_device = True
 
+    def __init__(self, one_padding: str = ""):
+        self.one_padding = one_padding  # why every row has the same padding ("": its own)
+
     def capacity(self, longest, chunk, prompt=None):
         return bucket(longest)  # the rows of a grow group feed the same tokens: no chunk past
 
     def slot_refusal(self):
+        if not self.one_padding:
+            return ""
         return (
             "its grow cache is padded by one number of padding rows for the whole batch (the "
-            "padded rewrite's scalar input), so rows cannot join at other lengths"
+            f"padded rewrite's scalar input: {self.one_padding}), so rows cannot join at other lengths"
         )
+
+    def resize(self, a, rows):
+        have = a.shape[SEQ]  # the valid rows come last: the last rows, after zeros
+        if have >= rows:
+            return jax.lax.slice_in_dim(a, have - rows, have, axis=SEQ)
+        widths = [(0, 0)] * a.ndim
+        widths[SEQ] = (rows - have, 0)
+        return jnp.pad(a, widths)
 
     def mask(self, lengths, step, rows, xp=np):
         columns = xp.arange(rows + step)[None, :]  # padding rows hidden, then valid rows, tokens
@@ -488,7 +531,7 @@ class State:
     def __init__(self, mode: Mode, layout: CacheLayout, batch: int, rows: int, cross: int):
         self.mode = mode
         grow = isinstance(mode, GrowExact)
-        self.rows = 0 if grow else rows
+        self.rows = mode.start_rows(rows)
         self.capacity = rows if mode.padded else None
         # In grow the cross-attention cache is made by the first step; elsewhere it is a buffer.
         self.arrays = layout.empty(batch, self.rows, 0 if grow else cross)

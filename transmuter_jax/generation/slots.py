@@ -305,10 +305,11 @@ def check(engine: Engine) -> None:
     if engine.placement is not None:
         raise GenerationError("slots run without a mesh for now: use generate()")
     if engine.assistant is not None:
-        refusal = engine.assistant.cache_mode.slot_refusal()
-        if refusal:
-            path = engine.assistant.spec.model.path
-            raise GenerationError(f"the assistant model {path!r} cannot draft: {refusal}")
+        for who, one in (("model", engine), ("assistant model", engine.assistant)):
+            refusal = one.cache_mode.slot_refusal() or one.cache_mode.draft_refusal()
+            if refusal:
+                path = one.spec.model.path
+                raise GenerationError(f"the {who} {path!r} cannot decode speculatively: {refusal}")
 
 
 # -- the per-slot selection --------------------------------------------------------------------
@@ -457,6 +458,8 @@ def _step_function(
     shape); ``branch``: the cache branch; ``padded``: a padded grow cache's rows (generate()
     groups)."""
     spec, mode = engine.spec, engine.cache_mode
+    if padded is None and engine.compiled.padded:  # the slots' grow cache: its rows
+        padded = capacity
     step = engine.compiled.steps.function(branch, padded)
     masks = _device_masks(spec)
     names = {i.name for i in engine.model.inputs}
@@ -569,7 +572,7 @@ def _chunk(engine: Engine, rows: int, k: int, size: int):
     ``rows``: the self-attention cache rows the slots hold (a decode window, :func:`held`)."""
     key = (
         "slots",
-        engine.compiled.steps.key("slots", True, None),
+        engine.compiled.steps.key("slots", True, rows if engine.compiled.padded else None),
         engine.spec.options.program_key,
         constraints.program_names(engine.spec.processors),
         rows,
@@ -610,24 +613,19 @@ _RESIZE: dict[tuple, Any] = {}  # (rows, inputs, jit options) -> the jitted resi
 
 
 def _resized_cache(engine: Engine, cache: dict[str, jax.Array], rows: int) -> dict:
-    """``cache`` with ``rows`` self-attention rows: its first ones, then zeros."""
+    """``cache`` with ``rows`` self-attention rows, its valid ones kept (the cache mode's
+    :meth:`~.cache.Mode.resize`: the first rows then zeros; in grow zeros then the last)."""
     return _resize_program(engine, rows)(cache)
 
 
 def _resize_program(engine: Engine, rows: int):
     """The jitted ``cache -> cache`` of :func:`_resized_cache` to ``rows`` rows."""
-    own = _own(engine)
-    key = (rows, own, jit_key(engine.jit_options))
+    own, mode = _own(engine), engine.cache_mode
+    key = (rows, own, type(mode).__name__, jit_key(engine.jit_options))
     if key not in _RESIZE:
 
         def resize(cache):
-            def one(a):
-                have = a.shape[2]
-                if have >= rows:
-                    return a[:, :, :rows]
-                return jnp.pad(a, ((0, 0), (0, 0), (0, rows - have), (0, 0)))
-
-            return {n: one(a) if n in own else a for n, a in cache.items()}
+            return {n: mode.resize(a, rows) if n in own else a for n, a in cache.items()}
 
         _RESIZE[key] = jax.jit(resize, **jit_options(dict(engine.jit_options)))
     return _RESIZE[key]
@@ -795,6 +793,12 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
         lookup = pick(request.num_assistant_tokens, o.num_assistant_tokens)
     ngram = pick(request.max_matching_ngram_size, o.max_matching_ngram_size)
     ngram = NGRAM_DEFAULT if ngram is None else ngram
+    refusal = engine.cache_mode.draft_refusal() if lookup else ""
+    if refusal:
+        raise GenerationError(
+            f"speculative decoding (prompt_lookup_num_tokens, num_assistant_tokens) cannot run "
+            f"on {engine.spec.model.path!r}: {refusal}; ask for 0 drafted tokens"
+        )
     if not (0 <= lookup <= MAX_DRAFT and 1 <= ngram <= MAX_NGRAM):
         raise GenerationError(
             f"prompt_lookup_num_tokens and num_assistant_tokens must be in [0, {MAX_DRAFT}] and "
@@ -967,7 +971,9 @@ def _prompt(
     engine's prefill rule into a cache of ``capacity`` rows (``cache``: one whose first
     ``start`` rows hold the prompt's first tokens)."""
     spec, mode = engine.spec, engine.cache_mode
-    cache = engine.cache.empty(1, capacity) if cache is None else cache
+    if cache is None:  # grow: the first step's present is the cache, padded to ``capacity``
+        cache = engine.cache.empty(1, mode.start_rows(capacity))
+    rows = _rows_of(engine, cache, capacity)
     lengths, fed, logits = np.full(1, start, np.int32), start, None
     axes = _axes(engine)
     names = {i.name for i in engine.model.inputs}
@@ -978,7 +984,7 @@ def _prompt(
         tokens[0, : len(part)] = part
         feed: dict[str, Any] = {"tokens": tokens}
         if "attention_mask" in names:
-            feed["attention_mask"] = mode.mask(lengths, size, capacity)
+            feed["attention_mask"] = mode.mask(lengths, size, rows)
         if axes:
             positions = (np.arange(size) + fed)[None, :].astype(np.int32)
             feed["position_ids"] = (
@@ -987,8 +993,9 @@ def _prompt(
         last = np.array([len(part) - 1], np.int32)
         if logits is not None:
             logits.delete()
-        logits, cache = engine.compiled.steps(cache, feed, lengths, last)
+        logits, cache = engine.compiled.steps(cache, feed, lengths, last, capacity)
         lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
+        rows = _rows_of(engine, cache, capacity)
         fed += len(part)
     return logits, cache, lengths
 

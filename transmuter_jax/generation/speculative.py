@@ -463,7 +463,7 @@ def stats(state: slots.SlotState, slot: int) -> Stats:
 
 def check(engine: Engine, inputs: dict[str, Any]) -> None:
     """Raises GenerationError when ``engine`` cannot decode speculatively, saying why."""
-    refusal = engine.cache_mode.slot_refusal()
+    refusal = engine.cache_mode.slot_refusal() or engine.cache_mode.draft_refusal()
     if refusal:
         raise GenerationError(
             f"prompt_lookup_num_tokens (speculative decoding) needs a cache whose rejected rows "
