@@ -48,7 +48,7 @@ def _logprobs(eng, prefixes):
     return [out[s] for s in sorted(out)]
 
 
-@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum"])
+@pytest.mark.parametrize("name", ["llama-genai-fp32", "llama-optimum", "gemma3-optimum"])
 def test_prompts_prefilled_together_equal_their_own_prefills_and_transformers(name, workdir):
     eng = _engine(name, workdir)
     greedy = case(name, "greedy")
@@ -69,8 +69,11 @@ def test_prompts_prefilled_together_equal_their_own_prefills_and_transformers(na
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
-def test_a_long_prompt_in_chunks_between_decode_chunks_gives_its_own_prefills_tokens(workdir):
-    name = "llama-optimum"
+# a grow cache feeds a prompt in powers of two (no padding is cached): 150 = 64+64+16+4+2
+@pytest.mark.parametrize(("name", "steps"), [("llama-optimum", 3), ("gemma3-optimum", 5)])
+def test_a_long_prompt_in_chunks_between_decode_chunks_gives_its_own_prefills_tokens(
+    name, steps, workdir
+):
     eng = _engine(name, workdir, capacity=256)
     vocab = eng.vocab_size
     rng = np.random.default_rng(0)
@@ -86,7 +89,7 @@ def test_a_long_prompt_in_chunks_between_decode_chunks_gives_its_own_prefills_to
         chunks += 1
         state, tokens = eng.generate(state, 1)  # the running slot decodes between the chunks
         got[0] += tokens
-    assert chunks == 3
+    assert chunks == steps
     (prefix,) = eng.end_prefill(pending)
     state = eng.insert(prefix, state, 1)
     got[1].append(prefix.first)
@@ -111,3 +114,6 @@ def test_bad_requests_are_refused_by_index(workdir):
     pending = eng.begin_prefill([good])
     with pytest.raises(ValueError, match="not all fed"):
         eng.end_prefill(pending)
+    grow = _engine("gemma3-optimum", workdir)
+    with pytest.raises(ValueError, match="grow cache, whose valid rows come last: a prefill step"):
+        grow.begin_prefill([good, good])

@@ -751,11 +751,13 @@ def test_min_tokens_logit_bias_and_ignore_eos_equal_the_library(server, pipe):
 
 
 def test_a_model_the_slots_cannot_run_is_refused_by_name():
-    """serve then batches statically on the pipeline path (its start-up line says why)."""
+    """serve then batches statically on the pipeline path (its start-up line says why): a grow
+    cache runs the library's slots, but not the server's prefix cache (its valid rows come last,
+    the stored blocks' first)."""
     from transmuter_jax.serving.slots import SlotBackend
 
     grow = text.generation(ROOT / "tests" / "fixtures" / "gemma3-optimum")
-    with pytest.raises(ValueError, match="cannot run slots: its grow cache"):
+    with pytest.raises(ValueError, match="prefix cache runs prompts in padded blocks.*'grow'"):
         SlotBackend(grow, 2, max_model_len=128)
 
 

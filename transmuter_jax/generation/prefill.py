@@ -43,6 +43,7 @@ class Pending:
             None before the first step.
         chunk: the most prompt tokens of one step.
         tables: each request's constraint table (:func:`.slots.prefill`'s), or None.
+        window: the cache's rows after a step (a grow cache starts with none).
     """
 
     requests: tuple[slots.Request, ...]
@@ -54,6 +55,7 @@ class Pending:
     logits: jax.Array | None = None
     chunk: int = PREFILL_CAP
     tables: tuple[Any, ...] = ()
+    window: int = 0
 
     @property
     def remaining(self) -> np.ndarray:
@@ -114,6 +116,11 @@ def begin(
     requests = tuple(requests)
     if not requests:
         raise GenerationError("prefill needs at least one request")
+    if len(requests) > 1 and not engine.cache_mode.shared:
+        raise GenerationError(
+            f"{engine.spec.model.path!r} has a grow cache, whose valid rows come last: a prefill "
+            "step runs one prompt (another's padding would be cached); begin one at a time"
+        )
     names = range(len(requests)) if names is None else names
     if (
         isinstance(chunk, bool)
@@ -144,16 +151,17 @@ def begin(
                 f"request {names[i]} needs {need} cache rows (a prompt of {prompts[i]} tokens, "
                 f"padded, and {r['max_new']} new ones): more than the slots' capacity of {capacity}"
             )
-    n = len(requests)
+    n, rows = len(requests), window(max(int(written.max()), rows), capacity)
     return Pending(
         requests,
         tuple(r for r, _ in admitted),
         tuple(s for _, s in admitted),
         np.zeros(n, np.int32),
         np.zeros(n, np.int32),
-        engine.cache.empty(n, window(max(int(written.max()), rows), capacity)),
+        engine.cache.empty(n, engine.cache_mode.start_rows(rows)),
         chunk=chunk,
         tables=tuple(tables),
+        window=rows,
     )
 
 
@@ -184,7 +192,9 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
         positions = (np.arange(size)[None, :] + pending.fed[:, None]).astype(np.int32)
         feed["position_ids"] = np.broadcast_to(positions, (3, n, size)) if axes == 3 else positions
     last = np.maximum(real - 1, 0).astype(np.int32)
-    logits, cache = engine.compiled.steps(pending.cache, feed, pending.lengths, last)
+    logits, cache = engine.compiled.steps(
+        pending.cache, feed, pending.lengths, last, pending.window
+    )
     ending = jnp.asarray((remaining > 0) & (remaining <= size))  # rows fed their last token
     if pending.logits is not None:
         logits = jnp.where(ending[:, None], logits, pending.logits)
@@ -244,7 +254,10 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
 
 
 def prefill_many(engine: Engine, requests: Sequence[slots.Request]) -> list[slots.Prefix]:
-    """The prefixes of ``requests``, their prompts run together: one step per bucket chunk."""
+    """The prefixes of ``requests``, their prompts run together: one step per bucket chunk (in a
+    grow cache, one prompt after another)."""
+    if len(requests) > 1 and not engine.cache_mode.shared:
+        return [p for request in requests for p in prefill_many(engine, [request])]
     pending = begin(engine, requests)
     while not pending.done:
         pending = advance(engine, pending)

@@ -115,8 +115,9 @@ class PrefixCache:
     def __init__(self, engine: Engine, max_bytes: int):
         if not blocks_apply(engine):
             raise GenerationError(
-                f"the prefix cache runs prompts in padded blocks of {BLOCK} tokens: the prefill "
-                f"rule {engine.spec.prefill!r} of this engine does not pad"
+                f"the prefix cache runs prompts in padded blocks of {BLOCK} tokens: this "
+                f"engine's prompt steps do not pad (the prefill rule {engine.spec.prefill!r}, "
+                f"cache mode {engine.cache_mode.name!r}: a grow cache's valid rows come last)"
             )
         self.engine, self.max_bytes = engine, int(max_bytes)
         self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
