@@ -136,7 +136,8 @@ def _toy(folder, variant: str) -> tj.Model:
     """A one-layer grow decoder (vocab 8, one head of 4): attention over past + new keys.
 
     variant: "plain"; "positions" adds a position embedding of Range(past, past + S);
-    "length" adds the past length to the logits; "reduce" adds the sum of the past keys.
+    "length" adds the past length to the logits; "reduce" adds the sum of the past keys;
+    "heads_first" attends with the heads before the batch (scores [H, B, S, keys]).
     """
     rng = np.random.default_rng(0)
     weights = {
@@ -166,13 +167,29 @@ def _toy(folder, variant: str) -> tj.Model:
         helper.make_node("Unsqueeze", [x, "one"], ["k"]),
         helper.make_node("Concat", ["past_key_values.0.key", "k"], ["present.0.key"], axis=2),
         helper.make_node("Concat", ["past_key_values.0.value", "k"], ["present.0.value"], axis=2),
-        helper.make_node("Transpose", ["present.0.key"], ["kt"], perm=[0, 1, 3, 2]),
-        helper.make_node("MatMul", ["k", "kt"], ["scores"]),
+    ]
+    if variant == "heads_first":
+        nodes += [
+            helper.make_node("Transpose", ["k"], ["q"], perm=[1, 0, 2, 3]),
+            helper.make_node("Transpose", ["present.0.key"], ["kt"], perm=[1, 0, 3, 2]),
+            helper.make_node("Transpose", ["present.0.value"], ["v"], perm=[1, 0, 2, 3]),
+        ]
+    else:
+        nodes += [
+            helper.make_node("Identity", ["k"], ["q"]),
+            helper.make_node("Transpose", ["present.0.key"], ["kt"], perm=[0, 1, 3, 2]),
+            helper.make_node("Identity", ["present.0.value"], ["v"]),
+        ]
+    nodes += [
+        helper.make_node("MatMul", ["q", "kt"], ["scores"]),
         helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
-        helper.make_node("MatMul", ["probs", "present.0.value"], ["attended"]),
-        helper.make_node("Squeeze", ["attended", "one"], ["h"]),
+        helper.make_node("MatMul", ["probs", "v"], ["attended0"]),
+        helper.make_node(
+            "Squeeze", ["attended0", "one" if variant != "heads_first" else "zero0"], ["h"]
+        ),  # fmt: skip
         helper.make_node("MatMul", ["h", "out"], ["logits0"]),
     ]
+    const["zero0"] = np.array([0], np.int64)
     extra = {
         "length": [helper.make_node("Cast", ["past"], ["extra"], to=TensorProto.FLOAT)],
         "reduce": [helper.make_node("ReduceSum", ["past_key_values.0.key"], ["extra"], keepdims=0)],
@@ -209,6 +226,7 @@ def _toy(folder, variant: str) -> tj.Model:
     [
         ("plain", None),
         ("positions", None),
+        ("heads_first", None),
         ("length", "uses a value of the cache length"),
         ("reduce", "padding rows of the cache reach"),
     ],
@@ -225,6 +243,10 @@ def test_toy_graphs_are_rewritten_or_refused(variant, reason, tmp_path):
     else:
         assert padding is not None, why
         assert padding.shifted == (("positions",) if variant == "positions" else ())
+        # scores with the heads first: one padding for the batch, and the slots refused
+        assert padding.per_row == (variant != "heads_first")
+        refusal = "padded by one number of padding rows for the whole batch"
+        assert (refusal in ctx.cache_mode.slot_refusal()) == (variant == "heads_first")
         diff = _compare(model, ctx.cache, padding, 3, 16, 2)
         assert diff["logits"] < 1e-5 and diff["present"] < 1e-5, diff
     prompts = [[1, 2, 3], [4, 5, 6]]

@@ -5,6 +5,7 @@ SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -43,7 +44,7 @@ def _free_port() -> int:
 class Server:
     """``transmuter-jax serve`` in a subprocess; stops by itself at the end of the module."""
 
-    def __init__(self, tmp: pathlib.Path, *extra: str):
+    def __init__(self, tmp: pathlib.Path, *extra: str, model: pathlib.Path = MODEL):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         template = tmp / "chatml.jinja"
@@ -56,7 +57,7 @@ class Server:
             "-m",
             "transmuter_jax",
             "serve",
-            str(MODEL),
+            str(model),
             "--port",
             str(self.port),
             "--served-model-name",
@@ -750,15 +751,40 @@ def test_min_tokens_logit_bias_and_ignore_eos_equal_the_library(server, pipe):
     assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 5
 
 
-def test_a_model_the_slots_cannot_run_is_refused_by_name():
-    """serve then batches statically on the pipeline path (its start-up line says why): a grow
-    cache runs the library's slots, but not the server's prefix cache (its valid rows come last,
-    the stored blocks' first)."""
-    from transmuter_jax.serving.slots import SlotBackend
+GROW = ROOT / "tests" / "fixtures" / "gemma3-optimum"  # positions from the cache length
 
-    grow = text.generation(ROOT / "tests" / "fixtures" / "gemma3-optimum")
-    with pytest.raises(ValueError, match="prefix cache runs prompts in padded blocks.*'grow'"):
-        SlotBackend(grow, 2, max_model_len=128)
+
+def test_a_grow_model_is_served_in_slots_with_the_librarys_answers(tmp_path):
+    """A grow-mode decoder runs the slots on its padded rewrite (each row's padding its own);
+    the prefix cache stores nothing for it (its valid rows come last). Concurrent greedy and
+    seeded requests get the library's answers."""
+    s = Server(tmp_path, "--max-batch-size", "2", "--max-model-len", "128", model=GROW)
+    try:
+        assert "continuous batching in 2 slots" in s.log.read_text()
+        grow = text.generation(GROW)
+        prompts = ["The quiet river", "Once upon a time there", "A"]
+        want = grow.generate(prompts, chat=False, do_sample=False, max_new_tokens=7,
+                             token_logprobs=True)  # fmt: skip
+
+        def ask(prompt):
+            return s.client().completions.create(
+                model=NAME, prompt=prompt, max_tokens=7, temperature=0, logprobs=0
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(ask, prompts))
+        for g, w in zip(got, want, strict=True):
+            assert g.choices[0].text == w.text
+            assert g.choices[0].logprobs.token_logprobs == pytest.approx(w.logprobs, abs=1e-5)
+        sampled = [
+            s.client().completions.create(
+                model=NAME, prompt="Once", max_tokens=6, temperature=0.9, seed=11
+            )  # fmt: skip
+            for _ in range(2)
+        ]
+        assert sampled[0].choices[0].text == sampled[1].choices[0].text
+    finally:
+        assert s.stop() == 0
 
 
 # -- a draft model (--speculative-model): one server -------------------------------------------
@@ -857,7 +883,7 @@ def _other_texts(into: pathlib.Path) -> pathlib.Path:
     "target, other, message",
     [
         (MODEL, True, r"--speculative-model \S+: the assistant model .* other token texts"),
-        (ROOT / "tests" / "fixtures" / "gemma3-optimum", False,
+        (GROW, False,
          r"--speculative-model: the slots cannot run \S+ with a draft model: .*grow cache"),
     ],
 )  # fmt: skip

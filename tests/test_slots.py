@@ -307,6 +307,20 @@ def test_a_grow_decoder_runs_slots_on_its_padded_rewrite_or_refuses_them_saying_
     padded = generation.compile(spec, 2, capacity=128)
     assert padded.compiled.grow_cache == "padded" and padded.compiled.steps.padding.per_row
     assert padded.init_state().free_slots == [0, 1]
+    # a prefix of fewer rows than the slots hold (prefill_many's 64-row window beside a 90-token
+    # request's 128) goes in with its valid rows last: the tokens of its solo run
+    vocab = padded.vocab_size
+    long = Request(tuple((5 + 7 * i) % vocab for i in range(90)), max_new_tokens=NEW)
+    short = requests("gemma3-optimum")["greedy"]
+    state = padded.insert(padded.prefill(long), padded.init_state(), 0)
+    state, _ = padded.generate(state, 2)
+    prefix = padded.prefill_many([short])[0]
+    assert slots._rows_of(padded, prefix.rows.cache, 128) == 64 and slots.held(padded, state) == 128
+    state = padded.insert(prefix, state, 1)
+    got: dict = {}
+    _drain(padded, state, got)
+    alone = [t[0] for t in solo(padded, short)]
+    assert [prefix.first.token] + [t.token for t in got[1]] == alone
     with pytest.raises(ValueError, match="valid rows last, so the rows of rejected drafts"):
         padded.prefill(Request((1, 2, 3), prompt_lookup_num_tokens=3))
     with pytest.raises(ValueError, match="valid rows last, so the rows of rejected drafts"):

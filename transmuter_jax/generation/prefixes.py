@@ -106,20 +106,16 @@ class PrefixCache:
         max_bytes: the most bytes of stored rows (0: nothing is stored; prompts still run in
             blocks, so the answers are those of a cache that misses).
 
-    Not thread-safe: call it from the thread that runs the engine.
+    An engine whose prompt steps are not padded to blocks (the prefill rule "pow2", or a grow
+    cache, whose valid rows come last) stores nothing: its prompts run as
+    :func:`.prefill.prefill_many` runs them (``blocks`` is False).
 
-    Raises:
-        GenerationError: when the engine's prompt steps cannot be padded to blocks.
+    Not thread-safe: call it from the thread that runs the engine.
     """
 
     def __init__(self, engine: Engine, max_bytes: int):
-        if not blocks_apply(engine):
-            raise GenerationError(
-                f"the prefix cache runs prompts in padded blocks of {BLOCK} tokens: this "
-                f"engine's prompt steps do not pad (the prefill rule {engine.spec.prefill!r}, "
-                f"cache mode {engine.cache_mode.name!r}: a grow cache's valid rows come last)"
-            )
-        self.engine, self.max_bytes = engine, int(max_bytes)
+        self.blocks = blocks_apply(engine)
+        self.engine, self.max_bytes = engine, int(max_bytes) if self.blocks else 0
         self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
         self._bytes = 0
         self._queries = self._hits = self._query_tokens = self._hit_tokens = 0
@@ -153,6 +149,10 @@ class PrefixCache:
             GenerationError: as :func:`.slots.prefill`, naming the request by its index.
         """
         engine, requests = self.engine, list(requests)
+        if not self.blocks:  # nothing to look up: each prompt as prefill_many runs it
+            self._queries += len(requests)
+            self._query_tokens += sum(len(r.prompt) for r in requests)
+            return [self._alone(r, cache_rows, i) for i, r in enumerate(requests)]
         starts = []
         for request in requests:
             prompt = request.prompt
@@ -209,6 +209,13 @@ class PrefixCache:
             whole = len(request.prompt) // BLOCK * BLOCK
             self._store(request.prompt[:whole], prefix.rows.cache)
         return prefixes
+
+    def _alone(self, request: slots.Request, cache_rows: int, name: int) -> slots.Prefix:
+        """``request``'s prefix, its prompt alone in the engine's own steps."""
+        pending = prefills.begin(self.engine, [request], rows=cache_rows, names=[name])
+        while not pending.done:
+            pending = prefills.advance(self.engine, pending)
+        return prefills.end(self.engine, pending)[0]
 
     def clear(self) -> None:
         """Drops every stored prefix."""

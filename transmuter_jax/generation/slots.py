@@ -1061,7 +1061,9 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
         length = int(jax.device_get(one.lengths)[0])
         target = max(have, window_of(max(length, 1), state.capacity))
         state = resized(engine, state, target)
-        if given > target:
+        # a shorter prefix goes into the slot's first rows as it is, unless its valid rows
+        # come last (a padded grow cache): then it is resized to the window too
+        if given > target or (given < target and engine.cache_mode.padded):
             one = dataclasses.replace(one, cache=_resized_cache(engine, one.cache, target))
     _release(state, slot)
     rows = _insert_function(jit_key(engine.jit_options))(state.rows, one, jnp.int32(slot))
@@ -1225,9 +1227,10 @@ def warm_moves(engine: Engine, state: SlotState, prefixes: Sequence[Prefix]) -> 
         given = _rows_of(engine, prefix.rows.cache, state.capacity)
         whole = shaped(prefix.rows, given)
         for rows in sizes:
-            if rows < given:
+            moved = rows < given or (rows > given and engine.cache_mode.padded)  # as insert
+            if moved:
                 _resize_program(engine, rows).lower(whole.cache).compile()
-            one = whole if rows >= given else shaped(prefix.rows, rows)
+            one = shaped(prefix.rows, rows) if moved else whole
             insert_.lower(slots_at[rows], one, slot).compile()
 
 
