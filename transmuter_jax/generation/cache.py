@@ -448,7 +448,8 @@ class GrowPadded(GrowExact):
             return ""
         return (
             "its grow cache is padded by one number of padding rows for the whole batch (the "
-            f"padded rewrite's scalar input: {self.one_padding}), so rows cannot join at other lengths"
+            f"padded rewrite's scalar input: {self.one_padding}), so rows cannot join at other "
+            "lengths"
         )
 
     def resize(self, a, rows):
