@@ -110,9 +110,11 @@ def begin(
     """Admits ``requests`` (raises GenerationError, naming the request, for one the engine
     cannot take) and gives their prompts to feed, at most ``chunk`` tokens (a multiple of 64 up
     to 512) of each per step, in a cache of the fewest rows of :func:`windows` that hold what
-    the steps write and at least ``rows`` (a warm-up's): the steps attend over those rows only,
-    and :func:`.slots.insert` puts them at the start of a slot, whose other rows the mask
-    hides. ``names``: the numbers errors name the requests by (their indices)."""
+    the steps write and at least ``rows`` (a warm-up's), or the step's own rows when one step
+    feeds every prompt whole and ``rows`` asks no more (:meth:`~.cache.Mode.first_rows`): the
+    steps attend over those rows only, and :func:`.slots.insert` puts them at the start of a
+    slot, whose other rows the mask hides. ``names``: the numbers errors name the requests by
+    (their indices)."""
     requests = tuple(requests)
     if not requests:
         raise GenerationError("prefill needs at least one request")
@@ -151,7 +153,12 @@ def begin(
                 f"request {names[i]} needs {need} cache rows (a prompt of {prompts[i]} tokens, "
                 f"padded, and {r['max_new']} new ones): more than the slots' capacity of {capacity}"
             )
-    n, rows = len(requests), window(max(int(written.max()), rows), capacity)
+    n, asked = len(requests), rows
+    rows = window(max(int(written.max()), asked), capacity)
+    steps = _schedule(engine, prompts, chunk)
+    own = engine.cache_mode.first_rows(steps[0], max(prompts)) if len(steps) == 1 else None
+    if own is not None and asked <= own < rows:  # one step feeds every prompt: its own rows
+        rows = own  # (it attends over them alone; insert puts them in a slot's first rows)
     return Pending(
         requests,
         tuple(r for r, _ in admitted),

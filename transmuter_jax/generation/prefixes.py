@@ -258,27 +258,28 @@ class PrefixCache:
 
 def warm(engine: Engine, state: slots.SlotState, batches: Sequence[int]) -> slots.SlotState:
     """Compiles what :meth:`PrefixCache.prefill_many` and :func:`.slots.insert` run for
-    prefills of ``batches`` prompts: in the first prefill window (:func:`.prefill.windows`) a
-    step of every :func:`width`, in the others steps of :data:`BLOCK` (a prompt of more than
-    one block); each prefix put into slot 0 of ``state`` and freed; then the moves between
-    windows (:func:`.slots.warm_moves`: a prefix of each window into the slots at each window,
-    the slots resized between windows). Returns the state (its arrays were donated; slot 0
+    prefills of ``batches`` prompts: a step of every :func:`width` in the rows it runs in (its
+    own rows, :func:`.prefill.begin`), in the other prefill windows (:func:`.prefill.windows`)
+    steps of :data:`BLOCK` (a prompt of more than one block); each prefix put into slot 0 of
+    ``state`` and freed; then the moves between windows (:func:`.slots.warm_moves`: a prefix
+    of each number of rows into the slots at each window, the slots resized between windows). Returns the state (its arrays were donated; slot 0
     must be free)."""
     cache = PrefixCache(engine, 0)
     pad = slots._pad_token(engine)
     shortest: dict[int, int] = {}  # the shortest prompt of each width
     for n in range(BLOCK, 0, -1):
         shortest[width(engine, n)] = n
-    first, *others = prefills.windows(engine.slot_capacity)
-    runs = [(first, n) for n in sorted(shortest.values())]
+    _, *others = prefills.windows(engine.slot_capacity)
+    # a prompt of one step runs in the rows a request gets (its step's own, or the first window)
+    runs = [(0, n) for n in sorted(shortest.values())]
     runs += [(rows, BLOCK + 1) for rows in others if rows >= 2 * BLOCK]
-    made: dict[int, slots.Prefix] = {}  # a prefix of each prefill window
+    made: dict[int, slots.Prefix] = {}  # a prefix of each number of cache rows
     for rows, length in runs:
         for batch in batches:
             requests = [slots.Request((pad,) * length, max_new_tokens=1)] * batch
             prefix = cache.prefill_many(requests, cache_rows=rows)[0]
             state = slots.free(slots.insert(engine, prefix, state, 0), 0)
-            made[rows] = prefix
+            made[slots._rows_of(engine, prefix.rows.cache, engine.slot_capacity)] = prefix
     slots.warm_moves(engine, state, list(made.values()))
     return state
 

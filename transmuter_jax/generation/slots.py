@@ -872,7 +872,7 @@ def prefill(
         )
     table = _table_of(engine, request, r["eos"])
     cache = None if past is None else past[0]
-    logits, cache, lengths = _prompt(engine, prompt, capacity, cache, start)
+    logits, cache, lengths = _prompt(engine, prompt, capacity, cache, start, own=past is None)
     drafted = _drafted(engine, prompt, r["assisted"])
     rows = _request_rows(engine, request, r, put(lengths), cache, table, drafted)
     if r["max_new"] == 0:
@@ -965,14 +965,23 @@ def written(start: int, length: int) -> int:
 
 
 def _prompt(
-    engine: Engine, prompt: list[int], capacity: int, cache: Any = None, start: int = 0
+    engine: Engine,
+    prompt: list[int],
+    capacity: int,
+    cache: Any = None,
+    start: int = 0,
+    own: bool = False,
 ) -> tuple[Any, dict, Any]:
     """(the last token's logits, the cache, its lengths) of ``prompt`` alone, in steps of the
     engine's prefill rule into a cache of ``capacity`` rows (``cache``: one whose first
-    ``start`` rows hold the prompt's first tokens)."""
+    ``start`` rows hold the prompt's first tokens; ``own``: a prompt of one step runs in a
+    cache of that step's rows, as :func:`.prefill.begin` runs it)."""
     spec, mode = engine.spec, engine.cache_mode
     if cache is None:  # grow: the first step's present is the cache, padded to ``capacity``
-        cache = engine.cache.empty(1, mode.start_rows(capacity))
+        rows = mode.start_rows(capacity)
+        first = mode.prompt_step(len(prompt), spec.prefill)
+        alone = mode.first_rows(first, len(prompt)) if own else None
+        cache = engine.cache.empty(1, alone if alone is not None and alone < rows else rows)
     rows = _rows_of(engine, cache, capacity)
     lengths, fed, logits = np.full(1, start, np.int32), start, None
     axes = _axes(engine)
