@@ -10,7 +10,7 @@ import pytest
 from generation_cases import FIXTURES, case, context, tiered
 
 from transmuter_jax import generation
-from transmuter_jax.generation import Request, speculative
+from transmuter_jax.generation import Request, slot_loop, speculative
 
 IN_PLACE = ["llama-genai-fp32", "qwen2-genai-fp32", "gemma3-genai-fp32", "llama-genai-int4",
             "qwen2-genai-int4", "gemma3-genai-int4", "granite-genai-fp32", "mistral-genai-fp32",
@@ -57,7 +57,7 @@ def test_generate_with_prompt_lookup_equals_plain_greedy(name, workdir):
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose([p for _, p in a], [p for _, p in b], rtol=1e-4, atol=1e-4)
     rows = [(p, NEW, 0) for p in prompts]
-    _, stats = speculative.run(spec, rows)
+    _, stats = slot_loop.run(spec, rows)
     assert stats.accepted > 0 and stats.drafted >= stats.accepted  # drafts were kept
     assert stats.steps + stats.accepted == stats.tokens
 
@@ -74,7 +74,7 @@ def test_processors_apply_at_every_verified_position(name, workdir):
     )
     want = generation.generate(plain, prompts, [0] * len(prompts))
     assert generation.generate(spec, prompts, [0] * len(prompts)) == want
-    _, stats = speculative.run(spec, [(p, NEW, 0) for p in prompts])
+    _, stats = slot_loop.run(spec, [(p, NEW, 0) for p in prompts])
     assert stats.drafted > 0
 
 
@@ -270,7 +270,7 @@ def test_an_assistant_model_drafts_and_greedy_and_sampling_equal_plain(workdir):
                    assistant=context(helper, workdir))  # fmt: skip
     eng = generation.compile(spec, len(prompts), capacity=128)
     assert generation.generate(eng, prompts, [0] * len(prompts)) == want
-    _, stats = speculative.run(eng, [(p, NEW, 0) for p in prompts])
+    _, stats = slot_loop.run(eng, [(p, NEW, 0) for p in prompts])
     assert stats.accepted > 0 and stats.steps < stats.tokens
     # sampled (the p/q rule over the draft model's distribution): reproducible with the seed,
     # the same beside other slots (a plain one, one sampled with another seed)

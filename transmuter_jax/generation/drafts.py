@@ -51,11 +51,14 @@ def empty(
     model: bool = False,
     adaptive: bool = True,
     cache: dict[str, jax.Array] | None = None,
+    host: bool = False,
 ) -> Drafts:
     """Drafts of ``batch`` slots that draft up to ``lookup`` tokens (from ``ngram``-grams, or
-    with the assistant model whose cache is ``cache``)."""
-    full = lambda v: filled(batch, v, np.int32)  # noqa: E731
-    flag = lambda v: filled(batch, v, bool)  # noqa: E731
+    with the assistant model whose cache is ``cache``); ``host``: numpy arrays (for one copy of
+    a tree, :func:`~transmuter_jax.runtime.jit.put_all`)."""
+    make = (lambda s, v, t: np.full(s, v, t)) if host else filled  # noqa: E731
+    full = lambda v: make(batch, v, np.int32)  # noqa: E731
+    flag = lambda v: make(batch, v, bool)  # noqa: E731
     return Drafts(full(lookup), full(ngram), full(lookup), full(0), full(0), full(0),
                   flag(model), flag(adaptive), dict(cache or {}))  # fmt: skip
 

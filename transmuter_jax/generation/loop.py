@@ -25,7 +25,7 @@ from ..onnx.dtypes import device_dtype
 from ..onnx.qkv import split_qkv
 from ..parallel import sharding
 from . import cache as cache_modes
-from . import constraints, slots, speculative
+from . import constraints, slot_loop, slots, speculative
 from .beam import BeamPrompt
 from .chunk import Decoder, choose
 from .chunk import rows as device_rows
@@ -233,15 +233,32 @@ def generate(
     inputs = dict(inputs or {})
     prompts = [list(p) for p in prompts]
     _validate(ctx, prompts, seeds, inputs)
-    if ctx.options.speculative or ctx.assistant is not None:  # docs/speculative.md
+    speculates = ctx.options.speculative or ctx.assistant is not None
+    if speculates:  # docs/speculative.md: the slots must run it
         speculative.check(ctx, inputs)
+    if speculates or through_slots(ctx, inputs):  # a loop over the slots' API
         rows = _rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)]
-        return speculative.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
+        return slot_loop.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
     run = _Run.start(ctx, prompts, seeds, inputs, on_token, clamp)
     for group in run.groups():
         state = run.prefill(group)
         run.decode(group, state)
     return run.strategy.results(run)
+
+
+def through_slots(ctx: Engine, inputs: Mapping[str, Any]) -> bool:
+    """Whether :func:`generate` runs as a loop over the slots' API (:mod:`.slot_loop`): where
+    the slots run the specification (:func:`.slots.check`) and the call gives no inputs (a
+    decoder-only model's encoder ids are its prompts). Elsewhere (beam search, n > 1, a task's
+    own processors, a specification's constraint, given inputs or images, a mesh, a grow cache
+    of exact lengths) it runs its rows on the host with the same step."""
+    if set(inputs) - {"encoder_input_ids"} or ctx.options.encoder_ids:
+        return False
+    try:
+        slots.check(ctx)
+    except GenerationError:
+        return False
+    return True
 
 
 def _validate(ctx: Engine, prompts, seeds, inputs) -> None:

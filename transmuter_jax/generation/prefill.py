@@ -222,7 +222,8 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
         slots._request_rows(engine, request, r, lengths[i : i + 1], {}, tables[i])
         for i, (request, r) in enumerate(zip(pending.requests, pending.resolved, strict=True))
     ]
-    rows = jax.tree.map(lambda *a: jnp.concatenate(a), *each)  # the cache apart: not copied
+    # the cache apart: not copied (one request: its rows as they are)
+    rows = each[0] if n == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *each)
     first = slots._first(engine, engine.slot_top_logprobs)
     chosen: dict[int, tuple[slots.Rows_, slots.StepOut]] = {}
     distinct: list[Any] = []
@@ -241,10 +242,11 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
     prefixes = []
     for i, request in enumerate(pending.requests):
         after, out = chosen[i]
-        one = jax.tree.map(lambda a, i=i: a[i : i + 1], after)
+        row = (lambda a: a) if n == 1 else (lambda a, i=i: a[i : i + 1])  # noqa: E731
+        one = jax.tree.map(row, after)
         drafted = slots._drafted(engine, request.prompt, pending.resolved[i]["assisted"])
         drafts = dataclasses.replace(one.drafts, cache=drafted)
-        cache = jax.tree.map(lambda a, i=i: a[i : i + 1], pending.cache)
+        cache = jax.tree.map(row, pending.cache)
         one = dataclasses.replace(one, cache=cache, drafts=drafts)
         if pending.resolved[i]["max_new"] == 0:
             prefixes.append(slots.Prefix(request, one, None, tables[i]))

@@ -262,8 +262,8 @@ def warm(engine: Engine, state: slots.SlotState, batches: Sequence[int]) -> slot
     own rows, :func:`.prefill.begin`), in the other prefill windows (:func:`.prefill.windows`)
     steps of :data:`BLOCK` (a prompt of more than one block); each prefix put into slot 0 of
     ``state`` and freed; then the moves between windows (:func:`.slots.warm_moves`: a prefix
-    of each number of rows into the slots at each window, the slots resized between windows). Returns the state (its arrays were donated; slot 0
-    must be free)."""
+    of each number of rows into the slots at each window, the slots resized between windows).
+    Returns the state (its arrays were donated; slot 0 must be free)."""
     cache = PrefixCache(engine, 0)
     pad = slots._pad_token(engine)
     shortest: dict[int, int] = {}  # the shortest prompt of each width

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import hub
-from ..runtime.jit import filled, jit_options, put
+from ..runtime.jit import jit_options, put, put_all
 from ..runtime.stored import AutoStoredJit, storable
 from . import constraints
 from . import drafts as drafting
@@ -727,34 +727,36 @@ def init(engine: Engine) -> SlotState:
 
 def _empty(engine: Engine, batch: int, capacity: int, held: int | None = None) -> Rows_:
     vocab = engine.vocab_size
-    i = lambda v: filled(batch, v, np.int32)  # noqa: E731
-    f = lambda v: filled(batch, v, np.float32)  # noqa: E731
-    return Rows_(
+    full = lambda v, t, shape=batch: np.full(shape, v, t)  # noqa: E731
+    i = lambda v: full(v, np.int32)  # noqa: E731
+    f = lambda v: full(v, np.float32)  # noqa: E731
+    rows = Rows_(
         token=i(0),
         lengths=i(0),
-        history=filled((batch, capacity), -1, np.int32),
+        history=full(-1, np.int32, (batch, capacity)),
         prompt=i(0),
         count=i(0),
         max_new=i(0),
         seeds=i(0),
-        done=filled(batch, True, bool),
-        eos=filled((batch, EOS_WIDTH), -1, np.int32),
-        sample=filled(batch, False, bool),
+        done=full(True, bool),
+        eos=full(-1, np.int32, (batch, EOS_WIDTH)),
+        sample=full(False, bool),
         temperature=f(1.0),
         top_k=i(vocab),
         top_p_drop=f(0.0),
-        top_p_on=filled(batch, False, bool),
+        top_p_on=full(False, bool),
         min_p=f(0.0),
         repetition=f(1.0),
         presence=f(0.0),
         cache=engine.cache.empty(batch, capacity if held is None else held),
         frequency=f(0.0),
-        bias_ids=filled((batch, BIAS_WIDTH), -1, np.int32),
-        bias_values=filled((batch, BIAS_WIDTH), 0.0, np.float32),
+        bias_ids=full(-1, np.int32, (batch, BIAS_WIDTH)),
+        bias_values=full(0.0, np.float32, (batch, BIAS_WIDTH)),
         min_new=i(0),
         constraint=i(-1),
-        drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity)),
+        drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity), host=True),
     )
+    return put_all(rows)  # one copy of the host arrays
 
 
 def _assistant_cache(engine: Engine, batch: int, capacity: int) -> dict[str, jax.Array]:
@@ -924,18 +926,18 @@ def _request_rows(
     bias_values = np.zeros((1, BIAS_WIDTH), np.float32)
     for j, (token, value) in enumerate(request.logit_bias):  # checked by _admit
         bias_ids[0, j], bias_values[0, j] = token, value
-    one = lambda v, t: put([v], t)  # noqa: E731
+    one = lambda v, t: np.array([v], t)  # noqa: E731
     seed = np.array([request.seed & 0xFFFFFFFF], np.uint32).view(np.int32)
     rows = Rows_(
         token=one(0, np.int32),
         lengths=lengths,
-        history=put(history),
+        history=history,
         prompt=one(len(prompt), np.int32),
         count=one(0, np.int32),
         max_new=one(r["max_new"], np.int32),
-        seeds=put(seed),
+        seeds=seed,
         done=one(r["max_new"] == 0, bool),
-        eos=put(eos),
+        eos=eos,
         sample=one(r["sample"], bool),
         temperature=one(r["temperature"], np.float32),
         top_k=one(r["top_k"] if r["top_k"] > 0 else vocab, np.int32),
@@ -946,15 +948,21 @@ def _request_rows(
         presence=one(float(request.presence_penalty), np.float32),
         cache=cache,
         frequency=one(float(request.frequency_penalty), np.float32),
-        bias_ids=put(bias_ids),
-        bias_values=put(bias_values),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
         min_new=one(int(request.min_new_tokens), np.int32),
         constraint=one(_start_state(engine, request, r, table), np.int32),
         drafts=drafting.empty(
-            1, r["lookup"], r["ngram"], r["assisted"], r["adaptive"], cache=drafted or {}
-        ),
+            1,
+            r["lookup"],
+            r["ngram"],
+            r["assisted"],
+            r["adaptive"],
+            cache=drafted or {},
+            host=True,
+        ),  # fmt: skip
     )
-    return rows
+    return put_all(rows)  # one copy of the host arrays
 
 
 def written(start: int, length: int) -> int:

@@ -51,6 +51,16 @@ def put(value: Any, dtype: Any = None) -> jax.Array:
     return jax.device_put(np.asarray(value, dtype))
 
 
+def put_all(tree: Any) -> Any:
+    """``tree`` with its numpy leaves as device arrays, copied in one call (see :func:`put`:
+    one ``device_put`` per array costs ~0.1 ms of the host's time each)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    host = [i for i, a in enumerate(leaves) if isinstance(a, np.ndarray)]
+    for i, a in zip(host, jax.device_put([leaves[i] for i in host]), strict=True):
+        leaves[i] = a
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def filled(shape: int | tuple[int, ...], value: Any, dtype: Any) -> jax.Array:
     """``jnp.full(shape, value, dtype)`` without compiling a program (see :func:`put`)."""
     return jax.device_put(np.full(shape, value, dtype))

@@ -1,0 +1,146 @@
+"""generate() as a loop over the slots' API: prefill_many, insert, generate.
+
+Where the slots run a specification (:func:`.slots.check`: no beam search, no task's own
+processors, no given inputs or images, no mesh, a cache whose rows can join at other lengths),
+:func:`.loop.generate` is :func:`run`: each prompt is a :class:`~.slots.Request` with the
+specification's options, its seed and its number of new tokens, in a slot of its own; the
+prompts run together (:func:`.prefill.prefill_many`), and the slots' decode chunks
+(:func:`.speculative.generate`: plain steps where no slot speculates) give the tokens, which
+on_token reports in generate()'s events (one per step, -1 where a row takes none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from . import prefill as prefills
+from . import slots, speculative
+from .cache import PREFILL_CAP, bucket
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def run(
+    engine: Engine,
+    rows: Sequence[tuple[Sequence[int], int, int]],
+    on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
+) -> tuple[list[list[Any]], speculative.Stats]:
+    """generate() over the slots: each (prompt, max_new_tokens, seed) a request in a slot of
+    its own (an empty prompt or none to make: a row that gives nothing), the prompts prefilled
+    together, then the slots' decode chunks until every row is done.
+
+    Returns each row's new tokens (as :func:`.loop.generate` gives them: without the eos id,
+    with log-probabilities where the options ask) and what speculation did
+    (:class:`~.speculative.Stats`).
+    """
+    options = engine.options
+    need = [
+        max(bucket(len(p) + n), bucket(len(p)) if len(p) <= PREFILL_CAP else bucket(len(p) + 1))
+        for p, n, _ in rows
+        if p
+    ]
+    longest = max((len(p) for p, _, _ in rows), default=0)
+    # the prompts run together: each writes the padded width of the longest one's steps
+    capacity = bucket(max([*need, slots.written(0, longest) if longest else 0, 64]))
+    limit = engine.position_limit
+    if limit is not None:
+        capacity = min(capacity, bucket(limit))
+    # the top_logprobs the options ask for, no more: top k of every position costs
+    engine = dataclasses.replace(
+        engine, slot_capacity=capacity, slot_top_logprobs=options.top_logprobs
+    )
+    state = None  # the slots, made when a row takes more than its first token
+    n = len(rows)
+    kept: list[list[Any]] = [[] for _ in rows]
+    finished = np.array([not p or m == 0 for p, m, _ in rows])
+    first = np.full(n, -1, np.int32)
+    first_logprob = np.full(n, np.nan, np.float32)
+    first_top: list[tuple] = [()] * n
+    taking = [i for i in range(n) if not finished[i]]
+    requests = [
+        slots.Request(
+            tuple(rows[i][0]),
+            max_new_tokens=rows[i][1],
+            seed=int(rows[i][2]),
+            stop_strings=options.stop_strings or (),
+            logprobs=options.logprobs,
+            top_logprobs=options.top_logprobs,
+        )
+        for i in taking
+    ]
+    prefixes = prefills.prefill_many(engine, requests) if requests else []
+    for i, prefix in zip(taking, prefixes, strict=True):
+        if prefix.first is not None:
+            t = prefix.first
+            first[i], first_logprob[i], first_top[i] = t.token, t.logprob, t.top
+            finished[i] = t.done
+            _keep(kept[i], t, options)
+        if not finished[i]:
+            state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
+    _emit(on_token, options, first, finished, first_logprob, first_top)
+    made = 0
+    while state is not None and state.live_slots:
+        state, tokens = speculative.generate(engine, state, options.decode_steps)
+        _events(on_token, options, tokens, finished)
+        made += len(tokens)
+        for t in tokens:
+            _keep(kept[t.slot], t, options)
+    if state is None:
+        return kept, speculative.Stats(made)
+    d = jax.device_get(state.rows.drafts)
+    used = [i for i, (p, m, _) in enumerate(rows) if p and m]
+    total = lambda a: int(np.sum(a[used])) if used else 0  # noqa: E731
+    return kept, speculative.Stats(made, total(d.steps), total(d.drafted), total(d.accepted))
+
+
+def _keep(into: list, token: slots.Token, options) -> None:
+    if token.eos:
+        return
+    if options.top_logprobs:
+        into.append((token.token, token.logprob, list(token.top)))
+    elif options.token_logprobs:
+        into.append((token.token, token.logprob))
+    else:
+        into.append(token.token)
+
+
+def _events(on_token, options, tokens: list[slots.Token], finished: np.ndarray) -> None:
+    """One on_token event per position: a slot's tokens in order, the others -1."""
+    if on_token is None or not tokens:
+        return
+    n = len(finished)
+    queues: dict[int, list[slots.Token]] = {}
+    for t in tokens:
+        queues.setdefault(t.slot, []).append(t)
+    for j in range(max(len(q) for q in queues.values())):
+        token = np.full(n, -1, np.int32)
+        logprob = np.full(n, np.nan, np.float32)
+        top: list[tuple] = [()] * n
+        for s, q in queues.items():
+            if j < len(q):
+                token[s], logprob[s], top[s] = q[j].token, q[j].logprob, q[j].top
+                finished[s] = q[j].done
+        _emit(on_token, options, token, finished, logprob, top)
+
+
+def _emit(on_token, options, token, finished, logprob, top) -> None:
+    if on_token is None or not np.any(token >= 0):
+        return
+    event = {"token": token.copy(), "finished": finished.copy()}
+    if options.logprobs:
+        event["logprob"] = np.where(token >= 0, logprob, np.nan).astype(np.float32)
+    if options.top_logprobs:
+        k = options.top_logprobs
+        ids = np.full((len(token), k), -1, np.int32)
+        values = np.full((len(token), k), np.nan, np.float32)
+        for i, pairs in enumerate(top):
+            for j, (a, b) in enumerate(pairs[:k]):
+                ids[i, j], values[i, j] = a, b
+        event["top_ids"], event["top_logprobs"] = ids, values
+    on_token(event)
