@@ -1,6 +1,8 @@
 """compile() and generate(): the host loop as verbs (prefill, decode, select) over the rows.
 
-``generate`` runs each group of rows that share a cache: ``prefill`` feeds the prompts in steps
+Where the slots run the specification, ``generate`` is a loop over their API
+(:func:`through_slots`, :mod:`.slot_loop`). Elsewhere it runs each group of rows that share a
+cache: ``prefill`` feeds the prompts in steps
 of the prefill rule on the host (rows that finish their prompt early take tokens meanwhile),
 then ``decode`` runs the rest with the slots' step (:mod:`.chunk`) in chunks of up to
 ``decode_steps`` (``decode_steps=1``: the same step with a limit of one) or, where the host
