@@ -1193,6 +1193,8 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
     longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
     window = window_of(longest + steps, state.capacity)
     state = resized(engine, state, window)
+    padded = (window,) if engine.compiled.padded else ()
+    engine.compiled.steps.shapes.add((1, window, True) + padded)  # the decode shape it runs
     run = _chunk(engine, window, state.top_logprobs, size)
     rows, out = run(engine.model.params, state.rows, np.int32(steps), state.live_table)
     return read(state, rows, jax.device_get(out))

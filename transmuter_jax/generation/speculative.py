@@ -435,6 +435,7 @@ def generate(
         return slots.generate(engine, state, steps)
     size = slots.program_size(steps)
     state = slots.resized(engine, state, state.capacity)  # its steps read the whole capacity
+    engine.compiled.steps.shapes.add((width, state.capacity, True))  # its verify steps' widest
     run = _chunk(engine, state.capacity, state.top_logprobs, size, width, longest)
     helper = {} if engine.assistant is None else engine.assistant.model.params
     rows, out, _ = run(engine.model.params, helper, state.rows, np.int32(steps))

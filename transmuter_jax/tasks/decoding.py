@@ -64,15 +64,18 @@ def check_assistant(
     draft for ``model`` (another vocabulary, a cache that cannot run slots)."""
     helper = gen.context(assistant[0], assistant[1], embed=assistant[2])
     gen.context(folder, model, embed=embed, assistant=helper)
-    refusal = helper.cache_mode.slot_refusal()
+    refusal = helper.cache_mode.slot_refusal() or helper.cache_mode.draft_refusal()
     if refusal:
         raise gen.GenerationError(f"the assistant model {assistant[0]!r} cannot draft: {refusal}")
 
 
 def compiled_shapes(shapes: set[tuple], engines: Iterable[gen.Engine]) -> int:
-    """How many step shapes have run: ``shapes`` (updated in place) with those of ``engines``."""
+    """How many step shapes have run: ``shapes`` (updated in place) with those of ``engines``.
+    A prompt step's program serves every engine of the model; a decode chunk's (one token a
+    step) holds its engine's selection, so each engine's count apart."""
     for engine in engines:
-        shapes |= engine.compiled.steps.shapes
+        key = engine.spec.options.program_key
+        shapes |= {s if s[0] > 1 else (*s, key) for s in engine.compiled.steps.shapes}
     return len(shapes)
 
 
