@@ -63,6 +63,8 @@ WORKLOADS = (
     ),
 )
 SHARED_POLICIES = [
+    sim.policy("buckets", "windows"),
+    sim.policy("buckets", "capacity64"),
     sim.policy("pow2", "capacity64"),
     sim.policy("exact", "capacity64"),
     sim.policy("multiple:16", "capacity64"),
@@ -89,8 +91,8 @@ GROW_POLICIES = [
     sim.policy("pow2", "fixed:512"),
 ]
 IMPLEMENTED = {
-    "in_place": "pow2 / capacity64",
-    "append": "pow2 / capacity64",
+    "in_place": "buckets / windows",
+    "append": "buckets / windows",
     "grow": "pow2 / padded64",
 }
 BEFORE = "pow2 / exact"  # grow before this change
@@ -502,7 +504,9 @@ def _numbers(data, rows, fixtures, steps, times) -> dict[str, str]:
         "c": (
             "chat, in_place",
             {
-                "impl": "pow2 / capacity64",
+                "impl": "buckets / windows",
+                "cap": "buckets / capacity64",
+                "pow2": "pow2 / capacity64",
                 "exact": "exact / capacity64",
                 "m16": "multiple:16 / capacity64",
                 "m64": "multiple:64 / capacity64",
@@ -519,7 +523,8 @@ def _numbers(data, rows, fixtures, steps, times) -> dict[str, str]:
         "s": (
             "short completions",
             {
-                "impl": "pow2 / capacity64",
+                "impl": "buckets / windows",
+                "cap": "buckets / capacity64",
                 "m64": "multiple:64 / capacity64",
                 "g64": "pow2 / growing:64",
             },

@@ -49,7 +49,11 @@ class Policy:
             step, rounded up to 64: as implemented), "capacity256" (rounded up to 256),
             "capacitypow2" (rounded up to a power of two, at least 64), "capacitygeo" (rounded up to
             2^k or 1.5 x 2^k, at least 64), "growing:K" (the buffer starts small and is copied into
-            one K rows larger when a step needs room) or "fixed:N" (always N rows). grow: "exact"
+            one K rows larger when a step needs room), "fixed:N" (always N rows) or "windows" (as
+            implemented since generate() runs on the slots: a first step that feeds every prompt
+            whole runs in its own rows, else in the prefill windows 64, 256, 1024, ...; each
+            decode step reads the smallest of 64, 128, 256, ... rows that holds the longest row's
+            tokens and the step, at most the capacity). grow: "exact"
             (the exact length, as implemented without padding), "padded64" (padded: the longest row
             rounded up to 64, as implemented), "paddedpow2" (rounded up to a power of two, at least
             64), "bucket64" (the cache grows in steps of 64 rows as it fills: each step's capacity
@@ -77,6 +81,7 @@ def policy(prompt: str = "pow2", cache: str = "capacity64") -> Policy:
         "capacity256",
         "capacitypow2",
         "capacitygeo",
+        "windows",
         "growing",
         "fixed",
         "exact",
@@ -143,7 +148,7 @@ def cache_rows(mode: str, cache_policy: str, longest: int, first: int, prompt: i
             return int(arg)
         raise ValueError(f"cache policy {cache_policy!r} is not one of grow's")
     need = longest + first
-    if kind == "capacity64":
+    if kind in ("capacity64", "windows"):
         return round_up(max(longest, first) if first >= prompt else need, 64)
     if kind == "capacity256":
         return round_up(need, 256)
@@ -172,6 +177,7 @@ class Trace:
     real_attended: int = 0  # the same without padding rows of the cache
     decode_rows: int = 0  # cache rows read by the rows of one-token steps (batch x rows)
     copies: set[tuple] = dataclasses.field(default_factory=set)  # (batch, rows, new rows)
+    window: int = 0  # "windows": the rows the last step ran in
 
 
 def _prompt_steps(policy: Policy, mode: str, left: int) -> list[int]:
@@ -202,6 +208,7 @@ def run_batch(mode: str, policy: Policy, batch: int, requests: Sequence[Request]
 
 def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], trace: Trace):
     """in_place / append: every row in one cache buffer; rows feed their prompts together."""
+    trace.window = 0  # a call's slots start afresh
     fed = [0] * len(requests)
     selections = [0] * len(requests)
     longest = max(r.prompt + r.max_new for r in requests)
@@ -209,9 +216,12 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
     kind, _, arg = policy.cache.partition(":")
     prompt = max(r.prompt for r in requests)
     rows = 0 if kind == "growing" else cache_rows(mode, policy.cache, longest, first, prompt)
-    # as implemented: a first step that feeds every prompt whole runs in its own rows, which
-    # are then copied into the buffer
-    alone = first if kind == "capacity64" and prompt <= first < rows else 0
+    # a first step that feeds every prompt whole runs in its own rows, which are then copied
+    # into the buffer
+    alone = first if kind in ("capacity64", "windows") and prompt <= first < rows else 0
+    if kind == "windows" and not alone:  # the prompts' steps run in a prefill window
+        written = sum(_prompt_steps(policy, mode, prompt))
+        alone = next((w for w in (64, 256, 1024, 4096) if w >= written and w < rows), 0)
     while any(s < r.steps for s, r in zip(selections, requests, strict=True)):
         remaining = [
             r.prompt - f if s < r.steps else 0
@@ -225,15 +235,24 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
                 if rows:
                     trace.copies.add((batch, rows, need))
                 rows = need
-        here = alone if alone and trace.steps == 0 else rows
-        if here != rows and any(r.steps > 1 for r in requests):
-            trace.copies.add((batch, here, rows))
+        prompting = max(remaining) > 0
+        if kind == "windows":  # the prompts' rows, then the window the longest row needs
+            window = next_pow2(max(valid) + size, 64)
+            here = (alone or rows) if prompting else min(window, rows)
+            before = trace.window
+            if before and here != before:
+                trace.copies.add((batch, before, here))
+            trace.window = here
+        else:
+            here = alone if alone and trace.steps == 0 else rows
+            if here != rows and any(r.steps > 1 for r in requests):
+                trace.copies.add((batch, here, rows))
         trace.shapes.add((batch, size, here, True))
         trace.steps += 1
         trace.tokens += batch * size
         trace.attended += batch * size * (here + size)
         if size == 1:
-            trace.decode_rows += batch * rows
+            trace.decode_rows += batch * (here if kind == "windows" else rows)
         for i, r in enumerate(requests):
             if selections[i] >= r.steps:
                 continue
