@@ -481,6 +481,13 @@ class GrowBuckets(GrowPadded):
     """A padded grow cache that grows 64 rows at a time as it fills (two decode shapes per 64
     rows, fewer padding rows read)."""
 
+    def slot_refusal(self):
+        return (
+            "its grow cache grows 64 rows at a time (grow_cache='buckets', generate()'s own "
+            "policy), where the slots read windows of their own: compile with "
+            "grow_cache='padded'"
+        )
+
     def grown(self, capacity, length, step):
         return bucket(length + step)
 

@@ -645,10 +645,18 @@ def resized(engine: Engine, state: SlotState, rows: int) -> SlotState:
     return dataclasses.replace(state, rows=dataclasses.replace(state.rows, cache=cache))
 
 
+_MASKS: dict[tuple, dict[str, jax.Array]] = {}  # (options' program key, vocab) -> masks
+
+
 def _device_masks(spec: Any) -> dict[str, jax.Array]:
     """The specification's static token masks (:func:`.processors.static_masks`) on the
-    device, for the programs that close over them."""
-    return {n: put(v) for n, v in static_masks(spec.options, spec.vocab_size).items()}
+    device, for the programs that close over them: one copy for every program of the options
+    (a program per window must not hold copies of its own)."""
+    key = (spec.options.program_key, spec.vocab_size)
+    if key not in _MASKS:
+        masks = static_masks(spec.options, spec.vocab_size)
+        _MASKS[key] = {n: put(v) for n, v in masks.items()}
+    return _MASKS[key]
 
 
 def _first(engine: Engine, k: int):
