@@ -201,7 +201,8 @@ def measure(args) -> dict:
                 if peer in TOOLS_PEERS and tools is None and not _own_genai(args, peer):
                     result, why = None, tools_why
                 else:
-                    job = make_job(peer, folder, prompt, batch, args.new, repeats=args.repeats)
+                    job = make_job(peer, folder, prompt, batch, args.new, repeats=args.repeats,
+                                   warmup=args.warmup)  # fmt: skip
                     job["spinning"] = args.ort_spinning == "on"
                     job["decode_steps"] = args.decode_steps
                     python, env = _interpreter(args, peer, tools, envs.get(export))
@@ -241,6 +242,7 @@ def measure(args) -> dict:
         "prompt_tokens": len(prompt),
         "new": args.new,
         "repeats": args.repeats,
+        "warmup": args.warmup,
         "ort_spinning": args.ort_spinning,
         "exports": args.exports,
         "bandwidth": {"gb_per_s": gbps, "start": bw_start, "end": bw_end},
@@ -257,7 +259,8 @@ def _sweep(args, folders: dict, prompt: list[int], envs: dict) -> list[dict]:
     rows = []
     for export, folder in folders.items():
         for steps in args.sweep:
-            job = make_job("jax", folder, prompt, 1, args.new, repeats=args.repeats)
+            job = make_job("jax", folder, prompt, 1, args.new, repeats=args.repeats,
+                           warmup=args.warmup)  # fmt: skip
             job["decode_steps"] = steps
             result, why = run_worker(sys.executable, job, envs[export])
             if result is None:
@@ -608,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     parser.add_argument("--new", type=int, default=64, help="new tokens per row")
     parser.add_argument("--repeats", type=int, default=2, help="warm calls timed, the best counts")
+    parser.add_argument(
+        "--warmup", type=int, default=8,
+        help="tokens of the first (cold) call; the warm calls' peak memory counts the compiles of "
+        "programs it did not reach (the slots' wider windows: --warmup 64 compiles them first)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-cold", dest="cold", action="store_false", help="skip the jax cold-start runs"
     )

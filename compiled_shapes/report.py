@@ -63,6 +63,7 @@ WORKLOADS = (
     ),
 )
 SHARED_POLICIES = [
+    sim.policy("buckets", "percall"),
     sim.policy("buckets", "windows"),
     sim.policy("buckets", "capacity64"),
     sim.policy("pow2", "capacity64"),
@@ -91,8 +92,8 @@ GROW_POLICIES = [
     sim.policy("pow2", "fixed:512"),
 ]
 IMPLEMENTED = {
-    "in_place": "buckets / windows",
-    "append": "buckets / windows",
+    "in_place": "buckets / percall",
+    "append": "buckets / percall",
     "grow": "pow2 / padded64",
 }
 BEFORE = "pow2 / exact"  # grow before this change
@@ -504,7 +505,8 @@ def _numbers(data, rows, fixtures, steps, times) -> dict[str, str]:
         "c": (
             "chat, in_place",
             {
-                "impl": "buckets / windows",
+                "impl": "buckets / percall",
+                "win": "buckets / windows",
                 "cap": "buckets / capacity64",
                 "pow2": "pow2 / capacity64",
                 "exact": "exact / capacity64",
@@ -523,7 +525,8 @@ def _numbers(data, rows, fixtures, steps, times) -> dict[str, str]:
         "s": (
             "short completions",
             {
-                "impl": "buckets / windows",
+                "impl": "buckets / percall",
+                "win": "buckets / windows",
                 "cap": "buckets / capacity64",
                 "m64": "multiple:64 / capacity64",
                 "g64": "pow2 / growing:64",

@@ -53,7 +53,10 @@ class Policy:
             implemented since generate() runs on the slots: a first step that feeds every prompt
             whole runs in its own rows, else in the prefill windows 64, 256, 1024, ...; each
             decode step reads the smallest of 64, 128, 256, ... rows that holds the longest row's
-            tokens and the step, at most the capacity). grow: "exact"
+            tokens and the step, at most the capacity: the slots of a server) or "percall" (as
+            implemented for generate(), which runs on the slots with a capacity of its own: the
+            longest row or what the prompt steps write, rounded up to 64; prompts as "windows";
+            every decode step reads the capacity). grow: "exact"
             (the exact length, as implemented without padding), "padded64" (padded: the longest row
             rounded up to 64, as implemented), "paddedpow2" (rounded up to a power of two, at least
             64), "bucket64" (the cache grows in steps of 64 rows as it fills: each step's capacity
@@ -82,6 +85,7 @@ def policy(prompt: str = "pow2", cache: str = "capacity64") -> Policy:
         "capacitypow2",
         "capacitygeo",
         "windows",
+        "percall",
         "growing",
         "fixed",
         "exact",
@@ -148,7 +152,7 @@ def cache_rows(mode: str, cache_policy: str, longest: int, first: int, prompt: i
             return int(arg)
         raise ValueError(f"cache policy {cache_policy!r} is not one of grow's")
     need = longest + first
-    if kind in ("capacity64", "windows"):
+    if kind in ("capacity64", "windows", "percall"):
         return round_up(max(longest, first) if first >= prompt else need, 64)
     if kind == "capacity256":
         return round_up(need, 256)
@@ -218,8 +222,10 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
     rows = 0 if kind == "growing" else cache_rows(mode, policy.cache, longest, first, prompt)
     # a first step that feeds every prompt whole runs in its own rows, which are then copied
     # into the buffer
-    alone = first if kind in ("capacity64", "windows") and prompt <= first < rows else 0
-    if kind == "windows" and not alone:  # the prompts' steps run in a prefill window
+    if kind == "percall":  # the slots' capacity of a call: no chunk of room past a row
+        rows = round_up(max(longest, sum(_prompt_steps(policy, mode, prompt))), 64)
+    alone = first if kind in ("capacity64", "windows", "percall") and prompt <= first < rows else 0
+    if kind in ("windows", "percall") and not alone:  # the prompts' steps: a prefill window
         written = sum(_prompt_steps(policy, mode, prompt))
         alone = next((w for w in (64, 256, 1024, 4096) if w >= written and w < rows), 0)
     while any(s < r.steps for s, r in zip(selections, requests, strict=True)):
@@ -236,8 +242,8 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
                     trace.copies.add((batch, rows, need))
                 rows = need
         prompting = max(remaining) > 0
-        if kind == "windows":  # the prompts' rows, then the window the longest row needs
-            window = next_pow2(max(valid) + size, 64)
+        if kind in ("windows", "percall"):  # the prompts' rows, then the decode window
+            window = next_pow2(max(valid) + size, 64) if kind == "windows" else rows
             here = (alone or rows) if prompting else min(window, rows)
             before = trace.window
             if before and here != before:

@@ -184,7 +184,7 @@ def test_the_simulation_matches_the_generation_loop(name, padded, prefill, tmp_p
         R(len(p), max_new, len(t) + int(eos))
         for p, t, eos in zip(prompts, the_case["tokens"], the_case["stopped_at_eos"], strict=True)
     ]
-    cache = "padded64" if padded else "windows"  # the slots' windows: generate() runs on them
+    cache = "padded64" if padded else "percall"  # generate() on the slots
     rule = "pow2" if padded or prefill == "pow2" else "buckets"
     predicted = _shapes(ctx.mode, rule, cache, requests, batch=len(prompts))
     assert {s[1:] for s in predicted} == ctx.compiled.steps.shapes

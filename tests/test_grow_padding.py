@@ -270,7 +270,7 @@ def test_a_bucketed_cache_grows_64_rows_at_a_time(tmp_path):
         assert ctx.compiled.grow_cache == policy
         out[policy] = generation.generate(ctx, prompts, [0])
         shapes = ctx.compiled.steps.shapes
-        if policy == "padded":  # the slots: the prompt in 64 rows, then windows of 64 and 128
+        if policy == "padded":  # the slots: the prompt in 64 rows, then the call's 128
             assert shapes == {(2, 0, False, 64), (1, 64, True, 64), (1, 128, True, 128)}
         else:  # generate()'s own: 64 rows until the cache holds 64 tokens, then 128
             assert shapes == {

@@ -70,6 +70,9 @@ class Engine:
         compiled: the programs (:class:`Compiled`).
         assistant: the draft model's engine (speculative decoding, docs/speculative.md), or
             None.
+        slot_windows: the slots' decode chunks read the smallest window of their capacity that
+            holds the live requests (64, 128, 256, ... rows: a program each); False: the whole
+            capacity (generate()'s calls, whose capacity is their own: one decode program).
     """
 
     spec: Context
@@ -82,6 +85,7 @@ class Engine:
     slot_capacity: int = slots.CAPACITY
     slot_top_logprobs: int = 5
     assistant: Engine | None = None
+    slot_windows: bool = True
 
     # -- slots (see :mod:`.slots` and docs/engine.md) -----------------------------------------
 

@@ -53,8 +53,8 @@ def run(
         capacity = min(capacity, bucket(limit))
     # the top_logprobs the options ask for, no more: top k of every position costs
     engine = dataclasses.replace(
-        engine, slot_capacity=capacity, slot_top_logprobs=options.top_logprobs
-    )
+        engine, slot_capacity=capacity, slot_top_logprobs=options.top_logprobs, slot_windows=False
+    )  # a capacity of the call's own, read whole: one decode program, as generate() had
     state = None  # the slots, made when a row takes more than its first token
     n = len(rows)
     kept: list[list[Any]] = [[] for _ in rows]

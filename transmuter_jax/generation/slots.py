@@ -1199,7 +1199,7 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
         return state, []
     size = program_size(steps)
     longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
-    window = window_of(longest + steps, state.capacity)
+    window = window_of(longest + steps, state.capacity) if engine.slot_windows else state.capacity
     state = resized(engine, state, window)
     padded = (window,) if engine.compiled.padded else ()
     engine.compiled.steps.shapes.add((1, window, True) + padded)  # the decode shape it runs

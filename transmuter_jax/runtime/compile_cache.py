@@ -25,6 +25,8 @@ from pathlib import Path
 
 import jax
 
+from . import heap
+
 ENV = "TRANSMUTER_JAX_COMPILE_CACHE"
 OFF = ("0", "off", "false", "no")
 MAX_BYTES = 2 << 30  # least recently used entries go beyond this
@@ -115,6 +117,7 @@ def configure() -> str | None:
     with _lock:
         if _state["configured"]:
             return directory()
+        heap.trim_after_compiles()  # what a compile frees leaves the process (see .heap)
         setting = os.environ.get(ENV)
         if setting is not None and setting.strip().lower() in OFF:
             disable()
