@@ -176,14 +176,7 @@ def write(
         if entry.cross:  # a cross-attention present is empty on the steps that reuse the cache
             new[entry.input] = cache[entry.input] if present.size == 0 else present
         elif padded_rows is not None:
-            have = present.shape[SEQ]
-            if have >= padded_rows:
-                kept = jax.lax.slice_in_dim(present, have - padded_rows, have, axis=SEQ)
-            else:
-                widths = [(0, 0)] * present.ndim
-                widths[SEQ] = (padded_rows - have, 0)
-                kept = jnp.pad(present, widths)
-            new[entry.input] = kept
+            new[entry.input] = with_rows(present, padded_rows, last=True)
         elif lengths is not None:
             past = cache[entry.input]
             rows = jax.lax.slice_in_dim(present, past.shape[SEQ], present.shape[SEQ], axis=SEQ)
@@ -192,6 +185,18 @@ def write(
             new[entry.input] = present
         new[entry.input] = new[entry.input].astype(entry.dtype)
     return new
+
+
+def with_rows(a: Any, rows: int, last: bool = False) -> Any:
+    """Traced: ``a`` [B, heads, R, head_size] with ``rows`` rows: its first ones, zeros after
+    (``last``: its last ones, after zeros)."""
+    have = a.shape[SEQ]
+    if have >= rows:
+        start = have - rows if last else 0
+        return jax.lax.slice_in_dim(a, start, start + rows, axis=SEQ)
+    widths = [(0, 0)] * a.ndim
+    widths[SEQ] = (rows - have, 0) if last else (0, rows - have)
+    return jnp.pad(a, widths)
 
 
 def prompt_bucket(tokens: int) -> int:
@@ -283,12 +288,7 @@ class Mode:
     def resize(self, a: Any, rows: int) -> Any:
         """Traced: a self-attention cache array [B, heads, R, head_size] with ``rows`` rows, its
         valid rows kept (they come first: the first rows, then zeros)."""
-        have = a.shape[SEQ]
-        if have >= rows:
-            return jax.lax.slice_in_dim(a, 0, rows, axis=SEQ)
-        widths = [(0, 0)] * a.ndim
-        widths[SEQ] = (0, rows - have)
-        return jnp.pad(a, widths)
+        return with_rows(a, rows)
 
     def prompt_rows(self, length: int) -> int:
         """Rows of an empty cache for one step of ``length`` tokens (see prompt_inputs)."""
@@ -453,12 +453,7 @@ class GrowPadded(GrowExact):
         )
 
     def resize(self, a, rows):
-        have = a.shape[SEQ]  # the valid rows come last: the last rows, after zeros
-        if have >= rows:
-            return jax.lax.slice_in_dim(a, have - rows, have, axis=SEQ)
-        widths = [(0, 0)] * a.ndim
-        widths[SEQ] = (rows - have, 0)
-        return jnp.pad(a, widths)
+        return with_rows(a, rows, last=True)  # the valid rows come last
 
     def mask(self, lengths, step, rows, xp=np):
         columns = xp.arange(rows + step)[None, :]  # padding rows hidden, then valid rows, tokens
