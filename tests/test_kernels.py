@@ -151,6 +151,89 @@ def test_matmul_vmap_and_grad(rng):
     )
 
 
+@needs_kernels
+@pytest.mark.parametrize(
+    ("batch", "steps", "counts"),
+    [
+        (1, 48, [42]),
+        (1, 16, [16]),
+        (1, 5, [1]),
+        (3, 16, [16, 3, 9]),
+        (2, 64, [1, 64]),
+        (4, 2, [1, 2, 2, 1]),
+        (2, 7, [0, 99]),  # clamped to [1, S]
+        (3, 40, [33, 40, 7]),
+    ],
+)
+@pytest.mark.parametrize(("k", "n"), [(576, 70), (130, 257)])
+def test_matmul_token_rows_compute_each_rows_tokens_alone(rng, batch, steps, counts, k, n):
+    """Within token_rows, a product over the tokens computes each row's first counts[b] tokens
+    with the bits of the whole product, and gives every later token a copy of the row's last
+    computed one (padding); a product not over the tokens computes every row."""
+    x = rng.standard_normal((batch, steps, k)).astype(np.float32)
+    packed = jnp.asarray(kernels.pack(rng.standard_normal((k, n)).astype(np.float32)))
+    counts = np.array(counts, np.int32)
+
+    def fn(x, counts, tokens):
+        with kernels.token_rows(counts, steps):
+            return kernels.matmul(x, packed, n, tokens=tokens)
+
+    run = jax.jit(fn, static_argnums=2)
+    whole = np.asarray(jax.jit(kernels.matmul, static_argnums=2)(x, packed, n))
+    got = np.asarray(run(x, counts, True))
+    for b, count in enumerate(np.clip(counts, 1, steps)):
+        np.testing.assert_array_equal(got[b, :count], whole[b, :count])
+        pad = got[b, count:]
+        np.testing.assert_array_equal(pad, np.broadcast_to(whole[b, count - 1], pad.shape))
+    np.testing.assert_array_equal(np.asarray(run(x, counts, False)), whole)
+    hlo = jax.jit(fn, static_argnums=2).lower(x, counts, True).as_text()
+    assert ("tj_gemm_rows_f32" in hlo) == (steps > 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "shape", [(2, 8, 24), (8, 24), (1, 8, 24), (8, 8, 24), (2, 8, 3, 24), (16, 24), (2, 9, 24)]
+)
+def test_matmul_token_rows_only_where_the_rows_are_the_steps_tokens(rng, shape):
+    """The rows are skipped only where x is [B, S, K] (or [S, K] for one row) for the step's B
+    and S; where B equals S, [S, B] sequence-first rows would look alike: every row runs."""
+    batch = shape[0] if len(shape) > 2 else 1
+    counts = np.ones(batch, np.int32)
+    x = rng.standard_normal(shape).astype(np.float32)
+    packed = jnp.asarray(kernels.pack(rng.standard_normal((24, 10)).astype(np.float32)))
+
+    def fn(x):
+        with kernels.token_rows(counts, 8):
+            return kernels.matmul(x, packed, 10, tokens=True)
+
+    hlo = jax.jit(fn).lower(x).as_text()
+    skips = shape in ((2, 8, 24), (8, 24), (1, 8, 24))
+    assert ("tj_gemm_rows_f32" in hlo) == skips
+
+
+@needs_kernels
+def test_matmul_token_rows_under_vmap_and_grad(rng):
+    """vmap over x keeps each block's row (the counts repeat); gradients of the computed rows
+    are those of the plain product."""
+    k, n, steps = 20, 12, 6
+    x = rng.standard_normal((3, 2, steps, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = jnp.asarray(kernels.pack(w))
+    counts = np.array([2, 6], np.int32)
+
+    def one(x):
+        with kernels.token_rows(counts, steps):
+            return kernels.matmul(x, packed, n, tokens=True)
+
+    got = np.asarray(jax.jit(jax.vmap(one))(x))
+    for v in range(3):
+        np.testing.assert_array_equal(got[v], np.asarray(jax.jit(one)(x[v])))
+    real = np.arange(steps)[None, :, None] < counts[:, None, None]  # the rows computed
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.where(real, jnp.sin(one(x)), 0))))(x[0])
+    expected = jax.grad(lambda x: jnp.sum(jnp.where(real, jnp.sin(x @ w), 0)))(x[0])
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------- MatMulNBits
 
 

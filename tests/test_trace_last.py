@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import transmuter_jax as tj
+from transmuter_jax import kernels
 
 H, V = 8, 11
 
@@ -63,3 +64,76 @@ def test_one_position_per_row_equals_that_row_of_the_whole_output(tmp_path, tail
     expected = np.asarray(whole["logits"])[np.arange(3), last]
     np.testing.assert_allclose(np.asarray(one["logits"])[:, 0], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(one["other"]), np.asarray(whole["other"]))
+
+
+def _token_graph(tmp_path):
+    """inputs_embeds [B, S, H] -> MatMul -> Relu -> MatMul -> logits and "present" (a cache's
+    rows); pixels [B, P, H] -> MatMul -> "pooled" (another input's product); Gemm of the
+    transposed tokens (its rows are not the tokens)."""
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+        for name, shape in (("W1", (H, H)), ("W2", (H, V)), ("W3", (H, 4)), ("W4", (2, 3)))
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["inputs_embeds", "W1"], ["a"]),
+        helper.make_node("Relu", ["a"], ["h"]),
+        helper.make_node("MatMul", ["h", "W2"], ["logits"]),
+        helper.make_node("Identity", ["a"], ["present"]),
+        helper.make_node("MatMul", ["pixels", "W3"], ["pooled"]),
+        helper.make_node("Gemm", ["pair", "W4"], ["swapped"], transA=1),
+    ]
+    float_info = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            float_info("inputs_embeds", TensorProto.FLOAT, ["b", "s", H]),
+            float_info("pixels", TensorProto.FLOAT, ["b", "p", H]),
+            float_info("pair", TensorProto.FLOAT, [2, 2]),
+        ],
+        [
+            float_info("logits", TensorProto.FLOAT, ["b", "s", V]),
+            float_info("present", TensorProto.FLOAT, ["b", "s", H]),
+            float_info("pooled", TensorProto.FLOAT, ["b", "p", 4]),
+            float_info("swapped", TensorProto.FLOAT, [2, 3]),
+        ],
+        weights,
+    )
+    path = tmp_path / "t.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return tj.load(path)
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="CPU kernels not available")
+def test_the_tokens_after_each_rows_last_are_skipped_by_the_products_over_tokens(tmp_path):
+    """The products that read the token input are marked and skip each row's tokens past
+    ``last`` (copies of its last one); the logits at ``last`` and every other row equal the
+    whole trace's; a product over another input keeps all its rows."""
+    model = _token_graph(tmp_path)
+    marked = {
+        n.output[0]: any(a.name == "tokens" and a.i == 1 for a in n.attribute)
+        for n in model._graph.proto.node
+        if n.op_type.startswith("Packed")
+    }
+    assert marked == {"a": True, "logits": True, "pooled": False, "swapped": False}
+    rng = np.random.default_rng(2)
+    inputs = {
+        "inputs_embeds": rng.standard_normal((3, 6, H)).astype(np.float32),
+        "pixels": rng.standard_normal((3, 6, H)).astype(np.float32),
+        "pair": rng.standard_normal((2, 2)).astype(np.float32),
+    }
+    last = np.array([5, 0, 2], np.int32)
+    whole = jax.jit(lambda p, i: model.trace({}, p, i))(model.params, inputs)
+    one = jax.jit(lambda p, i, l: model.trace_last({}, p, i, l))(model.params, inputs, last)
+    rows = np.arange(3)
+    np.testing.assert_array_equal(
+        np.asarray(one["logits"])[:, 0], np.asarray(whole["logits"])[rows, last]
+    )
+    present, expected = np.asarray(one["present"]), np.asarray(whole["present"])
+    for b, end in enumerate(last):
+        np.testing.assert_array_equal(present[b, : end + 1], expected[b, : end + 1])
+        pad = present[b, end + 1 :]
+        np.testing.assert_array_equal(pad, np.broadcast_to(expected[b, end], pad.shape))
+    for name in ("pooled", "swapped"):
+        np.testing.assert_array_equal(np.asarray(one[name]), np.asarray(whole[name]))

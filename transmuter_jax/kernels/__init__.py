@@ -14,6 +14,8 @@ sets the threads of their pool (default: the CPUs this process may use) and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import math
@@ -112,13 +114,60 @@ def _matmul_kernel(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     return jax.ffi.ffi_call("tj_gemm_f32", out)(x, packed)
 
 
-def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """``x [..., K] @ w [K, N]`` in float32, ``w`` given packed by :func:`pack`."""
+def _matmul_rows_kernel(x: jax.Array, packed: jax.Array, counts: jax.Array, n: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+    return jax.ffi.ffi_call("tj_gemm_rows_f32", out)(x, packed, counts)
+
+
+def _matmul_rows_reference(x: jax.Array, packed: jax.Array, counts: jax.Array, n: int):
+    return _matmul_reference(x, packed, n)  # every row: the padding's are never read
+
+
+# The real tokens of each row of the step being traced (see token_rows), or None.
+_TOKEN_ROWS: contextvars.ContextVar[tuple[jax.Array, int] | None] = contextvars.ContextVar(
+    "token_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def token_rows(counts: jax.Array, steps: int):
+    """Within: a product over a step's token rows (``x [B, S, K]``, S = ``steps``, or ``[S, K]``
+    with one row; :func:`matmul` with ``tokens=True``) computes the first ``counts[b]`` tokens
+    of each row b only, and gives each later token (padding that nothing reads) a copy of the
+    row's last computed one. ``counts``: [B] int32, each at least 1."""
+    reset = _TOKEN_ROWS.set((jnp.asarray(counts, jnp.int32), int(steps)) if steps > 1 else None)
+    try:
+        yield
+    finally:
+        _TOKEN_ROWS.reset(reset)
+
+
+def _counts_for(x: jax.Array) -> jax.Array | None:
+    """The counts of :func:`token_rows` where ``x``'s rows are the step's tokens, batch first."""
+    given = _TOKEN_ROWS.get()
+    if given is None:
+        return None
+    counts, steps = given
+    batch = counts.shape[0]
+    if x.ndim == 3 and x.shape[:2] == (batch, steps) and (batch == 1 or batch != steps):
+        return counts  # batch == steps: [S, B] sequence-first rows would look the same
+    if x.ndim == 2 and batch == 1 and x.shape[0] == steps:
+        return counts
+    return None
+
+
+def matmul(x: jax.Array, packed: jax.Array, n: int, *, tokens: bool = False) -> jax.Array:
+    """``x [..., K] @ w [K, N]`` in float32, ``w`` given packed by :func:`pack`. ``tokens``:
+    ``x``'s rows are the tokens of the graph's step, whose padding :func:`token_rows` may skip.
+    """
     x = jnp.asarray(x, jnp.float32)
     if not enabled() or x.shape[-1] == 0 or math.prod(x.shape[:-1]) > MATMUL_MAX_ROWS:
         return _matmul_reference(x, packed, n)
     if x.shape[-1] != packed.shape[-2]:  # another K: the product's own shape error
         return _matmul_reference(x, packed, n)  # at trace time, not the kernel's at run time
+    counts = _counts_for(x) if tokens else None
+    if counts is not None:
+        return _wrapped(_matmul_rows_kernel, _matmul_rows_reference, n=n)(x, packed, counts)
     return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
 
 

@@ -43,6 +43,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 STRIP = 32  # columns per strip of a packed float32 weight, as gemm.cc's kStrip
 TARGETS = {
     "tj_gemm_f32": "TjGemmF32",
+    "tj_gemm_rows_f32": "TjGemmRowsF32",
     "tj_matmul_nbits": "TjMatMulNBits",
     "tj_rms_norm": "TjRmsNorm",
 }

@@ -269,6 +269,7 @@ class Model:
         del graph.initializer[:]
         prepack.rewrite(graph, {k: v for k, v in packings.items() if k not in nbits})
         prepack.rewrite_nbits(graph, nbits)
+        prepack.mark_tokens(graph)
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]
@@ -481,25 +482,38 @@ class Model:
         [B, 1, V] at ``last`` [B] (or P positions: [B, P, V] at ``last`` [B, P]). Where
         ``output`` comes from a hidden state [B, S, H] through a matrix product by weights and
         element-wise nodes (an LM head), the head runs on those rows alone; elsewhere the whole
-        output is computed and the rows taken from it."""
+        output is computed and the rows taken from it.
+
+        With ``last`` [B], the tokens after each row's ``last`` are padding: the products over
+        the tokens skip them (:func:`transmuter_jax.kernels.token_rows`), so the other outputs'
+        rows past ``last`` (a cache's present) hold values nothing may read."""
         found = self.head(output)
-        if found is None:
-            outputs = self.trace(static, params, inputs)
-            full = outputs[output]
-            outputs[output] = _at(full, last)
-            return outputs
-        hidden, tail = found
-        skip = {id(n) for n in tail}
-        body = [n for n in self._graph.proto.node if id(n) not in skip]
-        scope = self._scope(static, params, inputs)
-        given = frozenset()
-        if self._split is not None and all(n in scope for n in self._split.names):
-            given = self._split.names
-        run_nodes(self._graph, scope, nodes=body, given=given)
+        with self._token_rows(inputs, last):
+            if found is None:
+                outputs = self.trace(static, params, inputs)
+                full = outputs[output]
+                outputs[output] = _at(full, last)
+                return outputs
+            hidden, tail = found
+            skip = {id(n) for n in tail}
+            body = [n for n in self._graph.proto.node if id(n) not in skip]
+            scope = self._scope(static, params, inputs)
+            given = frozenset()
+            if self._split is not None and all(n in scope for n in self._split.names):
+                given = self._split.names
+            run_nodes(self._graph, scope, nodes=body, given=given)
         rows = scope[hidden]  # [B, S, H]
         scope = scope.new_child({hidden: _at(rows, last)})
         run_nodes(self._graph, scope, nodes=tail)
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
+
+    @staticmethod
+    def _token_rows(inputs, last):
+        """:func:`kernels.token_rows` for a step whose rows end at ``last`` [B], else nothing."""
+        tokens = next((inputs[n] for n in prepack.TOKEN_INPUTS if n in inputs), None)
+        if tokens is None or jnp.ndim(last) != 1 or jnp.ndim(tokens) < 2:
+            return contextlib.nullcontext()
+        return kernels.token_rows(jnp.asarray(last, jnp.int32) + 1, int(tokens.shape[1]))
 
     def head(self, output: str) -> tuple[str, list] | None:
         """The hidden state's name and the nodes that make ``output`` from it row by row (a

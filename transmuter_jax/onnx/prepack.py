@@ -10,6 +10,10 @@ The 4-bit weights of MatMulNBits nodes that quantize their input to int8 (accura
 blocks of 32, integer zero points or none) are rearranged into the layout the int4 kernel reads
 (:func:`transmuter_jax.kernels.nbits_pack`, same shape and size), and those nodes become
 PackedMatMulNBits.
+
+:func:`mark_tokens` then marks the products whose left operand depends on the graph's token
+inputs (``tokens=1``): their rows are a step's tokens, whose padding a decoder step may skip
+(:func:`transmuter_jax.kernels.token_rows`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from onnx import GraphProto, NodeProto, TensorProto, helper
 
 from ..runtime import switch
-from .trace import outer_names, subgraphs
+from .trace import node_inputs, outer_names, subgraphs
 
 DOMAIN = "transmuter_jax"
 MS = "com.microsoft"
@@ -319,3 +323,24 @@ def _replace(node: NodeProto, source) -> NodeProto:
             transA=int(_attr(node, "transA", 0)),
         )
     return node
+
+
+# The graph inputs whose rows are a step's tokens.
+TOKEN_INPUTS = ("input_ids", "inputs_embeds")
+
+
+def mark_tokens(graph: GraphProto) -> None:
+    """Marks ``tokens=1`` on the PackedMatMul and PackedGemm nodes (transA=0) of the main graph
+    whose left operand depends on a token input (in place). A product over another input alone
+    (pixel values, an encoder's states) keeps every row."""
+    tainted = {i.name for i in graph.input if i.name in TOKEN_INPUTS}
+    if not tainted:
+        return
+    for node in graph.node:
+        if not node_inputs(node) & tainted:
+            continue
+        tainted.update(o for o in node.output if o)
+        if node.domain != DOMAIN or node.op_type not in ("PackedMatMul", "PackedGemm"):
+            continue
+        if node.input[0] in tainted and not _attr(node, "transA", 0):
+            node.attribute.append(helper.make_attribute("tokens", 1))

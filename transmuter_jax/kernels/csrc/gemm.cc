@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 #include "pool.h"
@@ -178,11 +180,14 @@ static constexpr auto kWide =
     micro_table<kStrip / kGemmLanes>(std::make_integer_sequence<int, kWideRows>{});
 static constexpr auto kMicroPair = pair_table(std::make_integer_sequence<int, kPairRows>{});
 
+using Rows = std::pair<int64_t, int64_t>;  // rows [first, end) of X and Y
+
 struct GemmJob {
   const float* x;
   const float* packed;
   float* y;
   int64_t m, k, n, groups;
+  const Rows* rows;  // [groups] the rows of each group
 };
 
 // The first value of panel q (panels counted over all strips, kPanels a strip).
@@ -224,8 +229,8 @@ static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
 // Few rows of X: strip s (its panels) against a group of rows.
 static void gemm_chunk(void* ctx, int64_t chunk) {
   const GemmJob& job = *static_cast<const GemmJob*>(ctx);
-  const int64_t s = chunk / job.groups, g = chunk % job.groups;
-  const int64_t r0 = g * job.m / job.groups, r1 = (g + 1) * job.m / job.groups;
+  const int64_t s = chunk / job.groups;
+  const auto [r0, r1] = job.rows[chunk % job.groups];
   if (kPanels > 1 && r1 - r0 <= kWideRows) {
     const int64_t cols = std::min<int64_t>(kStrip, job.n - s * kStrip);
     kWide[r1 - r0](job.x + r0 * job.k, job.k, job.packed + s * job.k * kStrip, job.k,
@@ -238,8 +243,8 @@ static void gemm_chunk(void* ctx, int64_t chunk) {
 // Many rows of X: panels 2p and 2p + 1 against a group of rows, K in blocks.
 static void gemm_pair_chunk(void* ctx, int64_t chunk) {
   const GemmJob& job = *static_cast<const GemmJob*>(ctx);
-  const int64_t pair = chunk / job.groups, g = chunk % job.groups;
-  const int64_t r0 = g * job.m / job.groups, r1 = (g + 1) * job.m / job.groups;
+  const int64_t pair = chunk / job.groups;
+  const auto [r0, r1] = job.rows[chunk % job.groups];
   const int64_t q = 2 * pair;
   if ((q + 1) * kPanel >= job.n) {  // the last panel has no partner
     gemm_panel(job, q, r0, r1);
@@ -267,32 +272,46 @@ static void gemm_pair_chunk(void* ctx, int64_t chunk) {
   }
 }
 
-// Y[M, N] = X[M, K] @ W, W given as its strips.
-void gemm(const float* x, const float* packed, float* y, int64_t m, int64_t k, int64_t n) {
+// Rows [first, end) of X added to `groups` in groups of at most kRowGroup rows, split evenly.
+static void add_groups(std::vector<Rows>& groups, int64_t first, int64_t end) {
+  const int64_t rows = end - first, parts = (rows + kRowGroup - 1) / kRowGroup;
+  for (int64_t g = 0; g < parts; ++g) {
+    groups.emplace_back(first + g * rows / parts, first + (g + 1) * rows / parts);
+  }
+}
+
+// Y[r] = X[r] @ W for the rows r of `groups` (m of them in all); other rows of Y are left as they
+// are. W given as its strips.
+static void gemm_groups(const float* x, const float* packed, float* y, int64_t m, int64_t k,
+                        int64_t n, const std::vector<Rows>& groups) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    std::fill(y, y + m * n, 0.0f);
+    for (const auto& [r0, r1] : groups) std::fill(y + r0 * n, y + r1 * n, 0.0f);
     return;
   }
   const int64_t strips = (n + kStrip - 1) / kStrip;
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t groups = (m + kRowGroup - 1) / kRowGroup;
-  GemmJob job{x, packed, y, m, k, n, groups};
+  const int64_t count = static_cast<int64_t>(groups.size());
+  GemmJob job{x, packed, y, m, k, n, count, groups.data()};
   if (m > kRows && !(kPanelsForMany && m >= kManyRows)) {
-    Pool::get().run((panels + 1) / 2 * groups, gemm_pair_chunk, &job);
+    Pool::get().run((panels + 1) / 2 * count, gemm_pair_chunk, &job);
   } else {
-    Pool::get().run(strips * groups, gemm_chunk, &job);
+    Pool::get().run(strips * count, gemm_chunk, &job);
   }
 }
 
-// x [..., K] and packed [S, K, kStrip] (leading size-1 dims allowed) -> y [..., N].
-static ffi::Error GemmImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto pd = packed.dimensions();
-  auto yd = y->dimensions();
+// Y[M, N] = X[M, K] @ W, W given as its strips.
+void gemm(const float* x, const float* packed, float* y, int64_t m, int64_t k, int64_t n) {
+  std::vector<Rows> groups;
+  add_groups(groups, 0, m);
+  gemm_groups(x, packed, y, m, k, n, groups);
+}
+
+// Whether x [..., K], packed [S, K, kStrip] (leading size-1 dims allowed) and y [..., N] fit.
+static ffi::Error GemmImplShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd,
+                                 ffi::Span<const int64_t> yd, const char* name) {
   if (xd.size() < 1 || pd.size() < 3 || yd.size() != xd.size()) {
-    return ffi::Error::InvalidArgument("tj_gemm_f32: bad ranks");
+    return ffi::Error::InvalidArgument(std::string(name) + ": bad ranks");
   }
   const int64_t k = xd.back(), n = yd.back();
   const int64_t m = product(xd, 0, xd.size() - 1);
@@ -300,13 +319,71 @@ static ffi::Error GemmImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed
   if (pd.back() != kStrip || pd[pd.size() - 2] != k || strips * kStrip < n ||
       (strips - 1) * kStrip >= std::max<int64_t>(n, 1) ||
       product(pd, 0, pd.size() - 3) != 1 || product(yd, 0, yd.size() - 1) != m) {
-    return ffi::Error::InvalidArgument("tj_gemm_f32: shapes do not match the packed layout");
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": shapes do not match the packed layout");
   }
-  gemm(x.typed_data(), packed.typed_data(), y->typed_data(), m, k, n);
+  return ffi::Error::Success();
+}
+
+// x [..., K] and packed [S, K, kStrip] (leading size-1 dims allowed) -> y [..., N].
+static ffi::Error GemmImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  auto error = GemmImplShapes(xd, packed.dimensions(), yd, "tj_gemm_f32");
+  if (error.failure()) return error;
+  const int64_t m = product(xd, 0, xd.size() - 1);
+  gemm(x.typed_data(), packed.typed_data(), y->typed_data(), m, xd.back(), yd.back());
+  return ffi::Error::Success();
+}
+
+// The same product over token rows: x [..., S, K] is blocks of S rows (a step's tokens), block
+// j of batch row j % B; counts [B] the real tokens of each batch row. Only the first counts[b]
+// rows of a block (at least one, at most S) are computed; each later row of the block is a copy
+// of its last computed row (the padding after a row's tokens, which nothing reads: a copy keeps
+// it finite where zeros could make an operation like x / |x| give NaN). A computed row has the
+// bits it has in the whole product.
+static ffi::Error GemmRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                               ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  auto error = GemmImplShapes(xd, packed.dimensions(), yd, "tj_gemm_rows_f32");
+  if (error.failure()) return error;
+  const int64_t batch = static_cast<int64_t>(counts.element_count());
+  const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
+  const int64_t steps = xd.size() < 2 ? 0 : xd[xd.size() - 2];
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (batch < 1 || steps < 1 || (m / steps) % batch != 0) {
+    return ffi::Error::InvalidArgument("tj_gemm_rows_f32: the rows do not match the counts");
+  }
+  const int32_t* given = counts.typed_data();
+  std::vector<Rows> groups;
+  int64_t rows = 0;
+  for (int64_t j = 0; j < m / steps; ++j) {
+    const int64_t real = std::clamp<int64_t>(given[j % batch], 1, steps);
+    add_groups(groups, j * steps, j * steps + real);
+    rows += real;
+  }
+  float* out = y->typed_data();
+  gemm_groups(x.typed_data(), packed.typed_data(), out, rows, k, n, groups);
+  for (int64_t j = 0; j < m / steps; ++j) {
+    const int64_t real = std::clamp<int64_t>(given[j % batch], 1, steps);
+    const float* last = out + (j * steps + real - 1) * n;
+    for (int64_t r = j * steps + real; r < (j + 1) * steps; ++r) {
+      std::copy(last, last + n, out + r * n);
+    }
+  }
   return ffi::Error::Success();
 }
 
 }  // namespace tj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmRowsF32, tj::GemmRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmF32, tj::GemmImpl,
                               xla::ffi::Ffi::Bind()

@@ -53,16 +53,18 @@ def _gemm_tail(y, c, alpha, beta):
 
 
 @op("PackedMatMul", domain=PACKED, fold=False)
-def PackedMatMul(a, packed, *, n):
-    """a @ w, w [K, N] float32 held packed in strips."""
-    return kernels.matmul(a, packed, n)
+def PackedMatMul(a, packed, *, n, tokens=0):
+    """a @ w, w [K, N] float32 held packed in strips; ``tokens``: a's rows are the step's tokens
+    (see prepack.mark_tokens)."""
+    return kernels.matmul(a, packed, n, tokens=bool(tokens))
 
 
 @op("PackedGemm", domain=PACKED, fold=False)
-def PackedGemm(a, packed, c=None, *, n, alpha=1.0, beta=1.0, transA=0):
+def PackedGemm(a, packed, c=None, *, n, alpha=1.0, beta=1.0, transA=0, tokens=0):
     """Gemm with B' = w held packed in strips."""
     a = a.T if transA else a
-    return _gemm_tail(kernels.matmul(a, packed, n), c, alpha, beta)
+    y = kernels.matmul(a, packed, n, tokens=bool(tokens) and not transA)
+    return _gemm_tail(y, c, alpha, beta)
 
 
 @op("PackedGather", domain=PACKED, fold=False)
