@@ -82,6 +82,11 @@ def _genai_serve(folder: str, prompts: list[list[int]]) -> None:
         print(json.dumps(once(prompts[int(line)])), flush=True)
 
 
+# A pause before each timed call of the interleaved runs: onnxruntime's threads spin after a call
+# and ours briefly too, so that neither side's spinning runs during the other's call.
+PAUSE_S = 0.05
+
+
 def interleaved_ttft(engine, prompts: dict, folder: str, path: str | None, repeats: int) -> dict:
     """Warm time to the first token of ours and of onnxruntime-genai's Generator (in its own
     process), the two taking turns, so that both see the same load: the best of ``repeats``."""
@@ -111,9 +116,11 @@ def interleaved_ttft(engine, prompts: dict, folder: str, path: str | None, repea
         generation.generate(engine, [prompt], [0])  # warm
     for _ in range(repeats):
         for i, (name, prompt) in enumerate(prompts.items()):
+            time.sleep(PAUSE_S)
             start = time.perf_counter()
             generation.generate(engine, [prompt], [0])
             ours[name].append(time.perf_counter() - start)
+            time.sleep(PAUSE_S)
             worker.stdin.write(f"{i}\n")
             worker.stdin.flush()
             theirs[name].append(json.loads(worker.stdout.readline()))

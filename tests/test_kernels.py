@@ -234,6 +234,84 @@ def test_matmul_token_rows_under_vmap_and_grad(rng):
     np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize(
+    ("b", "s", "n", "nk", "h", "causal", "window"),
+    [
+        (1, 42, 9, 3, 64, True, 0),
+        (2, 70, 4, 4, 32, True, 0),
+        (3, 17, 8, 2, 64, True, 5),
+        (2, 33, 6, 3, 48, False, 0),
+        (1, 2, 2, 1, 16, True, 0),
+        (1, 256, 9, 3, 64, True, 0),
+    ],
+)
+def test_attention_kernel_equals_the_reference_and_each_row_alone(
+    rng, b, s, n, nk, h, causal, window
+):
+    """The fresh-prompt attention kernel: within float32 tolerance of the jax.numpy reference
+    (masked keys, rows without keys as zeros), and each batch row bit for bit what it gives
+    alone."""
+    if h % kernels.build.vector_lanes():
+        pytest.skip("head size not a multiple of this CPU's vector")
+    q = rng.standard_normal((b, s, n, h)).astype(np.float32)
+    k = rng.standard_normal((b, nk, s, h)).astype(np.float32)
+    v = rng.standard_normal((b, nk, s, h)).astype(np.float32)
+    total = rng.integers(0, s + 1, b).astype(np.int32)
+    total[0] = s
+    static = {"scale": 0.125, "causal": causal, "window": window}
+    fn = jax.jit(lambda q, k, v, t: kernels.attention(q, k, v, t, **static))
+    got = np.asarray(fn(q, k, v, total))
+    want = np.asarray(kernels._attention_reference(q, k, v, total, **static))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    for i in range(b):
+        one = np.asarray(fn(q[i : i + 1], k[i : i + 1], v[i : i + 1], total[i : i + 1]))
+        np.testing.assert_array_equal(got[i : i + 1], one)
+
+
+@needs_kernels
+def test_attention_kernel_is_refused_where_it_does_not_apply(rng):
+    """Other dtypes, a head size off the CPU's vector, or one query: None (the op's own path)."""
+    lanes = kernels.build.vector_lanes()
+    q = jnp.zeros((1, 4, 2, lanes), jnp.float32)
+    k = jnp.zeros((1, 1, 4, lanes), jnp.float32)
+    total = jnp.array([4], jnp.int32)
+    assert kernels.attention(q, k, k, total, scale=1.0, causal=True) is not None
+    half = q.astype(jnp.bfloat16)
+    assert kernels.attention(half, k, k, total, scale=1.0, causal=True) is None
+    odd = jnp.zeros((1, 4, 2, lanes + 1), jnp.float32)
+    odd_k = jnp.zeros((1, 1, 4, lanes + 1), jnp.float32)
+    assert kernels.attention(odd, odd_k, odd_k, total, scale=1.0, causal=True) is None
+    assert (
+        kernels.attention(q[:, :1], k[:, :, :1], k[:, :, :1], total, scale=1.0, causal=True) is None
+    )
+    with kernels.off():
+        assert kernels.attention(q, k, k, total, scale=1.0, causal=True) is None
+
+
+@needs_kernels
+def test_attention_kernel_under_vmap_and_grad(rng):
+    q = rng.standard_normal((2, 1, 6, 2, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 1, 6, 16)).astype(np.float32)
+    total = np.array([6], np.int32)
+
+    def one(q, k):
+        return kernels.attention(q, k, k, total, scale=0.25, causal=True)
+
+    def ref(q, k):
+        return kernels._attention_reference(q, k, k, total, scale=0.25, causal=True, window=0)
+
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(jax.vmap(one))(q, k)),
+        np.asarray(jax.vmap(ref)(q, k)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    grad = jax.grad(lambda q: jnp.sum(jnp.sin(one(q, k[0]))))(q[0])
+    expected = jax.grad(lambda q: jnp.sum(jnp.sin(ref(q, k[0]))))(q[0])
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------- MatMulNBits
 
 

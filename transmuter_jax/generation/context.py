@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,8 +134,18 @@ class Context:
         return hub.vocab_size(self.config)
 
 
+_ROTARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its rotary rows
+
+
 def _rotary_rows(model: Model) -> int | None:
-    """The rows of the rotary cos caches of GroupQueryAttention / RotaryEmbedding nodes."""
+    """The rows of the rotary cos caches of GroupQueryAttention / RotaryEmbedding nodes (read
+    once per model: every generate call asks)."""
+    if model not in _ROTARY:
+        _ROTARY[model] = _read_rotary_rows(model)
+    return _ROTARY[model]
+
+
+def _read_rotary_rows(model: Model) -> int | None:
     rows = []
     for node in model.graph.proto.node:
         at = {"GroupQueryAttention": 7, "RotaryEmbedding": 2}.get(node.op_type)

@@ -171,6 +171,66 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, *, tokens: bool = False) -> 
     return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
 
 
+# ---------------------------------------------------------------- attention
+
+
+def _attention_reference(q, k, v, total, *, scale: float, causal: bool, window: int):
+    """:func:`attention` in jax.numpy."""
+    b, s, n, h = q.shape
+    nk = k.shape[1]
+    qg = q.reshape(b, s, nk, n // nk, h).astype(jnp.float32)
+    scores = jnp.einsum("bsgmh,bgjh->bgmsj", qg, k.astype(jnp.float32)) * scale
+    i = jnp.arange(s)[:, None]
+    j = jnp.arange(s)[None, :]
+    seen = (j[None] < total[:, None, None]) & (~causal | (j <= i))[None]
+    if causal and window > 0:
+        seen &= (i - j < window)[None]
+    seen = seen[:, None, None]  # [B, 1, 1, S, S]
+    masked = jnp.where(seen, scores, -jnp.inf)
+    top = jnp.max(masked, axis=-1, keepdims=True)
+    e = jnp.where(seen, jnp.exp(masked - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total_e = jnp.sum(e, axis=-1, keepdims=True)
+    probs = e / jnp.where(total_e == 0, 1.0, total_e)
+    out = jnp.einsum("bgmsj,bgjh->bsgmh", probs, v.astype(jnp.float32))
+    return out.reshape(b, s, n, h)
+
+
+def _attention_kernel(q, k, v, total, *, scale: float, causal: bool, window: int):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("tj_attention_f32", out)(
+        q, k, v, total, scale=np.float32(scale), window=np.int64(window), causal=bool(causal)
+    )
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    total: jax.Array,
+    *,
+    scale: float,
+    causal: bool,
+    window: int = 0,
+) -> jax.Array | None:
+    """Attention of a first prompt over its own keys, in float32, or None where the kernel does
+    not run it (the caller's own path then computes it).
+
+    q: [B, S, N, H]; k, v: [B, Nk, S, H] (key j at position j, as query j); total: [B] the valid
+    keys of each row. Query i sees the valid keys j <= i (``causal``; with ``window`` > 0, those
+    with i - j < window too), else every valid key; a query without a key gives zeros.
+    """
+    lanes = build.vector_lanes()
+    if not enabled() or lanes is None or q.ndim != 4 or k.ndim != 4 or q.shape[1] < 2:
+        return None
+    if any(jnp.dtype(a.dtype) != jnp.float32 for a in (q, k, v)) or q.shape[-1] % lanes:
+        return None
+    if k.shape != v.shape or k.shape[2] != q.shape[1] or q.shape[2] % k.shape[1]:
+        return None
+    static = {"scale": float(scale), "causal": bool(causal), "window": int(window)}
+    fn = _wrapped(_attention_kernel, _attention_reference, folds=False, **static)
+    return fn(q, k, v, jnp.asarray(total, jnp.int32))
+
+
 # ---------------------------------------------------------------- MatMulNBits
 
 
@@ -320,11 +380,11 @@ def nbits_unpack(packed: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------- autodiff and vmap
 
 
-def _wrapped(kernel: Callable, reference: Callable, **static) -> Callable:
+def _wrapped(kernel: Callable, reference: Callable, *, folds: bool = True, **static) -> Callable:
     """``kernel(x, *weights)`` made differentiable and vmappable through ``reference``.
 
-    vmap over ``x`` only folds the batch into the kernel's leading dimensions; vmap over any
-    weight, and every gradient, runs ``reference`` instead.
+    vmap over ``x`` only folds the batch into the kernel's leading dimensions (``folds``; else it
+    runs ``reference``); vmap over any weight, and every gradient, runs ``reference`` instead.
     """
     kernel = functools.partial(kernel, **static)
     reference = functools.partial(reference, **static)
@@ -335,7 +395,7 @@ def _wrapped(kernel: Callable, reference: Callable, **static) -> Callable:
 
     @batched.def_vmap
     def _rule(axis_size, in_batched, x, *weights):
-        if any(in_batched[1:]):
+        if any(in_batched[1:]) or (in_batched[0] and not folds):
             axes = [0 if b else None for b in in_batched]
             return jax.vmap(reference, in_axes=axes)(x, *weights), True
         if not in_batched[0]:

@@ -37,7 +37,7 @@ from ..runtime import switch
 ENV = switch.KERNELS_ENV
 OFF = switch.OFF_VALUES
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("pool.cc", "gemm.cc", "nbits.cc", "norm.cc")  # and the headers beside them
+SOURCES = ("pool.cc", "gemm.cc", "nbits.cc", "norm.cc", "attention.cc")  # and the headers beside them
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
 STRIP = 32  # columns per strip of a packed float32 weight, as gemm.cc's kStrip
@@ -46,6 +46,7 @@ TARGETS = {
     "tj_gemm_rows_f32": "TjGemmRowsF32",
     "tj_matmul_nbits": "TjMatMulNBits",
     "tj_rms_norm": "TjRmsNorm",
+    "tj_attention_f32": "TjAttentionF32",
 }
 LIBRARY = "libtj_kernels.so"
 CHECKSUM = LIBRARY + ".sha256"
@@ -180,6 +181,12 @@ def build(cxx: str) -> Path:
         if not verified(target):
             raise RuntimeError(f"the library built at {target} does not match its checksum")
     return target
+
+
+def vector_lanes() -> int | None:
+    """Floats per vector of the library's float32 kernels, or None when it is not loaded."""
+    lib = library()
+    return None if lib is None else int(lib.tj_vector_lanes())
 
 
 def library() -> ctypes.CDLL | None:

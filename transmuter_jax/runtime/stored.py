@@ -40,7 +40,13 @@ SUFFIX = ".tj1.jaxexport"
 # Environment variables that change what a traced program computes.
 ENVIRONMENT = switch.TRACE_ENVIRONMENT
 # The custom calls of the CPU kernels (jax.export refuses unknown ones unless told).
-CUSTOM_CALLS = ("tj_gemm_f32", "tj_gemm_rows_f32", "tj_matmul_nbits", "tj_rms_norm")
+CUSTOM_CALLS = (
+    "tj_gemm_f32",
+    "tj_gemm_rows_f32",
+    "tj_matmul_nbits",
+    "tj_rms_norm",
+    "tj_attention_f32",
+)
 # Programs this process traced and stored ("exported"), and read back instead ("read").
 counts = {"exported": 0, "read": 0}
 # Called as listener("start", 0.0) before this process traces a program that is not stored, and

@@ -212,7 +212,14 @@ def _gqa_attend_split(q, cache: _Cache, steps: _Steps, scale, softcap, causal, w
 
 def _gqa_attend_new(q, cache: _Cache, steps: _Steps, scale, softcap, causal, window, sink):
     """Attends over this step's rows alone (a first prompt: no old row is valid), as
-    :func:`_gqa_attend_split` does less its old rows, which weigh 0 there."""
+    :func:`_gqa_attend_split` does less its old rows, which weigh 0 there. On the CPU kernels
+    (no softcap, no sink) one call computes it, and the scores and probabilities are not kept."""
+    if not softcap and sink is None:
+        out = kernels.attention(
+            q, cache.new_k, cache.new_v, steps.total, scale=scale, causal=causal, window=window
+        )
+        if out is not None:
+            return None, None, out
     scores = cap(grouped_scores(q, cache.new_k, scale), softcap)  # [B, N, S, S]
     valid = steps.pos < steps.total[:, None]
     mask = _gqa_mask(steps, steps.pos, valid, causal, window)

@@ -1,0 +1,241 @@
+// Float32 attention of a first prompt over its own keys (onnxruntime's GroupQueryAttention with
+// no past): q [B, S, N, H], k and v [B, Nk, S, H] (query head n reads key head n / (N / Nk)),
+// total [B] the valid keys of each batch row -> out [B, S, N, H].
+//
+// Query row i of batch row b sees keys [lo, hi): hi = min(i + 1, total) when causal (key j sits
+// at position j, as the query), else total; lo = i - window + 1 with a window (causal only), else
+// 0. Its output is sum_j p_j v_j with p = softmax(scale * q.k_j) over those keys (all zeros when
+// there are none), each row computed alone in the same steps whatever the batch.
+//
+// A chunk of work is one key head of one batch row and a block of query rows: the chunk copies
+// the keys its rows see transposed ([H, keys], a vector of keys per load), then runs kQ rows of a
+// head at once against them (scores), the softmax of each row (exp below), and the weighted sum
+// of the values, two rows at once. Causal blocks late in the prompt see more keys: they are
+// handed out first.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "native.h"
+#include "pool.h"
+
+namespace tj {
+
+constexpr int64_t kQueryBlock = 16;  // query rows of a chunk
+constexpr int kQ = 4;                // query rows against one pass over the keys
+constexpr int kKeyVecs = 2;          // vectors of keys per pass (kQ * kKeyVecs accumulators)
+
+// exp(x) for the lanes of a softmax's shifted scores (x <= 0): Cody-Waite reduction by ln 2 and
+// Cephes' degree-6 polynomial (within 2 ulp of exp); 0 below -87.3, where exp is subnormal.
+static inline gv gexp(gv x) {
+  const gv low = gsplat(-87.33654f);
+  const gvi under = x < low;
+  x = under ? low : x;
+  const gv n = (x * gsplat(1.44269504088896341f) + gsplat(12582912.0f)) - gsplat(12582912.0f);
+  gv r = x - n * gsplat(0.693359375f);
+  r = r - n * gsplat(-2.12194440e-4f);
+  gv p = gsplat(1.9875691500e-4f);
+  p = p * r + gsplat(1.3981999507e-3f);
+  p = p * r + gsplat(8.3334519073e-3f);
+  p = p * r + gsplat(4.1665795894e-2f);
+  p = p * r + gsplat(1.6666665459e-1f);
+  p = p * r + gsplat(5.0000001201e-1f);
+  gv y = p * r * r + r + gsplat(1.0f);
+  const gvi bits = (__builtin_convertvector(n, gvi) + 127) << 23;
+  y = y * reinterpret_cast<gv>(bits);
+  return under ? gv{} : y;
+}
+
+struct AttentionJob {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* total;
+  float* out;
+  int64_t batch, steps, heads, kv_heads, size, blocks;
+  float scale;
+  int64_t window;
+  bool causal;
+};
+
+// The keys query row i sees, of a batch row with `total` valid keys.
+static inline void key_range(const AttentionJob& job, int64_t total, int64_t i, int64_t* lo,
+                             int64_t* hi) {
+  *hi = job.causal ? std::min(i + 1, total) : total;
+  *lo = job.causal && job.window > 0 ? std::max<int64_t>(0, i - job.window + 1) : 0;
+}
+
+// scores[r][j] = scale * q_r . kt[:, j] for j in [j0, j1) (multiples of the pass's width apart),
+// rows q[r] `ldq` apart; kt [H, ldk] zero past the keys.
+template <int R>
+static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t h,
+                        int64_t j0, int64_t j1, float scale, float* scores, int64_t lds) {
+  constexpr int64_t kWidth = kKeyVecs * kGemmLanes;
+  for (int64_t j = j0; j < j1; j += kWidth) {
+    gv acc[R][kKeyVecs] = {};
+    for (int64_t d = 0; d < h; ++d) {
+      gv w[kKeyVecs];
+      for (int c = 0; c < kKeyVecs; ++c) w[c] = gload(kt + d * ldk + j + c * kGemmLanes);
+      for (int r = 0; r < R; ++r) {
+        const gv a = gsplat(q[r * ldq + d]);
+        for (int c = 0; c < kKeyVecs; ++c) acc[r][c] += a * w[c];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < kKeyVecs; ++c) {
+        gstore(scores + r * lds + j + c * kGemmLanes, acc[r][c] * gsplat(scale));
+      }
+    }
+  }
+}
+
+// The scores of [lo, hi) of one row into their softmax (zeros elsewhere in [j0, j1)).
+static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
+  std::fill(row + j0, row + lo, 0.0f);
+  std::fill(row + hi, row + j1, 0.0f);
+  if (hi <= lo) return;
+  float top = row[lo];
+  for (int64_t j = lo + 1; j < hi; ++j) top = std::max(top, row[j]);
+  float sum = 0.0f;
+  int64_t j = lo;
+  for (; j + kGemmLanes <= hi; j += kGemmLanes) {
+    gstore(row + j, gexp(gload(row + j) - gsplat(top)));
+  }
+  if (j < hi) {
+    float tail[kGemmLanes] = {};
+    std::copy(row + j, row + hi, tail);
+    const gv e = gexp(gload(tail) - gsplat(top));
+    gstore(tail, e);
+    std::copy(tail, tail + (hi - j), row + j);
+  }
+  for (j = lo; j < hi; ++j) sum += row[j];
+  for (j = lo; j < hi; ++j) row[j] = row[j] / sum;
+}
+
+// out[r][c0 : c0 + V lanes] = sum_j p[r][j] v[j][c0 : ...] over [j0, j1), R rows at once.
+template <int R, int V>
+static void values_pass(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t j0,
+                        int64_t j1, int64_t c0, float* out, int64_t ldo) {
+  gv acc[R][V] = {};
+  for (int64_t j = j0; j < j1; ++j) {
+    gv w[V];
+    for (int c = 0; c < V; ++c) w[c] = gload(v + j * ldv + c0 + c * kGemmLanes);
+    for (int r = 0; r < R; ++r) {
+      const gv a = gsplat(p[r * lds + j]);
+      for (int c = 0; c < V; ++c) acc[r][c] += a * w[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < V; ++c) gstore(out + r * ldo + c0 + c * kGemmLanes, acc[r][c]);
+  }
+}
+
+template <int R>
+static void values(const float* p, int64_t lds, const float* v, int64_t h, int64_t j0,
+                   int64_t j1, float* out, int64_t ldo) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * kGemmLanes <= h; c0 += 4 * kGemmLanes) {
+    values_pass<R, 4>(p, lds, v, h, j0, j1, c0, out, ldo);
+  }
+  for (; c0 < h; c0 += kGemmLanes) values_pass<R, 1>(p, lds, v, h, j0, j1, c0, out, ldo);
+}
+
+static void attention_chunk(void* ctx, int64_t chunk) {
+  const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
+  const int64_t block = job.blocks - 1 - chunk % job.blocks;  // the costliest first
+  const int64_t g = (chunk / job.blocks) % job.kv_heads, b = chunk / job.blocks / job.kv_heads;
+  const int64_t s = job.steps, h = job.size, group = job.heads / job.kv_heads;
+  const int64_t total = std::clamp<int64_t>(job.total[b], 0, s);
+  const int64_t r0 = block * kQueryBlock, r1 = std::min(s, r0 + kQueryBlock);
+  int64_t keys = 0, first = s;
+  for (int64_t i = r0; i < r1; ++i) {
+    int64_t lo, hi;
+    key_range(job, total, i, &lo, &hi);
+    if (hi > lo) keys = std::max(keys, hi), first = std::min(first, lo);
+  }
+  const int64_t width = kKeyVecs * kGemmLanes;
+  first = first >= keys ? 0 : first / width * width;
+  const int64_t ldk = (keys + width - 1) / width * width;
+  thread_local std::vector<float> kt, scores;
+  kt.assign(static_cast<size_t>(h * ldk), 0.0f);
+  scores.resize(static_cast<size_t>(kQ * ldk));
+  const float* kb = job.k + (b * job.kv_heads + g) * s * h;
+  const float* vb = job.v + (b * job.kv_heads + g) * s * h;
+  for (int64_t j = first; j < keys; ++j) {
+    for (int64_t d = 0; d < h; ++d) kt[d * ldk + j] = kb[j * h + d];
+  }
+  const int64_t ldq = job.heads * h;  // between query rows of one head
+  for (int64_t head = g * group; head < (g + 1) * group; ++head) {
+    for (int64_t i = r0; i < r1; i += kQ) {
+      const int rows = static_cast<int>(std::min<int64_t>(kQ, r1 - i));
+      const float* q = job.q + ((b * s + i) * job.heads + head) * h;
+      float* out = job.out + ((b * s + i) * job.heads + head) * h;
+      int64_t lo[kQ], hi[kQ], j0 = ldk, j1 = 0;
+      for (int r = 0; r < rows; ++r) {
+        key_range(job, total, i + r, &lo[r], &hi[r]);
+        if (hi[r] > lo[r]) j0 = std::min(j0, lo[r]), j1 = std::max(j1, hi[r]);
+      }
+      if (j1 <= j0) {
+        for (int r = 0; r < rows; ++r) std::fill(out + r * ldq, out + r * ldq + h, 0.0f);
+        continue;
+      }
+      const int64_t p0 = j0 / width * width, p1 = (j1 + width - 1) / width * width;
+      float* sc = scores.data();
+      const float* kv = kt.data();
+      if (rows == 4) {
+        scores_pass<4>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+      } else if (rows == 3) {
+        scores_pass<3>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+      } else if (rows == 2) {
+        scores_pass<2>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+      } else {
+        scores_pass<1>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+      }
+      for (int r = 0; r < rows; ++r) softmax_row(scores.data() + r * ldk, p0, p1, lo[r], hi[r]);
+      int r = 0;
+      for (; r + 2 <= rows; r += 2) {
+        values<2>(scores.data() + r * ldk, ldk, vb, h, j0, j1, out + r * ldq, ldq);
+      }
+      if (r < rows) values<1>(scores.data() + r * ldk, ldk, vb, h, j0, j1, out + r * ldq, ldq);
+    }
+  }
+}
+
+static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> total,
+                                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window,
+                                bool causal) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4) {
+    return ffi::Error::InvalidArgument("tj_attention_f32: q, k, v and out must have rank 4");
+  }
+  const int64_t b = qd[0], s = qd[1], n = qd[2], h = qd[3], nk = kd[1];
+  bool same = true;
+  for (size_t i = 0; i < 4; ++i) same = same && kd[i] == vd[i] && qd[i] == od[i];
+  if (!same || kd[0] != b || kd[2] != s || kd[3] != h || nk < 1 || n % nk != 0 ||
+      h % kGemmLanes != 0 || static_cast<int64_t>(total.element_count()) != b) {
+    return ffi::Error::InvalidArgument("tj_attention_f32: shapes do not match");
+  }
+  if (b == 0 || s == 0 || n == 0 || h == 0) return ffi::Error::Success();
+  const int64_t blocks = (s + kQueryBlock - 1) / kQueryBlock;
+  AttentionJob job{q.typed_data(), k.typed_data(), v.typed_data(), total.typed_data(),
+                   out->typed_data(), b, s, n, nk, h, blocks, scale, window, causal};
+  Pool::get().run(b * nk * blocks, attention_chunk, &job);
+  return ffi::Error::Success();
+}
+
+}  // namespace tj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjAttentionF32, tj::AttentionImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<bool>("causal"));
+
+extern "C" int tj_vector_lanes() { return tj::kGemmLanes; }
