@@ -37,7 +37,8 @@ from ..runtime import switch
 ENV = switch.KERNELS_ENV
 OFF = switch.OFF_VALUES
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("pool.cc", "gemm.cc", "nbits.cc", "norm.cc", "attention.cc")  # and the headers beside them
+# The sources (and the headers beside them):
+SOURCES = ("pool.cc", "gemm.cc", "nbits.cc", "norm.cc", "attention.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
 STRIP = 32  # columns per strip of a packed float32 weight, as gemm.cc's kStrip
