@@ -81,9 +81,11 @@ def run(
             first[i], first_logprob[i], first_top[i] = t.token, t.logprob, t.top
             finished[i] = t.done
             _keep(kept[i], t, options)
+    # the first tokens are known: the caller sees them before the slots are made (~10 ms)
+    _emit(on_token, options, first, finished, first_logprob, first_top)
+    for i, prefix in zip(taking, prefixes, strict=True):
         if not finished[i]:
             state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
-    _emit(on_token, options, first, finished, first_logprob, first_top)
     made = 0
     while state is not None and state.live_slots:
         state, tokens = speculative.generate(engine, state, options.decode_steps)
