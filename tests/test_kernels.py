@@ -234,44 +234,63 @@ def test_matmul_token_rows_under_vmap_and_grad(rng):
     np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
-@needs_kernels
-@pytest.mark.parametrize(
-    ("b", "s", "n", "nk", "h", "causal", "window"),
-    [
-        (1, 42, 9, 3, 64, True, 0),
-        (2, 70, 4, 4, 32, True, 0),
-        (3, 17, 8, 2, 64, True, 5),
-        (2, 33, 6, 3, 48, False, 0),
-        (1, 2, 2, 1, 16, True, 0),
-        (1, 256, 9, 3, 64, True, 0),
-    ],
-)
-def test_attention_kernel_equals_the_reference_and_each_row_alone(
-    rng, b, s, n, nk, h, causal, window
-):
-    """The fresh-prompt attention kernel: within float32 tolerance of the jax.numpy reference
-    (masked keys, rows without keys as zeros), and each batch row bit for bit what it gives
-    alone."""
-    if h % kernels.build.vector_lanes():
-        pytest.skip("head size not a multiple of this CPU's vector")
+def _attention_case(rng, b, s, n, nk, h, cached):
     q = rng.standard_normal((b, s, n, h)).astype(np.float32)
     k = rng.standard_normal((b, nk, s, h)).astype(np.float32)
     v = rng.standard_normal((b, nk, s, h)).astype(np.float32)
-    total = rng.integers(0, s + 1, b).astype(np.int32)
-    total[0] = s
+    old_k = rng.standard_normal((b, nk, cached, h)).astype(np.float32)
+    old_v = rng.standard_normal((b, nk, cached, h)).astype(np.float32)
+    past = rng.integers(0, cached + 1, b).astype(np.int32)
+    total = (past + rng.integers(0, s + 1, b)).astype(np.int32)
+    past[0], total[0] = cached, cached + s
+    return q, k, v, total, old_k, old_v, past
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("b", "s", "n", "nk", "h", "cached", "causal", "window"),
+    [
+        (1, 42, 9, 3, 64, 0, True, 0),
+        (2, 70, 4, 4, 32, 0, True, 0),
+        (3, 17, 8, 2, 64, 0, True, 5),
+        (2, 33, 6, 3, 48, 0, False, 0),
+        (1, 2, 2, 1, 16, 0, True, 0),
+        (1, 256, 9, 3, 64, 0, True, 0),
+        (3, 1, 9, 3, 64, 64, True, 0),  # decoding
+        (2, 1, 4, 2, 32, 37, True, 7),
+        (2, 20, 4, 2, 32, 50, True, 0),  # a prompt's later chunk, a verify step
+        (2, 5, 6, 3, 16, 9, False, 0),
+    ],
+)
+def test_attention_kernel_equals_the_reference_and_each_row_alone(
+    rng, b, s, n, nk, h, cached, causal, window
+):
+    """The attention kernel over a cache's valid rows and the step's own: within float32
+    tolerance of the jax.numpy reference (masked keys, rows without keys as zeros), and each
+    batch row bit for bit what it gives alone."""
+    if h % kernels.build.vector_lanes():
+        pytest.skip("head size not a multiple of this CPU's vector")
+    q, k, v, total, old_k, old_v, past = _attention_case(rng, b, s, n, nk, h, cached)
     static = {"scale": 0.125, "causal": causal, "window": window}
-    fn = jax.jit(lambda q, k, v, t: kernels.attention(q, k, v, t, **static))
-    got = np.asarray(fn(q, k, v, total))
-    want = np.asarray(kernels._attention_reference(q, k, v, total, **static))
+
+    def call(q, k, v, total, old_k, old_v, past):
+        old = (old_k, old_v, past) if cached else None
+        return kernels.attention(q, k, v, total, old=old, **static)
+
+    fn = jax.jit(call)
+    args = (q, k, v, total, old_k, old_v, past)
+    got = np.asarray(fn(*args))
+    want = np.asarray(kernels._attention_reference(*args, **static))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     for i in range(b):
-        one = np.asarray(fn(q[i : i + 1], k[i : i + 1], v[i : i + 1], total[i : i + 1]))
+        one = np.asarray(fn(*(a[i : i + 1] for a in args)))
         np.testing.assert_array_equal(got[i : i + 1], one)
 
 
 @needs_kernels
 def test_attention_kernel_is_refused_where_it_does_not_apply(rng):
-    """Other dtypes, a head size off the CPU's vector, or one query: None (the op's own path)."""
+    """Other dtypes, a head size off the CPU's vector, shapes that do not match: None (the
+    op's own path)."""
     lanes = kernels.build.vector_lanes()
     q = jnp.zeros((1, 4, 2, lanes), jnp.float32)
     k = jnp.zeros((1, 1, 4, lanes), jnp.float32)
@@ -282,9 +301,9 @@ def test_attention_kernel_is_refused_where_it_does_not_apply(rng):
     odd = jnp.zeros((1, 4, 2, lanes + 1), jnp.float32)
     odd_k = jnp.zeros((1, 1, 4, lanes + 1), jnp.float32)
     assert kernels.attention(odd, odd_k, odd_k, total, scale=1.0, causal=True) is None
-    assert (
-        kernels.attention(q[:, :1], k[:, :, :1], k[:, :, :1], total, scale=1.0, causal=True) is None
-    )
+    assert kernels.attention(q, k[:, :, :3], k[:, :, :3], total, scale=1.0, causal=True) is None
+    other = (jnp.zeros((1, 2, 5, lanes), jnp.float32),) * 2 + (jnp.array([5], jnp.int32),)
+    assert kernels.attention(q, k, k, total, scale=1.0, causal=True, old=other) is None
     with kernels.off():
         assert kernels.attention(q, k, k, total, scale=1.0, causal=True) is None
 
@@ -294,12 +313,15 @@ def test_attention_kernel_under_vmap_and_grad(rng):
     q = rng.standard_normal((2, 1, 6, 2, 16)).astype(np.float32)
     k = rng.standard_normal((2, 1, 1, 6, 16)).astype(np.float32)
     total = np.array([6], np.int32)
+    none = (np.zeros((1, 1, 0, 16), np.float32),) * 2 + (np.zeros(1, np.int32),)
 
     def one(q, k):
         return kernels.attention(q, k, k, total, scale=0.25, causal=True)
 
     def ref(q, k):
-        return kernels._attention_reference(q, k, k, total, scale=0.25, causal=True, window=0)
+        return kernels._attention_reference(
+            q, k, k, total, *none, scale=0.25, causal=True, window=0
+        )
 
     np.testing.assert_allclose(
         np.asarray(jax.jit(jax.vmap(one))(q, k)),

@@ -174,31 +174,46 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, *, tokens: bool = False) -> 
 # ---------------------------------------------------------------- attention
 
 
-def _attention_reference(q, k, v, total, *, scale: float, causal: bool, window: int):
+def _attention_reference(q, k, v, total, old_k, old_v, past, *, scale, causal, window):
     """:func:`attention` in jax.numpy."""
     b, s, n, h = q.shape
-    nk = k.shape[1]
+    nk, cached = k.shape[1], old_k.shape[2]
+    past = jnp.clip(past, 0, cached) if cached else jnp.zeros_like(past)
     qg = q.reshape(b, s, nk, n // nk, h).astype(jnp.float32)
-    scores = jnp.einsum("bsgmh,bgjh->bgmsj", qg, k.astype(jnp.float32)) * scale
-    i = jnp.arange(s)[:, None]
-    j = jnp.arange(s)[None, :]
-    seen = (j[None] < total[:, None, None]) & (~causal | (j <= i))[None]
+    keys = jnp.concatenate([old_k, k], axis=2).astype(jnp.float32)  # [B, Nk, L + S, H]
+    values = jnp.concatenate([old_v, v], axis=2).astype(jnp.float32)
+    scores = jnp.einsum("bsgmh,bgjh->bgmsj", qg, keys) * scale
+    row = jnp.arange(cached + s)[None, :]  # [1, L + S]
+    # key u's position: an old row's index, or past + the step's row
+    at = jnp.where(row < cached, row, past[:, None] + row - cached)  # [B, L + S]
+    kept = jnp.where(row < cached, row < past[:, None], True) & (at < total[:, None])
+    i = past[:, None] + jnp.arange(s)[None, :]  # [B, S] query positions
+    seen = kept[:, None, :] & (~causal | (at[:, None, :] <= i[:, :, None]))
     if causal and window > 0:
-        seen &= (i - j < window)[None]
-    seen = seen[:, None, None]  # [B, 1, 1, S, S]
+        seen &= i[:, :, None] - at[:, None, :] < window
+    seen = seen[:, None, None]  # [B, 1, 1, S, L + S]
     masked = jnp.where(seen, scores, -jnp.inf)
     top = jnp.max(masked, axis=-1, keepdims=True)
     e = jnp.where(seen, jnp.exp(masked - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
     total_e = jnp.sum(e, axis=-1, keepdims=True)
     probs = e / jnp.where(total_e == 0, 1.0, total_e)
-    out = jnp.einsum("bgmsj,bgjh->bsgmh", probs, v.astype(jnp.float32))
+    out = jnp.einsum("bgmsj,bgjh->bsgmh", probs, values)
     return out.reshape(b, s, n, h)
 
 
-def _attention_kernel(q, k, v, total, *, scale: float, causal: bool, window: int):
+def _attention_kernel(q, k, v, total, old_k, old_v, past, *, scale, causal, window):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("tj_attention_f32", out)(
-        q, k, v, total, scale=np.float32(scale), window=np.int64(window), causal=bool(causal)
+        q,
+        k,
+        v,
+        total,
+        old_k,
+        old_v,
+        past,
+        scale=np.float32(scale),
+        window=np.int64(window),
+        causal=bool(causal),
     )
 
 
@@ -211,24 +226,38 @@ def attention(
     scale: float,
     causal: bool,
     window: int = 0,
+    old: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array | None:
-    """Attention of a first prompt over its own keys, in float32, or None where the kernel does
-    not run it (the caller's own path then computes it).
+    """Attention of a step over a cache's valid rows and its own, in float32, or None where the
+    kernel does not run it (the caller's own path then computes it).
 
-    q: [B, S, N, H]; k, v: [B, Nk, S, H] (key j at position j, as query j); total: [B] the valid
-    keys of each row. Query i sees the valid keys j <= i (``causal``; with ``window`` > 0, those
-    with i - j < window too), else every valid key; a query without a key gives zeros.
+    q: [B, S, N, H]; k, v: [B, Nk, S, H] the step's keys and values; total: [B] the valid keys
+    of each row after the step; ``old``: (keys, values [B, Nk, L, H], past [B]) the cache before
+    the step and its valid rows (none: a first prompt). Key u is old row u for u < past, else the
+    step's row u - past, at position u; query i is at past + i and sees the keys u < total with
+    u <= past + i (``causal``; with ``window`` > 0, past + i - u < window too), else every key
+    u < total. A query without a key gives zeros.
     """
     lanes = build.vector_lanes()
-    if not enabled() or lanes is None or q.ndim != 4 or k.ndim != 4 or q.shape[1] < 2:
+    if not enabled() or lanes is None or q.ndim != 4 or k.ndim != 4:
         return None
-    if any(jnp.dtype(a.dtype) != jnp.float32 for a in (q, k, v)) or q.shape[-1] % lanes:
+    b, s, n, h = q.shape
+    if old is None:
+        empty = jnp.zeros((b, k.shape[1], 0, h), jnp.float32)
+        old = (empty, empty, jnp.zeros((b,), jnp.int32))
+    old_k, old_v, past = old
+    arrays = (q, k, v, old_k, old_v)
+    if any(jnp.dtype(a.dtype) != jnp.float32 or a.ndim != 4 for a in arrays) or h % lanes:
         return None
-    if k.shape != v.shape or k.shape[2] != q.shape[1] or q.shape[2] % k.shape[1]:
+    nk = k.shape[1]
+    if k.shape != (b, nk, s, h) or v.shape != k.shape or n % nk:
+        return None
+    if old_k.shape[:2] != (b, nk) or old_k.shape[3] != h or old_v.shape != old_k.shape:
         return None
     static = {"scale": float(scale), "causal": bool(causal), "window": int(window)}
     fn = _wrapped(_attention_kernel, _attention_reference, folds=False, **static)
-    return fn(q, k, v, jnp.asarray(total, jnp.int32))
+    ints = [jnp.asarray(a, jnp.int32).reshape(b) for a in (total, past)]
+    return fn(q, k, v, ints[0], old_k, old_v, ints[1])
 
 
 # ---------------------------------------------------------------- MatMulNBits

@@ -1,17 +1,19 @@
-// Float32 attention of a first prompt over its own keys (onnxruntime's GroupQueryAttention with
-// no past): q [B, S, N, H], k and v [B, Nk, S, H] (query head n reads key head n / (N / Nk)),
-// total [B] the valid keys of each batch row -> out [B, S, N, H].
+// Float32 attention of a step over the valid rows of a cache and its own rows (onnxruntime's
+// GroupQueryAttention): q [B, S, N, H]; k and v [B, Nk, S, H] the step's keys and values; old k
+// and v [B, Nk, L, H] the cache before the step (L may be 0), past [B] its valid rows; total [B]
+// the valid keys after the step -> out [B, S, N, H]. Query head n reads key head n / (N / Nk).
 //
-// Query row i of batch row b sees keys [lo, hi): hi = min(i + 1, total) when causal (key j sits
-// at position j, as the query), else total; lo = i - window + 1 with a window (causal only), else
-// 0. Its output is sum_j p_j v_j with p = softmax(scale * q.k_j) over those keys (all zeros when
-// there are none), each row computed alone in the same steps whatever the batch.
+// Key u of batch row b is old row u for u < past, else the step's row u - past, at position u;
+// query row i sits at position past + i. The query sees the keys u < total with u <= past + i
+// when causal (and past + i - u < window with a window), every key u < total otherwise. Its
+// output is sum_u p_u v_u with p = softmax(scale * q.k_u) over those keys (all zeros when there
+// are none), each row computed alone in the same steps whatever the batch.
 //
 // A chunk of work is one key head of one batch row and a block of query rows: the chunk copies
-// the keys its rows see transposed ([H, keys], a vector of keys per load), then runs kQ rows of a
-// head at once against them (scores), the softmax of each row (exp below), and the weighted sum
-// of the values, two rows at once. Causal blocks late in the prompt see more keys: they are
-// handed out first.
+// the keys its rows see transposed ([H, keys], a vector of keys per load) (and, with a cache,
+// their values in order), then runs kQ rows of a head at once against them (scores), the
+// softmax of each row (exp below), and the weighted sum of the values, two rows at once.
+// Causal blocks late in the step see more keys: they are handed out first.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -51,19 +53,22 @@ struct AttentionJob {
   const float* q;
   const float* k;
   const float* v;
+  const float* old_k;  // [B, Nk, L, H], L = cached
+  const float* old_v;
+  const int32_t* past;
   const int32_t* total;
   float* out;
-  int64_t batch, steps, heads, kv_heads, size, blocks;
+  int64_t batch, steps, heads, kv_heads, size, cached, blocks;
   float scale;
   int64_t window;
   bool causal;
 };
 
-// The keys query row i sees, of a batch row with `total` valid keys.
-static inline void key_range(const AttentionJob& job, int64_t total, int64_t i, int64_t* lo,
+// The keys [lo, hi) a query at position `at` sees, of a batch row with `total` valid keys.
+static inline void key_range(const AttentionJob& job, int64_t total, int64_t at, int64_t* lo,
                              int64_t* hi) {
-  *hi = job.causal ? std::min(i + 1, total) : total;
-  *lo = job.causal && job.window > 0 ? std::max<int64_t>(0, i - job.window + 1) : 0;
+  *hi = job.causal ? std::min(at + 1, total) : total;
+  *lo = job.causal && job.window > 0 ? std::max<int64_t>(0, at - job.window + 1) : 0;
 }
 
 // scores[r][j] = scale * q_r . kt[:, j] for j in [j0, j1) (multiples of the pass's width apart),
@@ -146,24 +151,37 @@ static void attention_chunk(void* ctx, int64_t chunk) {
   const int64_t block = job.blocks - 1 - chunk % job.blocks;  // the costliest first
   const int64_t g = (chunk / job.blocks) % job.kv_heads, b = chunk / job.blocks / job.kv_heads;
   const int64_t s = job.steps, h = job.size, group = job.heads / job.kv_heads;
-  const int64_t total = std::clamp<int64_t>(job.total[b], 0, s);
+  const int64_t past = job.past == nullptr ? 0 : std::clamp<int64_t>(job.past[b], 0, job.cached);
+  const int64_t total = std::clamp<int64_t>(job.total[b], 0, past + s);
   const int64_t r0 = block * kQueryBlock, r1 = std::min(s, r0 + kQueryBlock);
-  int64_t keys = 0, first = s;
+  int64_t keys = 0, first = past + s;
   for (int64_t i = r0; i < r1; ++i) {
     int64_t lo, hi;
-    key_range(job, total, i, &lo, &hi);
+    key_range(job, total, past + i, &lo, &hi);
     if (hi > lo) keys = std::max(keys, hi), first = std::min(first, lo);
   }
   const int64_t width = kKeyVecs * kGemmLanes;
   first = first >= keys ? 0 : first / width * width;
   const int64_t ldk = (keys + width - 1) / width * width;
-  thread_local std::vector<float> kt, scores;
+  thread_local std::vector<float> kt, vs, scores;
   kt.assign(static_cast<size_t>(h * ldk), 0.0f);
   scores.resize(static_cast<size_t>(kQ * ldk));
-  const float* kb = job.k + (b * job.kv_heads + g) * s * h;
+  const float* kb = job.k + (b * job.kv_heads + g) * s * h;  // the step's rows
   const float* vb = job.v + (b * job.kv_heads + g) * s * h;
-  for (int64_t j = first; j < keys; ++j) {
-    for (int64_t d = 0; d < h; ++d) kt[d * ldk + j] = kb[j * h + d];
+  const float* ko = job.old_k + (b * job.kv_heads + g) * job.cached * h;
+  const float* vo = job.old_v + (b * job.kv_heads + g) * job.cached * h;
+  for (int64_t u = first; u < keys; ++u) {
+    const float* row = u < past ? ko + u * h : kb + (u - past) * h;
+    for (int64_t d = 0; d < h; ++d) kt[d * ldk + u] = row[d];
+  }
+  const float* values_at = vb;  // value of key u at values_at + u * h
+  if (past > 0) {  // the cache's rows, then the step's, in order
+    vs.resize(static_cast<size_t>(keys * h));
+    for (int64_t u = first; u < keys; ++u) {
+      const float* row = u < past ? vo + u * h : vb + (u - past) * h;
+      std::copy(row, row + h, vs.data() + u * h);
+    }
+    values_at = vs.data();
   }
   const int64_t ldq = job.heads * h;  // between query rows of one head
   for (int64_t head = g * group; head < (g + 1) * group; ++head) {
@@ -173,7 +191,7 @@ static void attention_chunk(void* ctx, int64_t chunk) {
       float* out = job.out + ((b * s + i) * job.heads + head) * h;
       int64_t lo[kQ], hi[kQ], j0 = ldk, j1 = 0;
       for (int r = 0; r < rows; ++r) {
-        key_range(job, total, i + r, &lo[r], &hi[r]);
+        key_range(job, total, past + i + r, &lo[r], &hi[r]);
         if (hi[r] > lo[r]) j0 = std::min(j0, lo[r]), j1 = std::max(j1, hi[r]);
       }
       if (j1 <= j0) {
@@ -195,32 +213,41 @@ static void attention_chunk(void* ctx, int64_t chunk) {
       for (int r = 0; r < rows; ++r) softmax_row(scores.data() + r * ldk, p0, p1, lo[r], hi[r]);
       int r = 0;
       for (; r + 2 <= rows; r += 2) {
-        values<2>(scores.data() + r * ldk, ldk, vb, h, j0, j1, out + r * ldq, ldq);
+        values<2>(scores.data() + r * ldk, ldk, values_at, h, j0, j1, out + r * ldq, ldq);
       }
-      if (r < rows) values<1>(scores.data() + r * ldk, ldk, vb, h, j0, j1, out + r * ldq, ldq);
+      if (r < rows) {
+        values<1>(scores.data() + r * ldk, ldk, values_at, h, j0, j1, out + r * ldq, ldq);
+      }
     }
   }
 }
 
 static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> total,
-                                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window,
-                                bool causal) {
+                                ffi::Buffer<ffi::F32> old_k, ffi::Buffer<ffi::F32> old_v,
+                                ffi::Buffer<ffi::S32> past, ffi::ResultBuffer<ffi::F32> out,
+                                float scale, int64_t window, bool causal) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4) {
-    return ffi::Error::InvalidArgument("tj_attention_f32: q, k, v and out must have rank 4");
+  auto ok = old_k.dimensions(), ov = old_v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 || ok.size() != 4 ||
+      ov.size() != 4) {
+    return ffi::Error::InvalidArgument("tj_attention_f32: q, k, v, the cache and out: rank 4");
   }
-  const int64_t b = qd[0], s = qd[1], n = qd[2], h = qd[3], nk = kd[1];
+  const int64_t b = qd[0], s = qd[1], n = qd[2], h = qd[3], nk = kd[1], cached = ok[2];
   bool same = true;
-  for (size_t i = 0; i < 4; ++i) same = same && kd[i] == vd[i] && qd[i] == od[i];
+  for (size_t i = 0; i < 4; ++i) same = same && kd[i] == vd[i] && qd[i] == od[i] && ok[i] == ov[i];
   if (!same || kd[0] != b || kd[2] != s || kd[3] != h || nk < 1 || n % nk != 0 ||
-      h % kGemmLanes != 0 || static_cast<int64_t>(total.element_count()) != b) {
+      ok[0] != b || ok[1] != nk || ok[3] != h || h % kGemmLanes != 0 ||
+      static_cast<int64_t>(total.element_count()) != b ||
+      static_cast<int64_t>(past.element_count()) != b) {
     return ffi::Error::InvalidArgument("tj_attention_f32: shapes do not match");
   }
   if (b == 0 || s == 0 || n == 0 || h == 0) return ffi::Error::Success();
   const int64_t blocks = (s + kQueryBlock - 1) / kQueryBlock;
-  AttentionJob job{q.typed_data(), k.typed_data(), v.typed_data(), total.typed_data(),
-                   out->typed_data(), b, s, n, nk, h, blocks, scale, window, causal};
+  AttentionJob job{q.typed_data(),     k.typed_data(),    v.typed_data(),
+                   old_k.typed_data(), old_v.typed_data(), cached > 0 ? past.typed_data() : nullptr,
+                   total.typed_data(), out->typed_data(), b, s, n, nk, h, cached, blocks,
+                   scale, window, causal};
   Pool::get().run(b * nk * blocks, attention_chunk, &job);
   return ffi::Error::Success();
 }
@@ -230,6 +257,9 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjAttentionF32, tj::AttentionImpl,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()

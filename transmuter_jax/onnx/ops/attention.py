@@ -194,7 +194,17 @@ def _gqa_mask(steps: _Steps, k_pos, valid, causal, window):
 
 def _gqa_attend_split(q, cache: _Cache, steps: _Steps, scale, softcap, causal, window, sink):
     """Attends over the valid old rows, then this step's rows: the keys the written buffer
-    holds, read without the buffer's update (which XLA would otherwise copy)."""
+    holds, read without the buffer's update (which XLA would otherwise copy). On the CPU
+    kernels (no softcap, no sink) one call computes it, and the scores and probabilities are not
+    kept."""
+    if not softcap and sink is None:
+        old = (cache.old_k, cache.old_v, steps.past)
+        out = kernels.attention(
+            q, cache.new_k, cache.new_v, steps.total, scale=scale, causal=causal, window=window,
+            old=old,
+        )  # fmt: skip
+        if out is not None:
+            return None, None, out
     b, length = cache.old_k.shape[0], cache.old_k.shape[2]
     scores = jnp.concatenate(
         [grouped_scores(q, cache.old_k, scale), grouped_scores(q, cache.new_k, scale)], axis=-1
