@@ -9,11 +9,13 @@
 // output is sum_u p_u v_u with p = softmax(scale * q.k_u) over those keys (all zeros when there
 // are none), each row computed alone in the same steps whatever the batch.
 //
-// A chunk of work is one key head of one batch row and a block of query rows: the chunk copies
-// the keys its rows see transposed ([H, keys], a vector of keys per load) (and, with a cache,
-// their values in order), then runs kQ rows of a head at once against them (scores), the
-// softmax of each row (exp below), and the weighted sum of the values, two rows at once.
-// Causal blocks late in the step see more keys: they are handed out first.
+// Two passes over the pool. First, for each key head of each batch row, its valid keys in
+// transposed panels ([H, 16 or 32 keys] each, contiguous: a vector of keys per load) and, with a
+// cache, their values in order.
+// Then a chunk is one key head of one batch row and a block of query rows: kQ rows of a head at
+// once against the keys they see (scores), the softmax of each row (exp below), and the weighted
+// sum of the values, two rows at once. Causal blocks late in the step see more keys: they are
+// handed out first.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -62,7 +64,48 @@ struct AttentionJob {
   float scale;
   int64_t window;
   bool causal;
+  float* kt;  // [B, Nk, ldk / width, H, width] each key head's keys in transposed panels
+  float* vs;  // [B, Nk, ldk, H] with a cache: its valid rows' values, then the step's
+  int64_t ldk;
 };
+
+// The valid cache rows of batch row b and its valid keys.
+static inline void row_keys(const AttentionJob& job, int64_t b, int64_t* past, int64_t* total) {
+  *past = job.past == nullptr ? 0 : std::clamp<int64_t>(job.past[b], 0, job.cached);
+  *total = std::clamp<int64_t>(job.total[b], 0, *past + job.steps);
+}
+
+// Key head g of batch row b (chunk b * Nk + g): its keys transposed, and its values in order.
+static void gather_chunk(void* ctx, int64_t chunk) {
+  const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
+  const int64_t b = chunk / job.kv_heads, h = job.size;
+  int64_t past, total;
+  row_keys(job, b, &past, &total);
+  const int64_t width = kKeyVecs * kGemmLanes;
+  const int64_t end = std::min(job.ldk, (total + width - 1) / width * width);
+  float* kt = job.kt + chunk * h * job.ldk;
+  const float* kb = job.k + chunk * job.steps * h;  // the step's rows
+  const float* ko = job.old_k + chunk * job.cached * h;
+  if (end > total) {  // the last panel's keys past the valid ones: zeros
+    float* panel = kt + (total / width) * h * width;
+    for (int64_t d = 0; d < h; ++d) {
+      std::fill(panel + d * width + total % width, panel + (d + 1) * width, 0.0f);
+    }
+  }
+  for (int64_t u = 0; u < total; ++u) {
+    const float* row = u < past ? ko + u * h : kb + (u - past) * h;
+    float* at = kt + (u / width) * h * width + u % width;
+    for (int64_t d = 0; d < h; ++d) at[d * width] = row[d];
+  }
+  if (job.vs == nullptr) return;
+  const float* vb = job.v + chunk * job.steps * h;
+  const float* vo = job.old_v + chunk * job.cached * h;
+  float* vs = job.vs + chunk * job.ldk * h;
+  for (int64_t u = 0; u < total; ++u) {
+    const float* row = u < past ? vo + u * h : vb + (u - past) * h;
+    std::copy(row, row + h, vs + u * h);
+  }
+}
 
 // The keys [lo, hi) a query at position `at` sees, of a batch row with `total` valid keys.
 static inline void key_range(const AttentionJob& job, int64_t total, int64_t at, int64_t* lo,
@@ -71,17 +114,19 @@ static inline void key_range(const AttentionJob& job, int64_t total, int64_t at,
   *lo = job.causal && job.window > 0 ? std::max<int64_t>(0, at - job.window + 1) : 0;
 }
 
-// scores[r][j] = scale * q_r . kt[:, j] for j in [j0, j1) (multiples of the pass's width apart),
-// rows q[r] `ldq` apart; kt [H, ldk] zero past the keys.
+// scores[r][j] = scale * q_r . k_j for j in [j0, j1) (multiples of the pass's width), rows q[r]
+// `ldq` apart; kt the keys in panels of kWidth keys transposed ([keys / kWidth, H, kWidth], one
+// contiguous block a pass), zero past the keys.
 template <int R>
-static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t h,
-                        int64_t j0, int64_t j1, float scale, float* scores, int64_t lds) {
+static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t h, int64_t j0,
+                        int64_t j1, float scale, float* scores, int64_t lds) {
   constexpr int64_t kWidth = kKeyVecs * kGemmLanes;
   for (int64_t j = j0; j < j1; j += kWidth) {
     gv acc[R][kKeyVecs] = {};
+    const float* panel = kt + (j / kWidth) * h * kWidth;
     for (int64_t d = 0; d < h; ++d) {
       gv w[kKeyVecs];
-      for (int c = 0; c < kKeyVecs; ++c) w[c] = gload(kt + d * ldk + j + c * kGemmLanes);
+      for (int c = 0; c < kKeyVecs; ++c) w[c] = gload(panel + d * kWidth + c * kGemmLanes);
       for (int r = 0; r < R; ++r) {
         const gv a = gsplat(q[r * ldq + d]);
         for (int c = 0; c < kKeyVecs; ++c) acc[r][c] += a * w[c];
@@ -95,27 +140,39 @@ static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t ld
   }
 }
 
-// The scores of [lo, hi) of one row into their softmax (zeros elsewhere in [j0, j1)).
+// The scores of [lo, hi) of one row into their softmax (zeros elsewhere in [j0, j1)): the
+// largest score, e_j = exp(s_j - top) a vector at a time, their sum (lane by lane, then the
+// lanes in order), e_j / sum.
 static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
   std::fill(row + j0, row + lo, 0.0f);
   std::fill(row + hi, row + j1, 0.0f);
   if (hi <= lo) return;
   float top = row[lo];
   for (int64_t j = lo + 1; j < hi; ++j) top = std::max(top, row[j]);
-  float sum = 0.0f;
+  const gv shift = gsplat(top);
+  gv sums = {};
   int64_t j = lo;
   for (; j + kGemmLanes <= hi; j += kGemmLanes) {
-    gstore(row + j, gexp(gload(row + j) - gsplat(top)));
+    const gv e = gexp(gload(row + j) - shift);
+    gstore(row + j, e);
+    sums += e;
   }
   if (j < hi) {
     float tail[kGemmLanes] = {};
     std::copy(row + j, row + hi, tail);
-    const gv e = gexp(gload(tail) - gsplat(top));
+    gv e = gexp(gload(tail) - shift);
     gstore(tail, e);
+    for (int64_t t = hi - j; t < kGemmLanes; ++t) tail[t] = 0.0f;
+    sums += gload(tail);
     std::copy(tail, tail + (hi - j), row + j);
   }
-  for (j = lo; j < hi; ++j) sum += row[j];
-  for (j = lo; j < hi; ++j) row[j] = row[j] / sum;
+  float lanes[kGemmLanes];
+  gstore(lanes, sums);
+  float sum = 0.0f;
+  for (int t = 0; t < kGemmLanes; ++t) sum += lanes[t];
+  const gv total = gsplat(sum);
+  for (j = lo; j + kGemmLanes <= hi; j += kGemmLanes) gstore(row + j, gload(row + j) / total);
+  for (; j < hi; ++j) row[j] = row[j] / sum;
 }
 
 // out[r][c0 : c0 + V lanes] = sum_j p[r][j] v[j][c0 : ...] over [j0, j1), R rows at once.
@@ -151,38 +208,15 @@ static void attention_chunk(void* ctx, int64_t chunk) {
   const int64_t block = job.blocks - 1 - chunk % job.blocks;  // the costliest first
   const int64_t g = (chunk / job.blocks) % job.kv_heads, b = chunk / job.blocks / job.kv_heads;
   const int64_t s = job.steps, h = job.size, group = job.heads / job.kv_heads;
-  const int64_t past = job.past == nullptr ? 0 : std::clamp<int64_t>(job.past[b], 0, job.cached);
-  const int64_t total = std::clamp<int64_t>(job.total[b], 0, past + s);
+  int64_t past, total;
+  row_keys(job, b, &past, &total);
   const int64_t r0 = block * kQueryBlock, r1 = std::min(s, r0 + kQueryBlock);
-  int64_t keys = 0, first = past + s;
-  for (int64_t i = r0; i < r1; ++i) {
-    int64_t lo, hi;
-    key_range(job, total, past + i, &lo, &hi);
-    if (hi > lo) keys = std::max(keys, hi), first = std::min(first, lo);
-  }
-  const int64_t width = kKeyVecs * kGemmLanes;
-  first = first >= keys ? 0 : first / width * width;
-  const int64_t ldk = (keys + width - 1) / width * width;
-  thread_local std::vector<float> kt, vs, scores;
-  kt.assign(static_cast<size_t>(h * ldk), 0.0f);
+  const int64_t width = kKeyVecs * kGemmLanes, ldk = job.ldk;
+  thread_local std::vector<float> scores;
   scores.resize(static_cast<size_t>(kQ * ldk));
-  const float* kb = job.k + (b * job.kv_heads + g) * s * h;  // the step's rows
-  const float* vb = job.v + (b * job.kv_heads + g) * s * h;
-  const float* ko = job.old_k + (b * job.kv_heads + g) * job.cached * h;
-  const float* vo = job.old_v + (b * job.kv_heads + g) * job.cached * h;
-  for (int64_t u = first; u < keys; ++u) {
-    const float* row = u < past ? ko + u * h : kb + (u - past) * h;
-    for (int64_t d = 0; d < h; ++d) kt[d * ldk + u] = row[d];
-  }
-  const float* values_at = vb;  // value of key u at values_at + u * h
-  if (past > 0) {  // the cache's rows, then the step's, in order
-    vs.resize(static_cast<size_t>(keys * h));
-    for (int64_t u = first; u < keys; ++u) {
-      const float* row = u < past ? vo + u * h : vb + (u - past) * h;
-      std::copy(row, row + h, vs.data() + u * h);
-    }
-    values_at = vs.data();
-  }
+  const float* kt = job.kt + (b * job.kv_heads + g) * h * ldk;
+  const float* values_at = job.vs != nullptr ? job.vs + (b * job.kv_heads + g) * ldk * h
+                                             : job.v + (b * job.kv_heads + g) * s * h;
   const int64_t ldq = job.heads * h;  // between query rows of one head
   for (int64_t head = g * group; head < (g + 1) * group; ++head) {
     for (int64_t i = r0; i < r1; i += kQ) {
@@ -200,15 +234,15 @@ static void attention_chunk(void* ctx, int64_t chunk) {
       }
       const int64_t p0 = j0 / width * width, p1 = (j1 + width - 1) / width * width;
       float* sc = scores.data();
-      const float* kv = kt.data();
+      const float* kv = kt;
       if (rows == 4) {
-        scores_pass<4>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+        scores_pass<4>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
       } else if (rows == 3) {
-        scores_pass<3>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+        scores_pass<3>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
       } else if (rows == 2) {
-        scores_pass<2>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+        scores_pass<2>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
       } else {
-        scores_pass<1>(q, ldq, kv, ldk, h, p0, p1, job.scale, sc, ldk);
+        scores_pass<1>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
       }
       for (int r = 0; r < rows; ++r) softmax_row(scores.data() + r * ldk, p0, p1, lo[r], hi[r]);
       int r = 0;
@@ -247,8 +281,32 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
   AttentionJob job{q.typed_data(),     k.typed_data(),    v.typed_data(),
                    old_k.typed_data(), old_v.typed_data(), cached > 0 ? past.typed_data() : nullptr,
                    total.typed_data(), out->typed_data(), b, s, n, nk, h, cached, blocks,
-                   scale, window, causal};
-  Pool::get().run(b * nk * blocks, attention_chunk, &job);
+                   scale, window, causal, nullptr, nullptr, 0};
+  int64_t most = 0;  // the most keys of a batch row
+  for (int64_t i = 0; i < b; ++i) {
+    int64_t rows, keys;
+    row_keys(job, i, &rows, &keys);
+    most = std::max(most, keys);
+  }
+  const int64_t width = kKeyVecs * kGemmLanes;
+  job.ldk = std::max<int64_t>(width, (most + width - 1) / width * width);
+  // This thread's calls' buffers, kept between calls, given back when four times too large.
+  thread_local std::vector<float> kt, vs;
+  const size_t need = static_cast<size_t>(b * nk * h * job.ldk);
+  for (auto* buffer : {&kt, &vs}) {
+    if (buffer->capacity() > 4 * need && buffer->capacity() > (size_t{1} << 22)) {
+      std::vector<float>().swap(*buffer);
+    }
+  }
+  kt.resize(need);
+  job.kt = kt.data();
+  if (cached > 0) {
+    vs.resize(need);
+    job.vs = vs.data();
+  }
+  Pool& pool = Pool::get();
+  pool.run(b * nk, gather_chunk, &job);
+  pool.run(b * nk * blocks, attention_chunk, &job);
   return ffi::Error::Success();
 }
 
