@@ -120,6 +120,32 @@ def test_gqa_prompt_in_a_buffer_of_the_step(attrs):
     _gqa(seq=6, buffer=6, seqlens=(5, 2), total=6, **attrs)
 
 
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize(
+    "case",
+    [
+        {},  # a first prompt
+        {"seq": 6, "buffer": 6, "seqlens": (5, 2), "total": 6, "local_window_size": 2},
+        {"seq": 1, "buffer": 8, "seqlens": (3, 6), "total": 7},  # decoding
+        {"batch": 1, "seq": 3, "buffer": 8, "seqlens": (6,), "total": 7},  # a later chunk
+        {"seq": 5, "buffer": 0, "seqlens": (4, 2), "total": 5, "causal": 0},
+        {"heads": 6, "kv_heads": 3, "head": 32, "do_rotary": 1},
+    ],
+)
+def test_gqa_with_and_without_the_attention_kernel(case, kernels_on):
+    """The cases the CPU attention kernel takes, with it and on the op's XLA path (the kernels
+    off, as on other backends): both onnxruntime's results."""
+    from transmuter_jax import kernels
+
+    if kernels_on and not kernels.enabled():
+        pytest.skip("CPU kernels not available")
+    if kernels_on:
+        _gqa(**case)
+    else:
+        with kernels.off():
+            _gqa(**case)
+
+
 def test_gqa_prompt_packed():
     _gqa(packed=True)
 
