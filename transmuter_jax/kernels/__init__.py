@@ -188,9 +188,11 @@ def _attention_reference(q, k, v, total, old_k, old_v, past, *, scale, causal, w
     at = jnp.where(row < cached, row, past[:, None] + row - cached)  # [B, L + S]
     kept = jnp.where(row < cached, row < past[:, None], True) & (at < total[:, None])
     i = past[:, None] + jnp.arange(s)[None, :]  # [B, S] query positions
-    seen = kept[:, None, :] & (~causal | (at[:, None, :] <= i[:, :, None]))
-    if causal and window > 0:
-        seen &= i[:, :, None] - at[:, None, :] < window
+    seen = jnp.broadcast_to(kept[:, None, :], (b, s, cached + s))
+    if causal:
+        seen = seen & (at[:, None, :] <= i[:, :, None])
+        if window > 0:
+            seen = seen & (i[:, :, None] - at[:, None, :] < window)
     seen = seen[:, None, None]  # [B, 1, 1, S, L + S]
     masked = jnp.where(seen, scores, -jnp.inf)
     top = jnp.max(masked, axis=-1, keepdims=True)
