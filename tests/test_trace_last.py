@@ -113,7 +113,7 @@ def test_the_tokens_after_each_rows_last_are_skipped_by_the_products_over_tokens
     model = _token_graph(tmp_path)
     marked = {
         n.output[0]: any(a.name == "tokens" and a.i == 1 for a in n.attribute)
-        for n in model._graph.proto.node
+        for n in model.graph.proto.node
         if n.op_type.startswith("Packed")
     }
     assert marked == {"a": True, "logits": True, "pooled": False, "swapped": False}
