@@ -334,6 +334,70 @@ def test_attention_kernel_under_vmap_and_grad(rng):
     np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
+# ---------------------------------------------------------------- SwiGLU's gate
+
+
+def _silu_mul_inputs(rng, shape):
+    gate = (rng.standard_normal(shape) * 6).astype(np.float32)
+    flat = gate.reshape(-1)
+    extremes = [0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, 100.0, -100.0, 1e4, -1e4]
+    flat[: len(extremes)] = extremes
+    return gate, rng.standard_normal(shape).astype(np.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(3, 7, 41), (2, 5000), (1, 1, 1536), (13,)])
+def test_silu_mul_kernel_equals_the_reference_and_each_row_alone(rng, shape):
+    """(g * sigmoid(g)) * u within a few float32 ulp (shapes off the vector width, and one
+    large enough for the pool), and each leading row's bits equal to its result alone."""
+    gate, up = _silu_mul_inputs(rng, shape)
+    fn = jax.jit(kernels.silu_mul)
+    assert "tj_silu_mul_f32" in str(jax.make_jaxpr(kernels.silu_mul)(gate, up))
+    got = np.asarray(fn(gate, up))
+    g, u = gate.astype(np.float64), up.astype(np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(got, want, rtol=1.6e-6, atol=1e-30)  # exp below -87.3: 0
+    if len(shape) > 1:
+        for i in range(shape[0]):
+            np.testing.assert_array_equal(
+                got[i : i + 1], np.asarray(fn(gate[i : i + 1], up[i : i + 1]))
+            )
+
+
+@needs_kernels
+def test_silu_mul_kernel_is_refused_where_it_does_not_apply(rng):
+    """Broadcast operands, other dtypes and the kernels off: jax.numpy, same function."""
+    gate, up = _silu_mul_inputs(rng, (4, 24))
+    for args in [(gate, up[:1]), (gate.astype(np.float16), up.astype(np.float16))]:
+        assert "tj_silu_mul_f32" not in str(jax.make_jaxpr(kernels.silu_mul)(*args))
+        want = kernels._silu_mul_reference(*args)
+        np.testing.assert_array_equal(np.asarray(kernels.silu_mul(*args)), np.asarray(want))
+    with kernels.off():
+        assert "tj_silu_mul_f32" not in str(jax.make_jaxpr(kernels.silu_mul)(gate, up))
+
+
+@needs_kernels
+def test_silu_mul_kernel_under_vmap_and_grad(rng):
+    gate, up = _silu_mul_inputs(rng, (3, 2, 20))
+    ref = kernels._silu_mul_reference
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(jax.vmap(kernels.silu_mul))(gate, up)),
+        np.asarray(jax.vmap(ref)(gate, up)),
+        rtol=2e-6,
+        atol=1e-30,
+    )
+    np.testing.assert_allclose(  # vmap over the gate alone
+        np.asarray(jax.vmap(kernels.silu_mul, in_axes=(0, None))(gate, up[0])),
+        np.asarray(jax.vmap(ref, in_axes=(0, None))(gate, up[0])),
+        rtol=2e-6,
+        atol=1e-30,
+    )
+    for argnum in (0, 1):
+        grad = jax.grad(lambda *a: jnp.sum(kernels.silu_mul(*a)), argnum)(gate, up)
+        want = jax.grad(lambda *a: jnp.sum(ref(*a)), argnum)(gate, up)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- MatMulNBits
 
 
@@ -821,6 +885,78 @@ def test_weights_read_in_if_branches_are_packed(rng, tmp_path, monkeypatch):
             np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
 
 
+def _gates_model() -> onnx.ModelProto:
+    """SwiGLU gates to fuse (operands in either order, one in an If branch) and four look-alikes
+    that must stay: a Sigmoid read elsewhere, a Sigmoid of another value, an inner product that
+    is a graph output, and one read only by a nested graph."""
+    info = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, 8])  # noqa: E731
+    node = helper.make_node
+
+    def gate(tag, sig_of, first, second, up, *, outer_mul=None):
+        return [
+            node("Sigmoid", [sig_of], [f"s{tag}"]),
+            node("Mul", [first, f"s{tag}"] if second else [f"s{tag}", first], [f"m{tag}"]),
+            node("Mul", [f"m{tag}", up] if outer_mul is None else [up, f"m{tag}"], [f"y{tag}"]),
+        ]
+
+    branch_nodes = gate("4", "a", "a", True, "b")
+    then_branch = helper.make_graph(branch_nodes + [node("Neg", ["m6"], ["z6"])], "then", [],
+                                    [info("y4"), info("z6")])  # fmt: skip
+    else_branch = helper.make_graph(
+        [node("Identity", ["a"], ["e4"]), node("Identity", ["b"], ["e6"])],
+        "else",
+        [],
+        [info("e4"), info("e6")],
+    )
+    nodes = [
+        *gate("1", "a", "a", False, "b", outer_mul=True),  # Mul(s, a), Mul(b, m): fused
+        *gate("2", "a", "a", True, "b"),
+        node("Neg", ["s2"], ["n2"]),  # s2 read elsewhere: kept
+        *gate("3", "c", "a", True, "b"),  # a * Sigmoid(c): kept
+        *gate("5", "b", "b", True, "a"),  # m5 is a graph output: kept
+        *gate("6", "c", "c", True, "a")[:2],  # m6 read by the If's branch only: kept
+        node("Mul", ["m6", "a"], ["y6"]),
+        node("If", ["cond"], ["y4", "z6"], then_branch=then_branch, else_branch=else_branch),
+    ]
+    inputs = [info("a"), info("b"), info("c")]
+    inputs.append(helper.make_tensor_value_info("cond", TensorProto.BOOL, []))
+    outputs = [info(n) for n in ("y1", "y2", "n2", "y3", "y5", "m5", "y6", "y4", "z6")]
+    graph = helper.make_graph(nodes, "gates", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _count_ops(graph: onnx.GraphProto, op_type: str) -> int:
+    count = sum(n.op_type == op_type for n in graph.node)
+    return count + sum(
+        _count_ops(sub, op_type)
+        for n in graph.node
+        for a in n.attribute
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else [])
+    )
+
+
+@needs_kernels
+def test_swiglu_gates_are_fused_where_nothing_else_reads_them(rng, tmp_path):
+    proto = _gates_model()
+    path = tmp_path / "gates.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _count_ops(model.graph.proto, "SiluMul") == 2  # y1 and the branch's y4
+    assert _count_ops(model.graph.proto, "Sigmoid") == 4
+    with kernels.off():
+        plain = tj.load(path)
+    assert _count_ops(plain.graph.proto, "SiluMul") == 0
+    for cond in (True, False):
+        feeds = {n: (rng.standard_normal((2, 3, 8)) * 4).astype(np.float32) for n in "abc"}
+        feeds["cond"] = np.array(cond)
+        got, want = model(feeds), _ort(proto, feeds)
+        with kernels.off():
+            alone = plain(feeds)  # the ops one by one
+        for name, value in want.items():  # onnxruntime's Sigmoid is an approximation
+            np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(got[name], alone[name], rtol=2e-6, atol=1e-30)
+
+
 @needs_kernels
 def test_int4_weights_prepacked_at_load(rng, tmp_path, monkeypatch):
     """MatMulNBits nodes that quantize their input (level 4, blocks of 32) read their weights in
@@ -865,6 +1001,8 @@ def test_fixture_with_every_weight_packed(path, monkeypatch):
     monkeypatch.setattr(prepack, "PACK_MIN", 0)
     model = tj.load(path)
     assert "PackedMatMul" in _packed_ops(model)
+    if path.parent.name.startswith("llama"):  # SiLU-gated feed-forwards
+        assert "SiluMul" in _packed_ops(model)
     for batch, length, past in [(1, 5, 0), (2, 1, 4)]:
         feeds = example_inputs(model, batch=batch, length=length, past=past)
         if batch > 1 and any(

@@ -217,13 +217,13 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
         raise GenerationError("the prompts are not all fed: call advance until done")
     n = len(pending.requests)
     tables = pending.tables or (None,) * n
-    lengths = jnp.asarray(pending.lengths)
-    each = [
-        slots._request_rows(engine, request, r, lengths[i : i + 1], {}, tables[i])
-        for i, (request, r) in enumerate(zip(pending.requests, pending.resolved, strict=True))
+    lengths = np.asarray(pending.lengths, np.int32)
+    each = [  # host arrays: the selection's call copies them
+        slots._request_rows(engine, r_, r, lengths[i : i + 1], {}, tables[i], host=True)
+        for i, (r_, r) in enumerate(zip(pending.requests, pending.resolved, strict=True))
     ]
     # the cache apart: not copied (one request: its rows as they are)
-    rows = each[0] if n == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *each)
+    rows = each[0] if n == 1 else jax.tree.map(lambda *a: np.concatenate(a), *each)
     first = slots._first(engine, engine.slot_top_logprobs)
     chosen: dict[int, tuple[slots.Rows_, slots.StepOut]] = {}
     distinct: list[Any] = []
@@ -234,7 +234,7 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
         members = np.array([t is table for t in tables])
         group = rows
         if table is not None:
-            free = jnp.where(jnp.asarray(members), rows.constraint, -1)
+            free = np.where(members, rows.constraint, -1).astype(np.int32)
             group = dataclasses.replace(rows, constraint=free)
         after, out = first(pending.logits, group, table)
         out = jax.device_get(out)

@@ -920,10 +920,14 @@ def _request_rows(
     cache,
     table: constraints.TokenTable | None = None,
     drafted: dict[str, jax.Array] | None = None,
+    *,
+    host: bool = False,
 ) -> Rows_:
     """The device rows (batch 1) of ``request`` after its prompt: ``r`` its resolved options,
     ``lengths`` [1] its cached tokens, ``cache`` its cache, ``table`` its constraint's table
-    (its state 0; None: no constraint), ``drafted`` the draft model's cache of the prompt."""
+    (its state 0; None: no constraint), ``drafted`` the draft model's cache of the prompt.
+    ``host``: the host arrays as they are (numpy), for a jitted call that copies them itself
+    (its own copy of ~30 small arrays is ~1.5 ms faster than ``device_put``'s)."""
     capacity, prompt = engine.slot_capacity, request.prompt
     vocab = engine.vocab_size or 2**31
     history = np.full((1, capacity), -1, np.int32)
@@ -970,7 +974,7 @@ def _request_rows(
             host=True,
         ),  # fmt: skip
     )
-    return put_all(rows)  # one copy of the host arrays
+    return rows if host else put_all(rows)  # one copy of the host arrays
 
 
 def written(start: int, length: int) -> int:

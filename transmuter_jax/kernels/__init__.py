@@ -2,6 +2,7 @@
 
 - :func:`matmul`: float32 ``x @ w`` with ``w`` packed once by :func:`pack` into column strips.
 - :func:`matmul_nbits`: com.microsoft MatMulNBits with 4-bit weights, read as stored.
+- :func:`attention`: a step's attention over a cache; :func:`rms_norm`; :func:`silu_mul`.
 
 The kernels run only on the CPU backend, when the library built (see :mod:`.build`); otherwise
 (and for shapes the kernels do not cover) the same functions compute with jax.numpy. Both are
@@ -260,6 +261,28 @@ def attention(
     fn = _wrapped(_attention_kernel, _attention_reference, folds=False, **static)
     ints = [jnp.asarray(a, jnp.int32).reshape(b) for a in (total, past)]
     return fn(q, k, v, ints[0], old_k, old_v, ints[1])
+
+
+# ---------------------------------------------------------------- activation
+
+
+def _silu_mul_reference(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return (gate * jax.nn.sigmoid(gate)) * up
+
+
+def _silu_mul_kernel(gate: jax.Array, up: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct(gate.shape, jnp.float32)
+    return jax.ffi.ffi_call("tj_silu_mul_f32", out)(gate, up)
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``(gate * sigmoid(gate)) * up``, SwiGLU's gated activation (on the CPU kernels: float32
+    arrays of one shape, vectorized and on the pool; else jax.numpy, broadcasting)."""
+    same = jnp.shape(gate) == jnp.shape(up)
+    floats = all(jnp.result_type(a) == jnp.float32 for a in (gate, up))
+    if not enabled() or not same or not floats or build.vector_lanes() is None:
+        return _silu_mul_reference(gate, up)
+    return _wrapped(_silu_mul_kernel, _silu_mul_reference, folds=False)(gate, up)
 
 
 # ---------------------------------------------------------------- MatMulNBits

@@ -28,6 +28,7 @@ from ..runtime import compile_cache, switch
 from ..runtime.jit import jit_options
 from ..runtime.switch import TRACE_ENVIRONMENT, trace_environment  # noqa: F401
 from . import (
+    fuse,
     inline,
     ops,  # noqa: F401  (registers the op implementations)
     packed_store,
@@ -270,6 +271,8 @@ class Model:
         prepack.rewrite(graph, {k: v for k, v in packings.items() if k not in nbits})
         prepack.rewrite_nbits(graph, nbits)
         prepack.mark_tokens(graph)
+        if kernels.enabled() and not host:
+            fuse.silu_mul(graph)
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]

@@ -46,6 +46,7 @@ CUSTOM_CALLS = (
     "tj_matmul_nbits",
     "tj_rms_norm",
     "tj_attention_f32",
+    "tj_silu_mul_f32",
 )
 # Programs this process traced and stored ("exported"), and read back instead ("read").
 counts = {"exported": 0, "read": 0}

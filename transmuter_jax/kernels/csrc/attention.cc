@@ -30,27 +30,6 @@ constexpr int64_t kQueryBlock = 16;  // query rows of a chunk
 constexpr int kQ = 4;                // query rows against one pass over the keys
 constexpr int kKeyVecs = 2;          // vectors of keys per pass (kQ * kKeyVecs accumulators)
 
-// exp(x) for the lanes of a softmax's shifted scores (x <= 0): Cody-Waite reduction by ln 2 and
-// Cephes' degree-6 polynomial (within 2 ulp of exp); 0 below -87.3, where exp is subnormal.
-static inline gv gexp(gv x) {
-  const gv low = gsplat(-87.33654f);
-  const gvi under = x < low;
-  x = under ? low : x;
-  const gv n = (x * gsplat(1.44269504088896341f) + gsplat(12582912.0f)) - gsplat(12582912.0f);
-  gv r = x - n * gsplat(0.693359375f);
-  r = r - n * gsplat(-2.12194440e-4f);
-  gv p = gsplat(1.9875691500e-4f);
-  p = p * r + gsplat(1.3981999507e-3f);
-  p = p * r + gsplat(8.3334519073e-3f);
-  p = p * r + gsplat(4.1665795894e-2f);
-  p = p * r + gsplat(1.6666665459e-1f);
-  p = p * r + gsplat(5.0000001201e-1f);
-  gv y = p * r * r + r + gsplat(1.0f);
-  const gvi bits = (__builtin_convertvector(n, gvi) + 127) << 23;
-  y = y * reinterpret_cast<gv>(bits);
-  return under ? gv{} : y;
-}
-
 struct AttentionJob {
   const float* q;
   const float* k;

@@ -73,6 +73,12 @@ def PackedGather(packed, indices, *, n, columns):
     return kernels.columns(packed, indices, n) if columns else kernels.rows(packed, indices, n)
 
 
+@op("SiluMul", domain=PACKED, fold=False)
+def SiluMul(gate, up):
+    """(gate * Sigmoid(gate)) * up: SwiGLU's gate, fused at load (see onnx.fuse)."""
+    return kernels.silu_mul(gate, up)
+
+
 @op("MatMulInteger", since=10)
 def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
     """(A - a_zero_point) @ (B - b_zero_point) in int32; a 1-D a_zero_point is per row of A."""
