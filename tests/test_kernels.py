@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pathlib
@@ -332,6 +333,65 @@ def test_attention_kernel_under_vmap_and_grad(rng):
     grad = jax.grad(lambda q: jnp.sum(jnp.sin(one(q, k[0]))))(q[0])
     expected = jax.grad(lambda q: jnp.sum(jnp.sin(ref(q, k[0]))))(q[0])
     np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- a @ x^T
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("shape_a", "shape_x", "scale"),
+    [
+        ((1, 6, 1, 64), (1, 6, 300, 64), None),
+        ((2, 3, 5, 40), (2, 3, 77, 40), 0.35),
+        ((4, 13), (9, 13), None),
+        ((3, 16, 8), (3, 130, 8), 0.125),
+    ],
+)
+def test_matmul_nt_kernel_equals_the_reference_and_each_row_alone(rng, shape_a, shape_x, scale):
+    """a @ (x * scale)^T within float32 rounding (x * scale rounded first), each row of a and
+    each batch row bit for bit its result alone."""
+    a = rng.standard_normal(shape_a).astype(np.float32)
+    x = rng.standard_normal(shape_x).astype(np.float32)
+    fn = jax.jit(lambda a, x: kernels.matmul_nt(a, x, scale))
+    got = np.asarray(fn(a, x))
+    xs = x if scale is None else x * np.float32(scale)
+    want = np.matmul(a.astype(np.float64), np.swapaxes(xs.astype(np.float64), -1, -2))
+    _close(got, want, shape_a[-1])
+    for i in range(shape_a[-2]):  # a row of a alone
+        one = np.asarray(fn(a[..., i : i + 1, :], x))
+        np.testing.assert_array_equal(got[..., i : i + 1, :], one)
+    if len(shape_a) > 2:  # a batch row alone
+        np.testing.assert_array_equal(got[:1], np.asarray(fn(a[:1], x[:1])))
+
+
+@needs_kernels
+def test_matmul_nt_kernel_is_refused_where_it_does_not_apply(rng):
+    a = jnp.zeros((2, 4, 8), jnp.float32)
+    x = jnp.zeros((2, 5, 8), jnp.float32)
+    assert kernels.matmul_nt(a, x) is not None
+    many = jnp.zeros((2, kernels.NT_MAX_ROWS + 1, 8), jnp.float32)
+    assert kernels.matmul_nt(many, x) is None  # a prompt's scores: XLA's dot
+    assert kernels.matmul_nt(a.astype(jnp.bfloat16), x.astype(jnp.bfloat16)) is None
+    assert kernels.matmul_nt(a[:1], x) is None  # batch dimensions that broadcast
+    assert kernels.matmul_nt(a, x[..., :7]) is None
+    with kernels.off():
+        assert kernels.matmul_nt(a, x) is None
+
+
+@needs_kernels
+def test_matmul_nt_kernel_under_vmap_and_grad(rng):
+    a = rng.standard_normal((3, 2, 1, 16)).astype(np.float32)
+    x = rng.standard_normal((3, 2, 9, 16)).astype(np.float32)
+    ref = functools.partial(kernels._matmul_nt_reference, scale=0.5)
+    one = lambda a, x: kernels.matmul_nt(a, x, 0.5)  # noqa: E731
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(jax.vmap(one))(a, x)), np.asarray(jax.vmap(ref)(a, x)), rtol=1e-5
+    )
+    for argnum in (0, 1):
+        grad = jax.grad(lambda *v: jnp.sum(jnp.sin(one(*v))), argnum)(a, x)
+        want = jax.grad(lambda *v: jnp.sum(jnp.sin(ref(*v))), argnum)(a, x)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- SwiGLU's gate
@@ -955,6 +1015,69 @@ def test_swiglu_gates_are_fused_where_nothing_else_reads_them(rng, tmp_path):
         for name, value in want.items():  # onnxruntime's Sigmoid is an approximation
             np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
             np.testing.assert_allclose(got[name], alone[name], rtol=2e-6, atol=1e-30)
+
+
+def _attention_products_model() -> onnx.ModelProto:
+    """Attention's products as optimum writes them: scores over K^T times a constant scale (a
+    cache's keys), both operands transposed (an encoder's), values transposed; one K^T also a
+    graph output (kept for it), a non-scalar scale (not fused), batch dimensions that broadcast
+    (the fused op's plain path)."""
+    node = helper.make_node
+    f32 = TensorProto.FLOAT
+    scale = numpy_helper.from_array(np.array(0.35, np.float32), "scale_value")
+    inputs = [
+        helper.make_tensor_value_info("q", f32, [2, 3, 4, 8]),  # [B, H, S, D]
+        helper.make_tensor_value_info("k", f32, [2, 3, 10, 8]),  # a cache [B, H, L, D]
+        helper.make_tensor_value_info("qs", f32, [2, 4, 3, 8]),  # [B, S, H, D]
+        helper.make_tensor_value_info("ks", f32, [2, 10, 3, 8]),
+        helper.make_tensor_value_info("p", f32, [2, 3, 4, 10]),
+        helper.make_tensor_value_info("w", f32, [2, 3, 8, 10]),
+        helper.make_tensor_value_info("q1", f32, [1, 3, 4, 8]),
+    ]
+    nodes = [
+        node("Constant", [], ["c"], value=scale),
+        node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        node("Mul", ["kt", "c"], ["kts"]),
+        node("MatMul", ["q", "kts"], ["scores"]),  # fused, with the scale
+        node("Transpose", ["qs"], ["qt"], perm=[0, 2, 1, 3]),
+        node("Transpose", ["ks"], ["kst"], perm=[0, 2, 3, 1]),
+        node("MatMul", ["qt", "kst"], ["both"]),  # fused, both operands
+        node("Transpose", ["ks"], ["vt"], perm=[0, 2, 1, 3]),
+        node("MatMul", ["p", "vt"], ["values"]),  # fused, the values
+        node("Transpose", ["k"], ["kt2"], perm=[0, 1, 3, 2]),
+        node("MatMul", ["q", "kt2"], ["shared"]),  # fused; kt2 is also an output
+        node("Transpose", ["k"], ["kt3"], perm=[0, 1, 3, 2]),
+        node("Mul", ["kt3", "w"], ["ktw"]),  # not a scalar: kt3 stays, the product is plain
+        node("MatMul", ["q", "ktw"], ["weighted"]),
+        node("MatMul", ["q1", "kt2"], ["broadcast"]),  # fused, computed by the plain path
+    ]
+    names = ["scores", "both", "values", "shared", "kt2", "weighted", "broadcast"]
+    outputs = [helper.make_tensor_value_info(n, f32, None) for n in names]
+    graph = helper.make_graph(nodes, "attention", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_kernels
+def test_attention_products_over_transposed_operands_are_fused(rng, tmp_path):
+    proto = _attention_products_model()
+    path = tmp_path / "attention.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _count_ops(model.graph.proto, "TransposedMatMul") == 5
+    assert _count_ops(model.graph.proto, "MatMul") == 1
+    assert _count_ops(model.graph.proto, "Transpose") == 2  # kt2 (an output), kt3
+    with kernels.off():
+        plain = tj.load(path)
+    assert _count_ops(plain.graph.proto, "TransposedMatMul") == 0
+    feeds = {i.name: rng.standard_normal(
+        [d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in proto.graph.input}  # fmt: skip
+    got, want = model(feeds), _ort(proto, feeds)
+    with kernels.off():
+        alone = plain(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[name], alone[name], rtol=1e-5, atol=1e-6)
 
 
 @needs_kernels

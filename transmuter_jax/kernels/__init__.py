@@ -2,7 +2,8 @@
 
 - :func:`matmul`: float32 ``x @ w`` with ``w`` packed once by :func:`pack` into column strips.
 - :func:`matmul_nbits`: com.microsoft MatMulNBits with 4-bit weights, read as stored.
-- :func:`attention`: a step's attention over a cache; :func:`rms_norm`; :func:`silu_mul`.
+- :func:`attention`: a step's attention over a cache; :func:`matmul_nt`: ``a @ x^T`` without
+  the transposed copy; :func:`rms_norm`; :func:`silu_mul`.
 
 The kernels run only on the CPU backend, when the library built (see :mod:`.build`); otherwise
 (and for shapes the kernels do not cover) the same functions compute with jax.numpy. Both are
@@ -261,6 +262,41 @@ def attention(
     fn = _wrapped(_attention_kernel, _attention_reference, folds=False, **static)
     ints = [jnp.asarray(a, jnp.int32).reshape(b) for a in (total, past)]
     return fn(q, k, v, ints[0], old_k, old_v, ints[1])
+
+
+# ---------------------------------------------------------------- products with x transposed
+
+# More rows of ``a`` than this: :func:`matmul_nt` leaves the product to XLA's dot (an encoder's
+# scores: the transposed copy is small beside the product).
+NT_MAX_ROWS = 16
+
+
+def _matmul_nt_reference(a: jax.Array, x: jax.Array, *, scale: float | None) -> jax.Array:
+    x = x if scale is None else x * jnp.asarray(scale, x.dtype)
+    return jnp.matmul(a, jnp.swapaxes(x, -1, -2))
+
+
+def _matmul_nt_kernel(a: jax.Array, x: jax.Array, *, scale: float | None) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*a.shape[:-1], x.shape[-2]), jnp.float32)
+    return jax.ffi.ffi_call("tj_matmul_nt_f32", out)(
+        a, x, scale=np.float32(1.0 if scale is None else scale), scaled=scale is not None
+    )
+
+
+def matmul_nt(a: jax.Array, x: jax.Array, scale: float | None = None) -> jax.Array | None:
+    """``a [..., M, K] @ (x [..., N, K] * scale)^T`` in float32 without copying ``x`` transposed
+    (attention's scores over a cache), or None where the kernel does not run it (other dtypes,
+    batch dimensions that differ, more than :data:`NT_MAX_ROWS` rows of ``a``): the caller's own
+    path then computes it. ``x * scale`` is rounded first, as a graph's Mul rounds it."""
+    lanes = build.vector_lanes()
+    if not enabled() or lanes is None or a.ndim < 2 or x.ndim != a.ndim:
+        return None
+    if jnp.dtype(a.dtype) != jnp.float32 or jnp.dtype(x.dtype) != jnp.float32:
+        return None
+    if a.shape[:-2] != x.shape[:-2] or a.shape[-1] != x.shape[-1] or a.shape[-2] > NT_MAX_ROWS:
+        return None
+    fn = _wrapped(_matmul_nt_kernel, _matmul_nt_reference, folds=False, scale=scale)
+    return fn(a, x)
 
 
 # ---------------------------------------------------------------- activation

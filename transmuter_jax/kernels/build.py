@@ -38,7 +38,15 @@ ENV = switch.KERNELS_ENV
 OFF = switch.OFF_VALUES
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # The sources (and the headers beside them):
-SOURCES = ("pool.cc", "gemm.cc", "nbits.cc", "norm.cc", "attention.cc", "activation.cc")
+SOURCES = (
+    "pool.cc",
+    "gemm.cc",
+    "nbits.cc",
+    "norm.cc",
+    "attention.cc",
+    "activation.cc",
+    "matmul_nt.cc",
+)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
 STRIP = 32  # columns per strip of a packed float32 weight, as gemm.cc's kStrip
@@ -49,6 +57,7 @@ TARGETS = {
     "tj_rms_norm": "TjRmsNorm",
     "tj_attention_f32": "TjAttentionF32",
     "tj_silu_mul_f32": "TjSiluMulF32",
+    "tj_matmul_nt_f32": "TjMatMulNtF32",
 }
 LIBRARY = "libtj_kernels.so"
 CHECKSUM = LIBRARY + ".sha256"

@@ -271,8 +271,9 @@ class Model:
         prepack.rewrite(graph, {k: v for k, v in packings.items() if k not in nbits})
         prepack.rewrite_nbits(graph, nbits)
         prepack.mark_tokens(graph)
-        if kernels.enabled() and not host:
+        if kernels.enabled() and not host:  # XLA:CPU's (see onnx.fuse)
             fuse.silu_mul(graph)
+            fuse.transposed_products(graph, fuse.scalars(graph, constants))
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]

@@ -287,6 +287,14 @@ def _follow(node, tainted, outputs, first, second, taint, plan, path, index) -> 
     if out_a is None or out_b is None or is_static(out_a):
         raise refuse
     axes = _negative_axes(out_a, out_b)
+    if op == "TransposedMatMul":  # MatMul of its operands transposed (onnx.fuse)
+        perms = {a.name: list(a.ints) for a in node.attribute}
+        moved = []
+        for j, (s, ax) in tainted:
+            rank = len(first.values[node.input[j]].shape)
+            perm = perms.get("perm_a" if j == 0 else "perm_b") or list(range(rank))
+            moved.append((j, (s, perm.index(ax + rank) - rank)))
+        tainted, op = moved, "MatMul"
     (i, (state, axis)), *rest = tainted
     if op == "MatMul":
         if states == {"rows"} and i == 1 and not rest and axis == -1 and axes == [-1]:

@@ -79,6 +79,41 @@ def SiluMul(gate, up):
     return kernels.silu_mul(gate, up)
 
 
+@op("TransposedMatMul", domain=PACKED, fold=False)
+def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
+    """MatMul(Transpose(a, perm_a), Transpose(b, perm_b) * scale) (an empty perm: as it is; no
+    scale: 1), fused at load (see onnx.fuse). A float32 product over a transposed cache of keys
+    runs kernels.matmul_nt (no transposed copy); others one dot_general of a and b as they are.
+    Operands whose batch dimensions broadcast take the plain path."""
+    rank_a, rank_b = np.ndim(a), np.ndim(b)
+    pa, pb = list(perm_a) or list(range(rank_a)), list(perm_b) or list(range(rank_b))
+    m = xp(a, b, scale)
+    shape_a = [np.shape(a)[i] for i in pa]
+    shape_b = [np.shape(b)[i] for i in pb]
+    plain = (
+        m is np
+        or rank_a != rank_b
+        or rank_a < 2
+        or shape_a[:-2] != shape_b[:-2]
+        or shape_a[-1] != shape_b[-2]
+        or a.dtype != b.dtype
+        or (scale is not None and (not is_static(scale) or np.dtype(scale.dtype) != b.dtype))
+    )
+    if plain:
+        bt = m.transpose(b, pb)
+        return _matmul(m.transpose(a, pa), bt if scale is None else bt * scale)
+    c = None if scale is None else float(np.asarray(scale).reshape(-1)[0])
+    swapped = list(range(rank_b - 2)) + [rank_b - 1, rank_b - 2]
+    if pa == list(range(rank_a)) and pb == swapped:  # a @ x^T: no copy of x
+        out = kernels.matmul_nt(a, b, c)
+        if out is not None:
+            return out
+    if c is not None:  # the graph's Mul, on b as it is (the same values)
+        b = b * np.asarray(c, b.dtype)
+    dims = (((pa[-1],), (pb[-2],)), (tuple(pa[:-2]), tuple(pb[:-2])))
+    return lax.dot_general(a, b, dims, precision=precision())
+
+
 @op("MatMulInteger", since=10)
 def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
     """(A - a_zero_point) @ (B - b_zero_point) in int32; a 1-D a_zero_point is per row of A."""
