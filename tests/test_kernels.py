@@ -394,6 +394,46 @@ def test_matmul_nt_kernel_under_vmap_and_grad(rng):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
+# ---------------------------------------------------------------- softmax
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(6, 40, 300), (3, 7, 13), (5,), (2, 1, 449), (4, 2048)])
+def test_softmax_kernel_equals_the_reference_and_each_row_alone(rng, shape):
+    """Within a few float32 ulp of float64 (masked keys and rows off the vector width too), each
+    row bit for bit its result alone, a row of -inf or with NaN all NaN as the ops give."""
+    x = (rng.standard_normal(shape) * 6).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    flat[0, : min(3, shape[-1] - 1)] = -np.inf  # masked keys
+    fn = jax.jit(kernels.softmax)
+    got = np.asarray(fn(x))
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(-1, keepdims=True))
+    np.testing.assert_allclose(got, e / e.sum(-1, keepdims=True), rtol=4e-6, atol=1e-30)
+    rows = got.reshape(-1, shape[-1])
+    for i in range(min(len(flat), 12)):
+        np.testing.assert_array_equal(rows[i], np.asarray(fn(flat[i]))[...])
+    special = np.array([[np.nan, 1, 2], [-np.inf] * 3, [3, 1, 2]], np.float32)
+    np.testing.assert_array_equal(
+        np.isnan(np.asarray(fn(special))), np.isnan(np.asarray(kernels._softmax_reference(special)))
+    )
+
+
+@needs_kernels
+def test_softmax_kernel_runs_the_ops_softmax_and_is_refused_elsewhere(rng):
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    assert kernels.softmax(x.astype(np.float16)) is None
+    with kernels.off():
+        assert kernels.softmax(x) is None
+    check_op("Softmax", {"x": x}, axis=-1)  # against onnxruntime, through the kernel
+    check_op("Softmax", {"x": x}, axis=1)  # another axis: jax.numpy
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(kernels.softmax(x))))(x)
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(kernels._softmax_reference(x))))(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-5, atol=1e-6)
+    batched = jax.vmap(kernels.softmax)(x)
+    np.testing.assert_array_equal(np.asarray(batched), np.asarray(kernels.softmax(x)))
+
+
 # ---------------------------------------------------------------- SwiGLU's gate
 
 

@@ -3,7 +3,7 @@
 - :func:`matmul`: float32 ``x @ w`` with ``w`` packed once by :func:`pack` into column strips.
 - :func:`matmul_nbits`: com.microsoft MatMulNBits with 4-bit weights, read as stored.
 - :func:`attention`: a step's attention over a cache; :func:`matmul_nt`: ``a @ x^T`` without
-  the transposed copy; :func:`rms_norm`; :func:`silu_mul`.
+  the transposed copy; :func:`softmax`; :func:`rms_norm`; :func:`silu_mul`.
 
 The kernels run only on the CPU backend, when the library built (see :mod:`.build`); otherwise
 (and for shapes the kernels do not cover) the same functions compute with jax.numpy. Both are
@@ -297,6 +297,29 @@ def matmul_nt(a: jax.Array, x: jax.Array, scale: float | None = None) -> jax.Arr
         return None
     fn = _wrapped(_matmul_nt_kernel, _matmul_nt_reference, folds=False, scale=scale)
     return fn(a, x)
+
+
+# ---------------------------------------------------------------- softmax
+
+
+def _softmax_reference(x: jax.Array) -> jax.Array:
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _softmax_kernel(x: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call("tj_softmax_f32", jax.ShapeDtypeStruct(x.shape, jnp.float32))(x)
+
+
+def softmax(x: jax.Array) -> jax.Array | None:
+    """Softmax over the last axis of a float32 ``x``, vectorized and on the pool (attention's
+    weights: XLA runs its passes on one thread), or None where the kernel does not run it (the
+    caller's own path then computes it). Every row takes the same steps at any size."""
+    if not enabled() or build.vector_lanes() is None or jnp.ndim(x) < 1:
+        return None
+    if jnp.dtype(x.dtype) != jnp.float32 or x.shape[-1] == 0:
+        return None
+    return _wrapped(_softmax_kernel, _softmax_reference)(x)
 
 
 # ---------------------------------------------------------------- activation

@@ -46,6 +46,7 @@ SOURCES = (
     "attention.cc",
     "activation.cc",
     "matmul_nt.cc",
+    "softmax.cc",
 )
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
@@ -58,6 +59,7 @@ TARGETS = {
     "tj_attention_f32": "TjAttentionF32",
     "tj_silu_mul_f32": "TjSiluMulF32",
     "tj_matmul_nt_f32": "TjMatMulNtF32",
+    "tj_softmax_f32": "TjSoftmaxF32",
 }
 LIBRARY = "libtj_kernels.so"
 CHECKSUM = LIBRARY + ".sha256"

@@ -48,13 +48,18 @@ def compiled(
 ) -> gen.Engine:
     """An engine compiled for ``batch`` rows with ``options`` and a task's own ``processors``
     (after the others); engines of one decoder share their programs through the program cache.
-    ``assistant``: a draft model's (folder, decoder, embed) for speculative decoding."""
+    ``assistant``: a draft model's (folder, decoder, embed) for speculative decoding.
+
+    A decoder fed ``given`` inputs (an encoder's states) runs generate()'s own rows, whose padded
+    grow cache then grows 64 rows at a time (``grow_cache="buckets"``): such tasks allow the
+    model's whole length (Whisper: 448 tokens) where outputs end far sooner, and every step
+    of a cache sized for the whole length reads and moves all its rows."""
     helper = None
     if assistant is not None:
         helper = gen.context(assistant[0], assistant[1], embed=assistant[2])
     spec = gen.context(folder, model, given=tuple(given), embed=embed, tokenizer=tokenizer,
                        processors=processors, assistant=helper, **options)  # fmt: skip
-    return gen.compile(spec, batch, mesh=mesh)
+    return gen.compile(spec, batch, mesh=mesh, grow_cache="buckets" if given else "padded")
 
 
 def check_assistant(
