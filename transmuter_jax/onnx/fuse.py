@@ -59,12 +59,17 @@ def silu_mul(graph: GraphProto) -> int:
         fused[id(node)] = helper.make_node(
             "SiluMul", [gate, up], list(node.output), name=node.name, domain=DOMAIN
         )
-    if not fused:
-        return count
-    nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in removed]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    _replace(graph, fused, removed)
     return count + len(fused)
+
+
+def _replace(graph: GraphProto, fused: dict[int, NodeProto], removed: set[int]) -> None:
+    """``graph``'s nodes with each of ``fused`` (by the id of the node it replaces) in place of
+    that node, and those of ``removed`` gone."""
+    if fused:
+        nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(nodes)
 
 
 def _plain(node: NodeProto, op_type: str, inputs: int) -> bool:
@@ -126,11 +131,7 @@ def transposed_products(graph: GraphProto, scalar: Callable[[str], bool]) -> int
             domain=DOMAIN,
             **perm,
         )
-    if not fused:
-        return count
-    nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in removed]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    _replace(graph, fused, removed)
     return count + len(fused)
 
 

@@ -29,6 +29,7 @@ namespace tj {
 constexpr int64_t kQueryBlock = 16;  // query rows of a chunk
 constexpr int kQ = 4;                // query rows against one pass over the keys
 constexpr int kKeyVecs = 2;          // vectors of keys per pass (kQ * kKeyVecs accumulators)
+constexpr int64_t kPanelKeys = kKeyVecs * kGemmLanes;  // keys of a transposed panel
 
 struct AttentionJob {
   const float* q;
@@ -60,7 +61,7 @@ static void gather_chunk(void* ctx, int64_t chunk) {
   const int64_t b = chunk / job.kv_heads, h = job.size;
   int64_t past, total;
   row_keys(job, b, &past, &total);
-  const int64_t width = kKeyVecs * kGemmLanes;
+  const int64_t width = kPanelKeys;
   const int64_t end = std::min(job.ldk, (total + width - 1) / width * width);
   float* kt = job.kt + chunk * h * job.ldk;
   const float* kb = job.k + chunk * job.steps * h;  // the step's rows
@@ -99,7 +100,7 @@ static inline void key_range(const AttentionJob& job, int64_t total, int64_t at,
 template <int R>
 static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t h, int64_t j0,
                         int64_t j1, float scale, float* scores, int64_t lds) {
-  constexpr int64_t kWidth = kKeyVecs * kGemmLanes;
+  constexpr int64_t kWidth = kPanelKeys;
   for (int64_t j = j0; j < j1; j += kWidth) {
     gv acc[R][kKeyVecs] = {};
     const float* panel = kt + (j / kWidth) * h * kWidth;
@@ -190,7 +191,7 @@ static void attention_chunk(void* ctx, int64_t chunk) {
   int64_t past, total;
   row_keys(job, b, &past, &total);
   const int64_t r0 = block * kQueryBlock, r1 = std::min(s, r0 + kQueryBlock);
-  const int64_t width = kKeyVecs * kGemmLanes, ldk = job.ldk;
+  const int64_t width = kPanelKeys, ldk = job.ldk;
   thread_local std::vector<float> scores;
   scores.resize(static_cast<size_t>(kQ * ldk));
   const float* kt = job.kt + (b * job.kv_heads + g) * h * ldk;
@@ -267,7 +268,7 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
     row_keys(job, i, &rows, &keys);
     most = std::max(most, keys);
   }
-  const int64_t width = kKeyVecs * kGemmLanes;
+  const int64_t width = kPanelKeys;
   job.ldk = std::max<int64_t>(width, (most + width - 1) / width * width);
   // This thread's calls' buffers, kept between calls, given back when four times too large.
   thread_local std::vector<float> kt, vs;

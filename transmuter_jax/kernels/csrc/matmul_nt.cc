@@ -31,15 +31,6 @@ struct NtJob {
   bool scaled;
 };
 
-static inline float lanes_sum(gv v) {
-  float lanes[kGemmLanes];
-  std::memcpy(lanes, &v, sizeof(lanes));
-  for (int width = kGemmLanes / 2; width > 0; width /= 2) {  // pairwise, in a fixed order
-    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-  }
-  return lanes[0];
-}
-
 // Keys [n0, n0 + count) of batch row b against row r of a; `tail` the last K % lanes values of
 // a's row, zero-padded.
 template <int C>
@@ -66,7 +57,7 @@ static void keys_pass(const NtJob& job, const float* arow, const float* tail, co
       acc[c] += av * xv;
     }
   }
-  for (int c = 0; c < C; ++c) out[c] = lanes_sum(acc[c]);
+  for (int c = 0; c < C; ++c) out[c] = glanes_sum(acc[c]);
 }
 
 static void nt_chunk(void* ctx, int64_t chunk) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace tj {
 
@@ -22,6 +23,16 @@ inline gv gload(const float* p) { return *reinterpret_cast<const gvu*>(p); }
 inline void gstore(float* p, gv v) { *reinterpret_cast<gvu*>(p) = v; }
 inline gv gsplat(float s) { return s - gv{}; }  // x - 0 is x (x + 0 is not, for -0): a bare broadcast
 constexpr int kGemmLanes = kVectorBytes / 4;  // floats per vector
+
+// The sum of the lanes of v, pairwise in a fixed order (half the lanes onto the others, again).
+inline float glanes_sum(gv v) {
+  float lanes[kGemmLanes];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  for (int width = kGemmLanes / 2; width > 0; width /= 2) {
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  }
+  return lanes[0];
+}
 
 // exp(x) for lanes x <= 0 (a softmax's shifted scores, a sigmoid's -|x|): Cody-Waite reduction
 // by ln 2 and Cephes' degree-6 polynomial (within 2 ulp of exp); 0 below -87.3, where exp is

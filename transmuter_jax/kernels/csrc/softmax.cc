@@ -31,15 +31,6 @@ static inline float lanes_max(gv v) {
   return m;
 }
 
-static inline float lanes_add(gv v) {
-  float lanes[kGemmLanes];
-  std::memcpy(lanes, &v, sizeof(lanes));
-  for (int width = kGemmLanes / 2; width > 0; width /= 2) {  // pairwise, in a fixed order
-    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-  }
-  return lanes[0];
-}
-
 static void softmax_row(const float* x, float* y, int64_t k) {
   const int64_t whole = k / kGemmLanes * kGemmLanes;
   constexpr float kLow = -std::numeric_limits<float>::infinity();
@@ -61,7 +52,7 @@ static void softmax_row(const float* x, float* y, int64_t k) {
   }
   const gv e_tail = gexp(gload(tail) - shift);
   if (whole < k) sum += e_tail;
-  const gv total = gsplat(lanes_add(sum));
+  const gv total = gsplat(glanes_sum(sum));
   for (int64_t i = 0; i < whole; i += kGemmLanes) gstore(y + i, gload(y + i) / total);
   if (whole < k) {
     float out[kGemmLanes];
