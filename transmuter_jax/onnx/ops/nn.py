@@ -97,7 +97,15 @@ def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
         or shape_a[:-2] != shape_b[:-2]
         or shape_a[-1] != shape_b[-2]
         or a.dtype != b.dtype
-        or (scale is not None and (not is_static(scale) or np.dtype(scale.dtype) != b.dtype))
+        or (
+            scale is not None
+            and (
+                not is_static(scale)
+                or np.dtype(scale.dtype) != b.dtype
+                or np.size(scale) != 1
+                or np.ndim(scale) > rank_b  # a Mul that adds axes
+            )
+        )
     )
     if plain:
         bt = m.transpose(b, pb)
