@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import transmuter_jax as tj
-from transmuter_jax.onnx import registry
+from transmuter_jax import kernels
+from transmuter_jax.onnx import prepack, registry
 from transmuter_jax.testing import compare_with_onnxruntime, example_inputs, first_divergence
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -50,13 +51,27 @@ def test_first_divergence_is_none_when_all_nodes_agree():
 
 
 def test_first_divergence_names_the_wrong_node(monkeypatch):
-    # Break Sigmoid (used by the SiLU of the MLP): the first divergence is a Sigmoid node.
+    # Break Sigmoid (used by the SiLU of the MLP): the first divergence is a Sigmoid node. The
+    # graph as written: with the kernels on, the gate's Sigmoid is fused into SiluMul at load.
     key = ("", "Sigmoid")
     broken = [dataclasses.replace(s, fn=lambda x: x * 0.5) for s in registry._REGISTRY[key]]
     monkeypatch.setitem(registry._REGISTRY, key, broken)
+    with kernels.off():
+        model = tj.load(LLAMA)
+        label, name, diff = first_divergence(model, example_inputs(model, batch=1, length=3))
+    assert "(Sigmoid)" in label and diff > 1e-4
+
+
+def test_first_divergence_names_a_fused_node(monkeypatch):
+    # With the kernels, the gate is one SiluMul node: broken, it is the first divergence.
+    if not kernels.enabled():
+        pytest.skip("the gate is fused only with the CPU kernels")
+    key = (prepack.DOMAIN, "SiluMul")
+    broken = [dataclasses.replace(s, fn=lambda g, u: g * u) for s in registry._REGISTRY[key]]
+    monkeypatch.setitem(registry._REGISTRY, key, broken)
     model = tj.load(LLAMA)
     label, name, diff = first_divergence(model, example_inputs(model, batch=1, length=3))
-    assert "(Sigmoid)" in label and diff > 1e-4
+    assert label.endswith("::SiluMul)") and diff > 1e-4
 
 
 def test_example_inputs_of_a_vision_encoder_of_images_and_masks():
