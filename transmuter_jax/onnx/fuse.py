@@ -23,6 +23,7 @@ from collections.abc import Callable
 from onnx import GraphProto, NodeProto, helper
 
 from .prepack import DOMAIN
+from .registry import DEFAULT_DOMAINS
 from .trace import outer_names, subgraphs
 
 
@@ -77,7 +78,7 @@ def _plain(node: NodeProto, op_type: str, inputs: int) -> bool:
     attributes (a legacy Mul's broadcast attributes are not fused)."""
     return (
         node.op_type == op_type
-        and node.domain in ("", "ai.onnx")
+        and node.domain in DEFAULT_DOMAINS
         and len(node.input) == inputs
         and all(node.input)
         and not node.attribute
@@ -154,7 +155,7 @@ def _transposed(name: str, producer, reads, scalar) -> tuple | None:
             return None
         if not nodes:  # the Mul stays for its other readers, and with it the Transpose
             return None
-    if source.op_type != "Transpose" or source.domain not in ("", "ai.onnx"):
+    if source.op_type != "Transpose" or source.domain not in DEFAULT_DOMAINS:
         return None
     perm = [list(a.ints) for a in source.attribute if a.name == "perm"]
     if not perm or len(source.input) != 1:
@@ -171,7 +172,7 @@ def scalars(graph: GraphProto, constants: dict) -> Callable[[str], bool]:
 
     def visit(g: GraphProto) -> None:
         for node in g.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and _one(node):
+            if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS and _one(node):
                 found.add(node.output[0])
             for sub in subgraphs(node):
                 visit(sub)
