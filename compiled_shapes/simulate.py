@@ -130,9 +130,9 @@ def step_tokens(prompt_policy: str, remaining: int) -> int:
 
 
 def padding_allowed(mode: str, cache_policy: str) -> bool:
-    """Whether a step may feed padding tokens after a row's prompt (not in grow: every token
-    fed is cached and attended)."""
-    return mode != "grow"
+    """Whether a step may feed padding tokens after a row's prompt (not in grow at exact
+    lengths: every token fed is cached and attended; a padded grow cache drops each row's)."""
+    return mode != "grow" or cache_policy != "exact"
 
 
 def cache_rows(mode: str, cache_policy: str, longest: int, first: int, prompt: int = 0) -> int:
@@ -200,6 +200,9 @@ def run_batch(mode: str, policy: Policy, batch: int, requests: Sequence[Request]
     """Replays one call of generate with ``requests`` (at most ``batch``) into ``trace``."""
     if len(requests) > batch:
         raise ValueError(f"{len(requests)} requests for batch {batch}")
+    if mode == "grow" and policy.cache != "exact":
+        _run_grow_shared(policy, batch, list(requests), trace)
+        return
     if mode == "grow":
         groups: dict[int, list[Request]] = {}
         for r in requests:
@@ -270,8 +273,45 @@ def _run_shared(mode: str, policy: Policy, batch: int, requests: list[Request], 
             selections[i] += 1
 
 
+def _run_grow_shared(policy: Policy, batch: int, requests: list[Request], trace: Trace):
+    """grow on a padded cache: every row in one cache whose valid rows come last (a step's
+    padding after a row's tokens is dropped); rows feed their prompts together."""
+    n = len(requests)
+    fed, selections, valid = [0] * n, [0] * n, [0] * n
+    capacity = cache_rows("grow", policy.cache, max(r.prompt + r.max_new for r in requests), 0)
+    buckets = policy.cache == "bucket64"
+    rows = 0  # the cache's rows before the step: none before the first
+    while any(s < r.steps for s, r in zip(selections, requests, strict=True)):
+        remaining = [
+            r.prompt - f if s < r.steps else 0
+            for f, s, r in zip(fed, selections, requests, strict=True)
+        ]
+        size = step_tokens(policy.prompt, max(remaining)) if max(remaining) > 0 else 1
+        if not padding_allowed("grow", policy.cache):
+            size = min(size, chunk(max(remaining))) if max(remaining) > 0 else 1
+        after = round_up(max(valid) + size, 64) if buckets else capacity
+        trace.shapes.add((batch, size, rows, rows > 0, after))
+        trace.steps += 1
+        trace.tokens += batch * size
+        trace.attended += batch * size * (rows + size)
+        if size == 1:
+            trace.decode_rows += batch * rows
+        for i, r in enumerate(requests):
+            if selections[i] >= r.steps:
+                continue
+            trace.real_attended += size * (valid[i] + size)
+            real = min(size, remaining[i]) if remaining[i] > 0 else 1
+            valid[i] += real
+            if remaining[i] > 0:
+                fed[i] += real
+                if fed[i] < r.prompt:
+                    continue
+            selections[i] += 1
+        rows = after
+
+
 def _run_grow_group(policy: Policy, batch: int, group: list[Request], trace: Trace):
-    """grow: rows of one prompt length share a cache of their exact (or padded) length."""
+    """grow at exact lengths: rows of one prompt length share a cache of their exact length."""
     prompt = group[0].prompt
     longest = max(r.prompt + r.max_new for r in group)
     capacity = cache_rows("grow", policy.cache, longest, 0)

@@ -98,6 +98,10 @@ def test_grow_padded_compiles_one_decode_shape_per_capacity():
     assert long == {(1, 4, 0, False, 448), (1, 1, 448, True, 448)}
     assert len(_shapes("grow", "pow2", "exact", [R(4, 444, 444)])) == 444
     assert {s[4] for s in _shapes("grow", "pow2", "paddedpow2", [R(4, 300, 9)])} == {512}
+    # prompts of 45 and 9 tokens in one step of 48 (each row drops its own padding), then decode
+    together = _shapes("grow", "buckets", "padded64", [R(45, 4, 4), R(9, 4, 4)], batch=2)
+    assert together == {(2, 48, 0, False, 64), (2, 1, 64, True, 64)}
+    assert len(_shapes("grow", "pow2", "exact", [R(45, 4, 4), R(9, 4, 4)], batch=2)) > 2
 
 
 def test_grow_buckets_compile_two_decode_shapes_per_bucket():
@@ -166,8 +170,8 @@ def test_bad_arguments_are_refused(bad, message):
 @pytest.mark.parametrize(("name", "padded"), [("llama-optimum", False), ("whisper-optimum", True)])
 def test_the_simulation_matches_the_generation_loop(name, padded, prefill, tmp_path):
     """The batch case of a fixture (prompts of 5, 1, 40 and 9 tokens) in one batch: the shapes
-    the loop compiled are those the simulation predicts from the tokens each row got (a grow
-    cache runs its prompts in powers of two under both rules)."""
+    the loop compiled are those the simulation predicts from the tokens each row got (a padded
+    grow cache too: its rows share it, each dropping its own padding)."""
     from generation_cases import case, context, encoder_inputs
 
     from transmuter_jax import generation
@@ -185,7 +189,6 @@ def test_the_simulation_matches_the_generation_loop(name, padded, prefill, tmp_p
         for p, t, eos in zip(prompts, the_case["tokens"], the_case["stopped_at_eos"], strict=True)
     ]
     cache = "padded64" if padded else "percall"  # generate() on the slots
-    rule = "pow2" if padded or prefill == "pow2" else "buckets"
-    predicted = _shapes(ctx.mode, rule, cache, requests, batch=len(prompts))
+    predicted = _shapes(ctx.mode, prefill, cache, requests, batch=len(prompts))
     assert {s[1:] for s in predicted} == ctx.compiled.steps.shapes
     assert ctx.compiled.padded == padded

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper, save
 
 import transmuter_jax as tj
 from transmuter_jax import generation, hub
+from transmuter_jax.generation import Request
 from transmuter_jax.generation import cache as cache_modes
 from transmuter_jax.generation.steps import pad_grow, probe_inputs
 from transmuter_jax.onnx import rewrite
@@ -104,15 +105,22 @@ def test_padded_graph_equals_the_graph_at_exact_length(name, valid, rows, step):
 
 
 @pytest.mark.parametrize("name", sorted(GROW))
-@pytest.mark.parametrize(("case_name", "shapes"), [("greedy", 2), ("batch", 6)])
-def test_grow_fixtures_keep_the_tokens_with_few_shapes(name, case_name, shapes, workdir):
-    """greedy: the prompt (8 tokens) in one step, then one decode shape. batch (prompts of 5, 1,
-    40 and 9 tokens, each its own group): the first chunks 4, 1, 32 and 8 on an empty cache, then
-    8 and 1 tokens on the 64-row cache. Exact lengths compile 8 to 43 shapes here."""
+@pytest.mark.parametrize(
+    ("case_name", "rule", "shapes"),
+    [("greedy", "buckets", 2), ("batch", "buckets", 2), ("batch", "pow2", 3)],
+)
+def test_grow_fixtures_keep_the_tokens_with_few_shapes(name, case_name, rule, shapes, workdir):
+    """greedy: the prompt (8 tokens) in one step of 16, then one decode shape. batch (prompts of
+    5, 1, 40 and 9 tokens, in one cache: each row's padding is its own): "buckets" runs them in
+    one step of 48 on an empty cache; "pow2" in steps of 32 and 8 (the shorter rows take their
+    first tokens in the second); then one decode shape. Exact lengths compile 8 to 43 shapes."""
     the_case = case(name, case_name)
     prompts = the_case["prompts"]
     given, inputs = encoder_inputs(name, the_case, list(range(len(prompts))))
-    ctx = context(name, workdir, given=given, max_new_tokens=the_case["options"]["max_new_tokens"])
+    options = the_case["options"]
+    ctx = context(
+        name, workdir, given=given, max_new_tokens=options["max_new_tokens"], prefill=rule
+    )
     ctx = generation.compile(ctx, len(prompts))
     assert ctx.compiled.padded, ctx.compiled.unpadded
     out = generation.generate(ctx, prompts, list(range(len(prompts))), inputs)
@@ -233,7 +241,10 @@ def _toy(folder, variant: str) -> tj.Model:
 )
 def test_toy_graphs_are_rewritten_or_refused(variant, reason, tmp_path):
     model = _toy(tmp_path, variant)
-    ctx = generation.compile(generation.context(tmp_path, model, max_new_tokens=5), 2)
+    # the toy attends without a causal mask: a prompt step padded to a bucket would show its
+    # padding to the real tokens, so its prompts run in powers of two (no padding)
+    spec = generation.context(tmp_path, model, max_new_tokens=5, prefill="pow2")
+    ctx = generation.compile(spec, 2)
     assert ctx.mode == "grow"
     padding, why = pad_grow(ctx)
     if reason is not None:
@@ -247,11 +258,13 @@ def test_toy_graphs_are_rewritten_or_refused(variant, reason, tmp_path):
         assert padding.per_row == (variant != "heads_first")
         refusal = "padded by one number of padding rows for the whole batch"
         assert (refusal in ctx.cache_mode.slot_refusal()) == (variant == "heads_first")
+        if variant == "heads_first":  # rows of other lengths cannot share a step either
+            with pytest.raises(ValueError, match="rows share one padding: a prefill step runs"):
+                ctx.begin_prefill([Request((1, 2), max_new_tokens=1)] * 2)
         diff = _compare(model, ctx.cache, padding, 3, 16, 2)
         assert diff["logits"] < 1e-5 and diff["present"] < 1e-5, diff
     prompts = [[1, 2, 3], [4, 5, 6]]
-    exact = generation.context(tmp_path, model, max_new_tokens=5)
-    exact = generation.compile(exact, 2, grow_cache="exact")
+    exact = generation.compile(spec, 2, grow_cache="exact")
     want = generation.generate(exact, prompts, [0, 1])
     assert generation.generate(ctx, prompts, [0, 1]) == want  # padded or not, same tokens
     # Exact: steps of 2 and 1 prompt tokens, then 4 decode steps, each its own cache length.
@@ -264,8 +277,8 @@ def test_a_bucketed_cache_grows_64_rows_at_a_time(tmp_path):
     model = _toy(tmp_path, "positions")
     prompts = [[1, 2, 3]]
     out = {}
-    for policy in ("padded", "buckets"):
-        ctx = generation.context(tmp_path, model, max_new_tokens=70)
+    for policy in ("padded", "buckets"):  # the toy is not causal: prompts in powers of two
+        ctx = generation.context(tmp_path, model, max_new_tokens=70, prefill="pow2")
         ctx = generation.compile(ctx, 1, grow_cache=policy)
         assert ctx.compiled.grow_cache == policy
         out[policy] = generation.generate(ctx, prompts, [0])
@@ -285,3 +298,35 @@ def test_a_bucketed_cache_grows_64_rows_at_a_time(tmp_path):
 def test_an_unknown_grow_cache_is_refused(workdir):
     with pytest.raises(ValueError, match="grow_cache must be one of"):
         generation.compile(context("whisper-optimum", workdir), 1, grow_cache="fixed")
+
+
+def test_each_row_keeps_the_rows_that_end_at_its_last_real_token():
+    """cache.ending_rows: a padded grow step's present (past rows, then the step's, each row's
+    real tokens first) cut to each row's rows ending at its last real one, zeros before."""
+    rng = np.random.default_rng(0)
+    past, step, rows = 5, 4, 7  # row 0 keeps its last 7 rows of 9; the others fit whole
+    present = rng.standard_normal((3, 2, past + step, 3)).astype(np.float32)
+    real = np.array([4, 1, 0], np.int32)
+    got = np.asarray(cache_modes.ending_rows(present, rows, step, real))
+    for b in range(3):
+        end = past + real[b]  # rows of ``present`` up to this one are kept
+        kept = present[b, :, max(end - rows, 0) : end]
+        want = np.concatenate([np.zeros((2, rows - kept.shape[1], 3), np.float32), kept], 1)
+        np.testing.assert_array_equal(got[b], want)
+
+
+def test_a_graph_that_scales_whole_tensors_runs_prompts_at_their_own_length():
+    """DynamicQuantizeLinear scales by the whole tensor: padding a prompt step would change the
+    real tokens' values, so such a graph's default prefill rule is "exact" (others "buckets")."""
+    community = FIXTURES / "whisper-speech-community"
+    quantized = tj.load(community / "onnx" / "decoder_model_merged_quantized.onnx")
+    assert any(op == "DynamicQuantizeLinear" for _, op in quantized.all_op_types)
+    plain = tj.load(community / "onnx" / "decoder_model_merged.onnx")
+    given = ("encoder_hidden_states",)
+    assert generation.context(community, quantized, given=given).prefill == "exact"
+    assert generation.context(community, plain, given=given).prefill == "buckets"
+    assert generation.context(community, quantized, given=given, prefill="pow2").prefill == "pow2"
+    mode = cache_modes.GrowPadded()
+    assert [mode.prompt_step(n, "exact") for n in (3, 37, 600)] == [3, 37, 512]
+    assert [mode.prompt_step(n, "buckets") for n in (3, 37, 600)] == [16, 48, 512]
+    assert [cache_modes.GrowExact().prompt_step(n, "buckets") for n in (3, 37)] == [2, 32]

@@ -69,8 +69,8 @@ def test_prompts_prefilled_together_equal_their_own_prefills_and_transformers(na
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
-# a grow cache feeds a prompt in powers of two (no padding is cached): 150 = 64+64+16+4+2
-@pytest.mark.parametrize(("name", "steps"), [("llama-optimum", 3), ("gemma3-optimum", 5)])
+# 150 tokens = 64 + 64 + 22 (padded to 32; a grow cache drops the padding after each row)
+@pytest.mark.parametrize(("name", "steps"), [("llama-optimum", 3), ("gemma3-optimum", 3)])
 def test_a_long_prompt_in_chunks_between_decode_chunks_gives_its_own_prefills_tokens(
     name, steps, workdir
 ):
@@ -114,6 +114,3 @@ def test_bad_requests_are_refused_by_index(workdir):
     pending = eng.begin_prefill([good])
     with pytest.raises(ValueError, match="not all fed"):
         eng.end_prefill(pending)
-    grow = _engine("gemma3-optimum", workdir)
-    with pytest.raises(ValueError, match="grow cache, whose valid rows come last: a prefill step"):
-        grow.begin_prefill([good, good])

@@ -2,14 +2,23 @@
 generate.
 
 A step takes new tokens and the cache and gives the logits of each row's last token and the next
-cache; a prompt runs in one step padded to a multiple of 64 (or in power-of-two parts with
-``prefill="pow2"``), new tokens in chunks of ``decode_steps`` on the device (or one at a time).
+cache; a prompt runs in one step padded to a bucket (or in power-of-two parts with
+``prefill="pow2"``, or at its own length with ``prefill="exact"``), new tokens in chunks of
+``decode_steps`` on the device (or one at a time).
 See docs/generation.md and docs/engine.md.
 """
 
 from ..parallel import sharding  # documented here before it moved to transmuter_jax.parallel
 from .cache import CacheEntry, CacheLayout, Mode
-from .context import PREFILLS, Context, cache_mode, context, max_new_tokens, outputs
+from .context import (
+    PREFILLS,
+    WHOLE_TENSOR_OPS,
+    Context,
+    cache_mode,
+    context,
+    max_new_tokens,
+    outputs,
+)
 from .engine import Compiled, Engine
 from .errors import GenerationError
 from .loop import compile, generate, new_tokens, on_device, return_seed
@@ -32,6 +41,7 @@ __all__ = [
     "SlotState",
     "Token",
     "Spec",
+    "WHOLE_TENSOR_OPS",
     "DecodeState",
     "GenerationError",
     "Mode",

@@ -7,7 +7,8 @@
 - grow: the cache has its exact length (shared by all rows); the present is the next cache.
   Padded (when the decoder could be rewritten, see :mod:`transmuter_jax.onnx.rewrite`), it has a
   fixed number of rows whose valid ones come last: the present is the cache plus the new rows,
-  and its last rows are the next cache; with buckets it grows 64 rows at a time.
+  and the rows that end at each row's last real token are the next cache (a prompt step's
+  padding after them is dropped); with buckets it grows 64 rows at a time.
 
 Each mode is one :class:`Mode` object, chosen once by ``compile``.
 
@@ -161,6 +162,7 @@ def write(
     outputs: dict[str, jax.Array],
     lengths: jax.Array | None = None,
     padded_rows: int | None = None,
+    real: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The cache after a step (traced in the step), from the graph's presents.
 
@@ -169,12 +171,17 @@ def write(
             the present's new rows are written into the buffer there.
         padded_rows: a padded grow cache's rows: the last ``padded_rows`` of the present, after
             zero rows when the present is shorter.
+        real: with ``padded_rows``, [B] int32 the real tokens of each row's step (its padding
+            follows them): each row keeps the ``padded_rows`` rows that end at its last real one.
     """
     new = {}
     for entry in layout.entries:
         present = outputs[entry.output]
         if entry.cross:  # a cross-attention present is empty on the steps that reuse the cache
             new[entry.input] = cache[entry.input] if present.size == 0 else present
+        elif padded_rows is not None and real is not None:
+            step = present.shape[SEQ] - cache[entry.input].shape[SEQ]
+            new[entry.input] = ending_rows(present, padded_rows, step, real)
         elif padded_rows is not None:
             new[entry.input] = with_rows(present, padded_rows, last=True)
         elif lengths is not None:
@@ -199,6 +206,19 @@ def with_rows(a: Any, rows: int, last: bool = False) -> Any:
     return jnp.pad(a, widths)
 
 
+def ending_rows(a: Any, rows: int, step: int, real: Any) -> Any:
+    """Traced: ``a`` [B, heads, R, head_size] whose last ``step`` rows are a step's, each row's
+    ``real`` [B] real ones first: for each row, the ``rows`` rows that end at its last real one
+    (after zeros where ``a`` has fewer before it)."""
+    have = a.shape[SEQ]
+    widths = [(0, 0)] * a.ndim
+    widths[SEQ] = (rows, 0)
+    padded = jnp.pad(a, widths)  # row i of ``a`` is row rows + i
+    starts = (have - step + real).astype(jnp.int32)  # the slice's last: the last real row
+    take = lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, rows, axis=SEQ - 1)  # noqa: E731
+    return jax.vmap(take)(padded, starts)
+
+
 def prompt_bucket(tokens: int) -> int:
     """The padded length of a prompt step of ``tokens`` tokens: a multiple of 16 up to 64 (short
     chat prompts pay little padding), then a multiple of 64."""
@@ -219,12 +239,15 @@ class Mode:
         shared: rows with prompts of different lengths can share one cache (not in grow).
         padded: a grow cache of fixed rows whose valid rows come last.
         on_device: decode chunks can run on the device (the cache keeps its shape each step).
+        rows_first: a row's valid rows come first, where its prompt's steps wrote them (so the
+            rows of a prompt's first tokens can be stored and put back: a prefix cache).
     """
 
     name = ""
     shared = True
     padded = False
     on_device = True
+    rows_first = True
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other)
@@ -245,9 +268,11 @@ class Mode:
         """Tokens of the next prompt step of rows with at most ``remaining`` prompt tokens left:
         "buckets": all of them padded to a bucket (:func:`prompt_bucket`; at most
         :data:`PREFILL_CAP`, longer prompts in chunks of it); "pow2": the largest power of two at
-        most ``remaining``."""
+        most ``remaining``; "exact": all of them (at most :data:`PREFILL_CAP`)."""
         if rule == "pow2":
             return chunk(remaining)
+        if rule == "exact":
+            return min(max(remaining, 1), PREFILL_CAP)
         return min(prompt_bucket(remaining), PREFILL_CAP)
 
     def groups(self, lengths: dict[int, int]) -> list[list[int]]:
@@ -317,9 +342,15 @@ class Mode:
         valid cached tokens in a cache of ``rows`` rows (``xp``: numpy, or jax.numpy traced)."""
         raise NotImplementedError
 
-    def write(self, layout, cache, outputs, lengths, rows_after):
-        """The next cache, traced in the step (see :func:`write`)."""
+    def write(self, layout, cache, outputs, lengths, rows_after, real=None):
+        """The next cache, traced in the step (see :func:`write`); ``real``: [B] each row's
+        real tokens of the step, where :meth:`real_input` gives them."""
         return write(layout, cache, outputs)
+
+    def real_input(self, real: np.ndarray, step: int) -> np.ndarray | None:
+        """What a step of ``step`` tokens, ``real`` [B] of them each row's, hands the cache's
+        write (:meth:`write`): None where it needs nothing (the step's padding is hidden)."""
+        return None
 
     def advance(self, lengths: Any, real: Any, step: int) -> Any:
         """Valid cached tokens after a step of ``step`` tokens, ``real`` [B] of them each row's."""
@@ -363,7 +394,7 @@ class Append(Mode):
         new = xp.ones((lengths.shape[0], step), bool)
         return xp.concatenate([past, new], axis=1).astype(xp.int32)  # [B, C + S]
 
-    def write(self, layout, cache, outputs, lengths, rows_after):
+    def write(self, layout, cache, outputs, lengths, rows_after, real=None):
         return write(layout, cache, outputs, lengths)
 
 
@@ -374,6 +405,7 @@ class GrowExact(Mode):
     name = "grow"
     shared = False
     on_device = False
+    rows_first = False
 
     def compiled(self, grow_cache, pad):
         if grow_cache not in GROW_CACHES:
@@ -387,6 +419,8 @@ class GrowExact(Mode):
         return kind("" if padding.per_row else padding.shared), padding, grow_cache, ""
 
     def prompt_step(self, remaining, rule):
+        if rule == "exact":
+            return Mode.prompt_step(self, remaining, rule)
         return chunk(remaining)  # padding tokens would be cached: no bucket past the prompt
 
     def groups(self, lengths):
@@ -459,8 +493,25 @@ class GrowPadded(GrowExact):
         columns = xp.arange(rows + step)[None, :]  # padding rows hidden, then valid rows, tokens
         return (columns >= (rows - lengths)[:, None]).astype(xp.int32)
 
-    def write(self, layout, cache, outputs, lengths, rows_after):
-        return write(layout, cache, outputs, padded_rows=rows_after)
+    @property
+    def shared(self):  # rows of different lengths share a cache where each has its padding
+        return not self.one_padding
+
+    def prompt_step(self, remaining, rule):
+        return Mode.prompt_step(self, remaining, rule)  # its padding is dropped (real_input)
+
+    def groups(self, lengths):
+        return Mode.groups(self, lengths) if self.shared else super().groups(lengths)
+
+    def write(self, layout, cache, outputs, lengths, rows_after, real=None):
+        return write(layout, cache, outputs, padded_rows=rows_after, real=real)
+
+    def real_input(self, real, step):
+        real = np.asarray(real, np.int32)
+        return real if (real < step).any() else None  # rows that end before the step's end
+
+    def advance(self, lengths, real, step):
+        return lengths + real  # a row's padding is dropped (or hidden: a row done)
 
     def rows_after(self, rows, step, capacity):
         return capacity

@@ -20,10 +20,16 @@ from .options import Options, merge
 from .processors import from_options
 from .stops import StopStrings, token_texts
 
-PREFILLS = ("buckets", "pow2")
-"""The prompt rules: "buckets" runs a prompt in one step padded to a multiple of 64 (chunks of
-:data:`~transmuter_jax.generation.cache.PREFILL_CAP` tokens past it); "pow2" in power-of-two
-parts (45 tokens as 32, 8, 4, 1)."""
+PREFILLS = ("buckets", "pow2", "exact")
+"""The prompt rules: "buckets" runs a prompt in one step padded to a bucket (a multiple of 16
+up to 64 tokens, then of 64; chunks of :data:`~transmuter_jax.generation.cache.PREFILL_CAP`
+tokens past it); "pow2" in power-of-two parts (45 tokens as 32, 8, 4, 1); "exact" in one step
+of its own length (a program per length; the default of a graph whose values mix positions,
+:data:`WHOLE_TENSOR_OPS`)."""
+
+WHOLE_TENSOR_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul"})
+"""Ops whose result at one position depends on every position of their input (a scale from the
+whole tensor): padding a prompt step would change its real tokens' values."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -171,7 +177,7 @@ def context(
     image_token: int | None = None,
     tokenizer: Any = None,
     processors: Sequence[Any] = (),
-    prefill: str = "buckets",
+    prefill: str | None = None,
     assistant: Context | None = None,
     **options: Any,
 ) -> Context:
@@ -190,7 +196,8 @@ def context(
             from ``repo``'s tokenizer.json.
         processors: a task's own processors ``(state, process)`` (see :mod:`.processors`), after
             the built-in ones.
-        prefill: how prompts run, one of :data:`PREFILLS` ("buckets": one padded step).
+        prefill: how prompts run, one of :data:`PREFILLS`; None: "buckets" (one padded step),
+            or "exact" for a graph with one of :data:`WHOLE_TENSOR_OPS`.
         assistant: a draft model's specification (its own ``context``) of the same vocabulary:
             speculative decoding drafts num_assistant_tokens tokens with it and verifies them in
             one step of this model (docs/speculative.md).
@@ -221,6 +228,9 @@ def context(
             f"{', '.join(present_name(g) for g in missing[:2])}, ...); name them in given= and "
             "pass the encoder's arrays to generate in inputs"
         )
+    if prefill is None:
+        whole = any(op in WHOLE_TENSOR_OPS for _, op in model.all_op_types)
+        prefill = "exact" if whole else "buckets"
     if prefill not in PREFILLS:
         raise GenerationError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
     texts = tokenizer

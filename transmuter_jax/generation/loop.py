@@ -487,7 +487,7 @@ class _Run:
             feed["image_features"] = self.features[step.image_rows]
         last = np.maximum(step.real - 1, 0).astype(np.int32)  # each row's last real token
         logits, state.arrays = ctx.compiled.steps(
-            state.arrays, feed, state.lengths, last, state.capacity
+            state.arrays, feed, state.lengths, last, state.capacity, step.real
         )
         order = self.strategy.select(self, logits, step)
         logits.delete()

@@ -120,8 +120,8 @@ def begin(
         raise GenerationError("prefill needs at least one request")
     if len(requests) > 1 and not engine.cache_mode.shared:
         raise GenerationError(
-            f"{engine.spec.model.path!r} has a grow cache, whose valid rows come last: a prefill "
-            "step runs one prompt (another's padding would be cached); begin one at a time"
+            f"{engine.spec.model.path!r} has a grow cache whose rows share one padding: a "
+            "prefill step runs one prompt (another's length would be cached); begin one at a time"
         )
     names = range(len(requests)) if names is None else names
     if (
@@ -200,7 +200,7 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
         feed["position_ids"] = np.broadcast_to(positions, (3, n, size)) if axes == 3 else positions
     last = np.maximum(real - 1, 0).astype(np.int32)
     logits, cache = engine.compiled.steps(
-        pending.cache, feed, pending.lengths, last, pending.window
+        pending.cache, feed, pending.lengths, last, pending.window, real
     )
     ending = jnp.asarray((remaining > 0) & (remaining <= size))  # rows fed their last token
     if pending.logits is not None:
@@ -264,7 +264,7 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
 
 def prefill_many(engine: Engine, requests: Sequence[slots.Request]) -> list[slots.Prefix]:
     """The prefixes of ``requests``, their prompts run together: one step per bucket chunk (in a
-    grow cache, one prompt after another)."""
+    grow cache whose rows share one padding, one prompt after another)."""
     if len(requests) > 1 and not engine.cache_mode.shared:
         return [p for request in requests for p in prefill_many(engine, [request])]
     pending = begin(engine, requests)

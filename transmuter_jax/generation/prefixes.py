@@ -315,6 +315,8 @@ def blocks_apply(engine: Engine) -> bool:
     """Whether the engine's prompt steps may be padded to :data:`BLOCK` tokens (its rule pads
     to buckets; else :class:`PrefixCache` cannot run its prompts)."""
     mode, rule = engine.cache_mode, engine.spec.prefill
+    if not mode.rows_first:  # a grow cache's valid rows come last: no stored rows to put back
+        return False
     return mode.prompt_step(BLOCK, rule) == BLOCK and mode.prompt_step(BLOCK - 1, rule) == BLOCK
 
 

@@ -1022,8 +1022,9 @@ def _prompt(
         last = np.array([len(part) - 1], np.int32)
         if logits is not None:
             logits.delete()
-        logits, cache = engine.compiled.steps(cache, feed, lengths, last, capacity)
-        lengths = mode.advance(lengths, np.array([len(part)], np.int32), size).astype(np.int32)
+        real = np.array([len(part)], np.int32)
+        logits, cache = engine.compiled.steps(cache, feed, lengths, last, capacity, real)
+        lengths = mode.advance(lengths, real, size).astype(np.int32)
         rows = _rows_of(engine, cache, capacity)
         fed += len(part)
     return logits, cache, lengths

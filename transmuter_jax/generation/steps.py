@@ -84,6 +84,9 @@ def pad_grow(ctx: Any) -> tuple[PaddedPast | None, str]:
     return known[ctx.cache]
 
 
+REAL = "transmuter_jax::real"  # the feed's [B] real tokens of each row (Steps' ``real``)
+
+
 @dataclasses.dataclass
 class Steps:
     """The compiled steps of a context, one per (step length, cache length, branch), and in grow
@@ -100,7 +103,7 @@ class Steps:
     shapes: set[tuple] = dataclasses.field(default_factory=set)  # the shapes this engine ran
     held: dict = dataclasses.field(default_factory=dict)  # the programs this engine keeps
 
-    def __call__(self, cache, feed, lengths, last, rows: int | None = None):
+    def __call__(self, cache, feed, lengths, last, rows: int | None = None, real=None):
         """Runs one step.
 
         Args:
@@ -111,6 +114,8 @@ class Steps:
             last: [B] int32 index in the step of each row's last real token (or [B, P]: the
                 logits of P tokens of each row, [B, P, V], as speculative decoding verifies).
             rows: in grow on a padded cache, its rows after the step.
+            real: [B] the real tokens of each row's step (its padding after them), for a cache
+                mode that drops the padding (:meth:`~.cache.Mode.real_input`); None: all real.
 
         Returns:
             (logits [B, V] float32 of each row's last real token, the next cache)
@@ -120,6 +125,9 @@ class Steps:
         branch = self.mode.branch(length)
         padded = self.padding is not None and rows is not None
         rows = rows if padded else None
+        if real is not None and rows is not None:
+            given = self.mode.real_input(real, feed["tokens"].shape[1])
+            feed = feed if given is None else {**feed, REAL: given}
         self.shapes.add((feed["tokens"].shape[1], length, branch) + ((rows,) if padded else ()))
         donate = self.mode.donated(length, rows)
         key = self.key("step", branch, rows)
@@ -220,7 +228,7 @@ def _step_function(
         logits = outputs["logits"]
         logits = logits[:, 0] if jnp.ndim(last) == 1 else logits
         last_logits = logits.astype(jnp.float32)  # [B, V] ([B, P, V]: last [B, P])
-        new = mode.write(layout, cache, outputs, lengths, rows)
+        new = mode.write(layout, cache, outputs, lengths, rows, real=feed.get(REAL))
         if ctx.placement is not None:  # the next cache keeps the input's shardings (donation)
             new = ctx.placement.constrain_cache(new)
             last_logits = ctx.placement.readable(last_logits)  # the selection's input

@@ -359,6 +359,16 @@ class Model:
         """The (domain, op type) pairs of the nodes of the graph, outside subgraphs."""
         return {(n.domain or "", n.op_type) for n in self._graph.proto.node}
 
+    @property
+    def all_op_types(self) -> frozenset[tuple[str, str]]:
+        """The (domain, op type) pairs of the nodes of the graph and of its subgraphs."""
+        found, graphs = set(), [self._graph.proto]
+        while graphs:
+            for node in graphs.pop().node:
+                found.add((node.domain or "", node.op_type))
+                graphs.extend(subgraphs(node))
+        return frozenset(found)
+
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Runs the graph.
 
