@@ -87,8 +87,9 @@ def test_a_pipelines_shape_count_includes_the_decode_programs_of_each_engine():
     ["llama-optimum", "llama-genai-fp32", "qwen2-optimum", "gemma3-genai-fp32", "gpt2-optimum"],
 )
 def test_bucketed_prefill_equals_pow2_and_transformers(name, workdir):
-    """The batch case (prompts of several lengths in one batch): a prompt in one padded step and
-    in power-of-two parts give transformers' tokens; the bucket rule runs fewer prompt steps."""
+    """The batch case (prompts of several lengths in one batch): a prompt in one padded step, in
+    power-of-two parts and in one step of the longest prompt's own length give transformers'
+    tokens; the bucket rule runs fewer prompt steps."""
     the_case = case(name, "batch")
     prompts = the_case["prompts"]
     shapes = {}
@@ -99,8 +100,9 @@ def test_bucketed_prefill_equals_pow2_and_transformers(name, workdir):
         shapes[rule] = {s for s in engine.compiled.steps.shapes if s[0] > 1}
     assert len(shapes["buckets"]) <= len(shapes["pow2"])
     assert all(s[0] % 16 == 0 and (s[0] <= 64 or s[0] % 64 == 0) for s in shapes["buckets"])
+    assert {s[0] for s in shapes["exact"]} == {max(len(p) for p in prompts)}
     with pytest.raises(ValueError, match="prefill must be one of"):
-        context(name, workdir, prefill="exact")
+        context(name, workdir, prefill="fixed")
 
 
 def _flat(workdir, requests: int) -> None:
