@@ -2,8 +2,9 @@
 
 Where the slots run a specification (:func:`.slots.check`: no beam search, no task's own
 processors, no given inputs or images, no mesh, a cache whose rows can join at other lengths),
-:func:`.loop.generate` is :func:`run`: each prompt is a :class:`~.slots.Request` with the
-specification's options, its seed and its number of new tokens, in a slot of its own; the
+:func:`.loop.generate` is :func:`run`: each prompt (with num_return_sequences n > 1, each of
+its n sequences, :func:`single`) is a :class:`~.slots.Request` with the specification's
+options, its seed and its number of new tokens, in a slot of its own; the
 prompts run together (:func:`.prefill.prefill_many`), and the slots' decode chunks
 (:func:`.speculative.generate`: plain steps where no slot speculates) give the tokens, which
 on_token reports in generate()'s events (one per step, -1 where a row takes none).
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+def single(engine: Engine) -> Engine:
+    """``engine`` with one sequence per prompt: with num_return_sequences n > 1, generate()
+    gives each of a prompt's sequences a row (a slot) of its own, with its own seed."""
+    options = engine.options
+    if options.num_return_sequences == 1:
+        return engine
+    spec = dataclasses.replace(engine.spec, options=options.replace(num_return_sequences=1))
+    return dataclasses.replace(engine, spec=spec)
+
+
 def run(
     engine: Engine,
     rows: Sequence[tuple[Sequence[int], int, int]],
@@ -39,6 +50,7 @@ def run(
     with log-probabilities where the options ask) and what speculation did
     (:class:`~.speculative.Stats`).
     """
+    engine = single(engine)
     options = engine.options
     need = [
         max(bucket(len(p) + n), bucket(len(p)) if len(p) <= PREFILL_CAP else bucket(len(p) + 1))
@@ -53,7 +65,11 @@ def run(
         capacity = min(capacity, bucket(limit))
     # the top_logprobs the options ask for, no more: top k of every position costs
     engine = dataclasses.replace(
-        engine, slot_capacity=capacity, slot_top_logprobs=options.top_logprobs, slot_windows=False
+        engine,
+        batch_size=max(engine.batch_size, len(rows)),  # num_return_sequences: rows per prompt
+        slot_capacity=capacity,
+        slot_top_logprobs=options.top_logprobs,
+        slot_windows=False,
     )  # a capacity of the call's own, read whole: one decode program, as generate() had
     state = None  # the slots, made when a row takes more than its first token
     n = len(rows)
