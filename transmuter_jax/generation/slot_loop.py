@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from . import constraints, slots, speculative
 from . import prefill as prefills
-from . import slots, speculative
 from .cache import PREFILL_CAP, bucket
 
 if TYPE_CHECKING:
@@ -28,13 +28,19 @@ if TYPE_CHECKING:
 
 
 def single(engine: Engine) -> Engine:
-    """``engine`` with one sequence per prompt: with num_return_sequences n > 1, generate()
-    gives each of a prompt's sequences a row (a slot) of its own, with its own seed."""
-    options = engine.options
-    if options.num_return_sequences == 1:
+    """``engine`` as the slots run generate(): one sequence per prompt (with
+    num_return_sequences n > 1 each of a prompt's sequences is a row, a slot, of its own, with
+    its own seed) and no constraint of the specification's (each row's request carries it)."""
+    options, changes = engine.options, {}
+    if options.num_return_sequences > 1:
+        changes["num_return_sequences"] = 1
+    if engine.spec.constraint:
+        changes |= dict.fromkeys(("json_schema", "regex", "grammar", "choice")) | {
+            "json_object": False
+        }
+    if not changes:
         return engine
-    spec = dataclasses.replace(engine.spec, options=options.replace(num_return_sequences=1))
-    return dataclasses.replace(engine, spec=spec)
+    return dataclasses.replace(engine, spec=engine.spec.with_options(**changes))
 
 
 def run(
@@ -50,6 +56,7 @@ def run(
     with log-probabilities where the options ask) and what speculation did
     (:class:`~.speculative.Stats`).
     """
+    constraint = constraints.from_options(engine.options)  # each row's request's
     engine = single(engine)
     options = engine.options
     need = [
@@ -87,6 +94,7 @@ def run(
             stop_strings=options.stop_strings or (),
             logprobs=options.logprobs,
             top_logprobs=options.top_logprobs,
+            constraint=constraint,
         )
         for i in taking
     ]
@@ -99,9 +107,13 @@ def run(
             _keep(kept[i], t, options)
     # the first tokens are known: the caller sees them before the slots are made (~10 ms)
     _emit(on_token, options, first, finished, first_logprob, first_top)
+    inserted = []
     for i, prefix in zip(taking, prefixes, strict=True):
-        if not finished[i]:
-            state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
+        if finished[i]:
+            slots.discard(prefix)
+            continue
+        state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
+        inserted.append(i)
     made = 0
     while state is not None and state.live_slots:
         state, tokens = speculative.generate(engine, state, options.decode_steps)
@@ -111,6 +123,8 @@ def run(
             _keep(kept[t.slot], t, options)
     if state is None:
         return kept, speculative.Stats(made)
+    for i in inserted:  # a constraint's host matchers go
+        state = slots.free(state, i)
     d = jax.device_get(state.rows.drafts)
     used = [i for i, (p, m, _) in enumerate(rows) if p and m]
     total = lambda a: int(np.sum(a[used])) if used else 0  # noqa: E731
