@@ -17,6 +17,7 @@ import pytest
 from generation_cases import case, context, encoder_inputs, reference
 
 from transmuter_jax import generation, text
+from transmuter_jax.generation.loop import through_slots
 from transmuter_jax.generation.processors import Rows
 from transmuter_jax.generation.select import beam_selection
 
@@ -92,6 +93,7 @@ def test_sampled_sequences_follow_the_seed_rule(workdir):
     prompts = case("llama-optimum", "batch")["prompts"]  # 5, 1, 40 and 9 tokens
     seeds = [7, 2**40 + 3, -5, 123456789]
     ctx = _sampling(workdir, 3, len(prompts))
+    assert through_slots(ctx, {})  # each sequence in a slot of its own
     events = []
     out = generation.generate(ctx, prompts, seeds, on_token=events.append)
     assert [len(sequences) for sequences in out] == [3] * len(prompts)

@@ -239,8 +239,12 @@ def generate(
     if speculates:  # docs/speculative.md: the slots must run it
         speculative.check(ctx, inputs)
     if speculates or through_slots(ctx, inputs):  # a loop over the slots' API
-        rows = _rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)]
-        return slot_loop.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
+        returns = int(ctx.options.num_return_sequences)  # each sequence a row of its own
+        rows = _returns(_rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)], returns)
+        kept = slot_loop.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
+        return (
+            kept if returns == 1 else [kept[i : i + returns] for i in range(0, len(kept), returns)]
+        )
     run = _Run.start(ctx, prompts, seeds, inputs, on_token, clamp)
     for group in run.groups():
         state = run.prefill(group)
@@ -250,14 +254,15 @@ def generate(
 
 def through_slots(ctx: Engine, inputs: Mapping[str, Any]) -> bool:
     """Whether :func:`generate` runs as a loop over the slots' API (:mod:`.slot_loop`): where
-    the slots run the specification (:func:`.slots.check`) and the call gives no inputs (a
-    decoder-only model's encoder ids are its prompts). Elsewhere (beam search, n > 1, a task's
-    own processors, a specification's constraint, given inputs or images, a mesh, a grow cache
-    of exact lengths) it runs its rows on the host with the same step."""
+    the slots run the specification (:func:`.slots.check`; sampling with n > 1 too: each
+    sequence in a slot of its own) and the call gives no inputs (a decoder-only model's encoder
+    ids are its prompts). Elsewhere (beam search, a task's own processors, a specification's
+    constraint, given inputs or images, a mesh, a grow cache of exact lengths) it runs its rows
+    on the host with the same step."""
     if set(inputs) - {"encoder_input_ids"} or ctx.options.encoder_ids:
         return False
     try:
-        slots.check(ctx)
+        slots.check(slot_loop.single(ctx))
     except GenerationError:
         return False
     return True

@@ -2,8 +2,9 @@
 
 Where the slots run a specification (:func:`.slots.check`: no beam search, no task's own
 processors, no given inputs or images, no mesh, a cache whose rows can join at other lengths),
-:func:`.loop.generate` is :func:`run`: each prompt is a :class:`~.slots.Request` with the
-specification's options, its seed and its number of new tokens, in a slot of its own; the
+:func:`.loop.generate` is :func:`run`: each prompt (with num_return_sequences n > 1, each of
+its n sequences, :func:`single`) is a :class:`~.slots.Request` with the specification's
+options, its seed and its number of new tokens, in a slot of its own; the
 prompts run together (:func:`.prefill.prefill_many`), and the slots' decode chunks
 (:func:`.speculative.generate`: plain steps where no slot speculates) give the tokens, which
 on_token reports in generate()'s events (one per step, -1 where a row takes none).
@@ -18,12 +19,28 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from . import constraints, slots, speculative
 from . import prefill as prefills
-from . import slots, speculative
 from .cache import PREFILL_CAP, bucket
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+def single(engine: Engine) -> Engine:
+    """``engine`` as the slots run generate(): one sequence per prompt (with
+    num_return_sequences n > 1 each of a prompt's sequences is a row, a slot, of its own, with
+    its own seed) and no constraint of the specification's (each row's request carries it)."""
+    options, changes = engine.options, {}
+    if options.num_return_sequences > 1:
+        changes["num_return_sequences"] = 1
+    if engine.spec.constraint:
+        changes |= dict.fromkeys(("json_schema", "regex", "grammar", "choice")) | {
+            "json_object": False
+        }
+    if not changes:
+        return engine
+    return dataclasses.replace(engine, spec=engine.spec.with_options(**changes))
 
 
 def run(
@@ -39,6 +56,8 @@ def run(
     with log-probabilities where the options ask) and what speculation did
     (:class:`~.speculative.Stats`).
     """
+    constraint = constraints.from_options(engine.options)  # each row's request's
+    engine = single(engine)
     options = engine.options
     need = [
         max(bucket(len(p) + n), bucket(len(p)) if len(p) <= PREFILL_CAP else bucket(len(p) + 1))
@@ -53,7 +72,11 @@ def run(
         capacity = min(capacity, bucket(limit))
     # the top_logprobs the options ask for, no more: top k of every position costs
     engine = dataclasses.replace(
-        engine, slot_capacity=capacity, slot_top_logprobs=options.top_logprobs, slot_windows=False
+        engine,
+        batch_size=max(engine.batch_size, len(rows)),  # num_return_sequences: rows per prompt
+        slot_capacity=capacity,
+        slot_top_logprobs=options.top_logprobs,
+        slot_windows=False,
     )  # a capacity of the call's own, read whole: one decode program, as generate() had
     state = None  # the slots, made when a row takes more than its first token
     n = len(rows)
@@ -71,6 +94,7 @@ def run(
             stop_strings=options.stop_strings or (),
             logprobs=options.logprobs,
             top_logprobs=options.top_logprobs,
+            constraint=constraint,
         )
         for i in taking
     ]
@@ -83,9 +107,13 @@ def run(
             _keep(kept[i], t, options)
     # the first tokens are known: the caller sees them before the slots are made (~10 ms)
     _emit(on_token, options, first, finished, first_logprob, first_top)
+    inserted = []
     for i, prefix in zip(taking, prefixes, strict=True):
-        if not finished[i]:
-            state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
+        if finished[i]:
+            slots.discard(prefix)
+            continue
+        state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
+        inserted.append(i)
     made = 0
     while state is not None and state.live_slots:
         state, tokens = speculative.generate(engine, state, options.decode_steps)
@@ -95,6 +123,8 @@ def run(
             _keep(kept[t.slot], t, options)
     if state is None:
         return kept, speculative.Stats(made)
+    for i in inserted:  # a constraint's host matchers go
+        state = slots.free(state, i)
     d = jax.device_get(state.rows.drafts)
     used = [i for i, (p, m, _) in enumerate(rows) if p and m]
     total = lambda a: int(np.sum(a[used])) if used else 0  # noqa: E731

@@ -1132,6 +1132,12 @@ def _start_state(engine: Engine, request: Request, r: dict[str, Any], table) -> 
     return int(_mask_of(engine, request, tuple(r["eos"])).start([(request.prompt, [])])[0])
 
 
+def discard(prefix: Prefix) -> None:
+    """Releases the host matcher of a prefix that will not be inserted, if it has one."""
+    if prefix.table is not None and prefix.table.host:
+        constraints.release(np.asarray(prefix.rows.constraint))
+
+
 def _release(state: SlotState, slot: int) -> None:
     """Releases the host matcher of slot ``slot``'s request, if it has one."""
     host = state.hosts[slot]
