@@ -300,6 +300,9 @@ def _gauge(server, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
+RUNNING = "transmuter_jax_num_requests_running"
+
+
 def test_a_disconnected_stream_frees_its_request(server, pipe):
     body = {
         "model": NAME,
@@ -315,13 +318,153 @@ def test_a_disconnected_stream_frees_its_request(server, pipe):
             if i >= 3:
                 break
     deadline = time.monotonic() + 60
-    while _gauge(server, "transmuter_jax_num_requests_running") and time.monotonic() < deadline:
+    while _gauge(server, RUNNING) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _gauge(server, "transmuter_jax_num_requests_running") == 0
+    assert _gauge(server, RUNNING) == 0
     got = server.client().chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=6, temperature=0
     )
     assert got.choices[0].message.content == _greedy(pipe, MESSAGES, 6).text
+
+
+LINE = re.compile(
+    r"request (?P<id>\S+) (?P<outcome>finished|cancelled|failed|refused): (?P<prompt>\d+) prompt "
+    r"tokens, (?P<completion>\d+) completion tokens, first token (?P<first>-|\d+ ms), "
+    r"total (?P<total>\d+) ms"
+)
+
+
+def _lines(server) -> list[re.Match]:
+    """The server's request log lines so far."""
+    return list(LINE.finditer(server.log.read_text()))
+
+
+def _line(server, since: int, **want: str) -> re.Match:
+    """The first request log line after the first ``since`` ones whose fields equal ``want``,
+    waiting up to 30 s for it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for line in _lines(server)[since:]:
+            if all(line[k] == v for k, v in want.items()):
+                return line
+        time.sleep(0.05)
+    raise AssertionError(f"no request line with {want}: {server.log.read_text()[-2000:]}")
+
+
+LONG = 240  # new tokens of each prompt below (ignore_eos: each runs to the end unless cancelled)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_client_that_leaves_a_completion_of_many_prompts_cancels_every_prompt(
+    server, pipe, stream
+):
+    """48 prompts of 240 tokens: the client leaves mid-way; the request's one log line says
+    cancelled, at least two prompts short of their tokens (not only the prompt being read);
+    no request runs after; the next request gets the library's answer."""
+    prompts = [f"Once upon a time {i}" for i in range(48)]
+    body = {"model": NAME, "prompt": prompts, "max_tokens": LONG, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    url = f"{server.url}/v1/completions"
+    before = len(_lines(server))
+    rid = {}
+    if stream:
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    rid = {"id": json.loads(line[5:])["id"]}
+                    break
+    else:
+
+        async def leave() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                post = asyncio.ensure_future(client.post(url, json=body))
+                for _ in range(500):  # until the server runs it: at most 10 s
+                    if post.done() or await asyncio.to_thread(_gauge, server, RUNNING):
+                        break
+                    await asyncio.sleep(0.02)
+                post.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await post
+
+        asyncio.run(leave())
+    line = _line(server, before, outcome="cancelled", **rid)
+    tok = pipe.tokenizer
+    assert int(line["prompt"]) == sum(len(tok.encode(p, add_special_tokens=True)) for p in prompts)
+    assert int(line["completion"]) <= (len(prompts) - 2) * LONG
+    deadline = time.monotonic() + 10
+    while _gauge(server, RUNNING) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauge(server, RUNNING) == 0
+    assert [m["outcome"] for m in _lines(server)[before:] if m["id"] == line["id"]] == ["cancelled"]
+    got = server.client().chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    assert got.choices[0].message.content == _greedy(pipe, MESSAGES, 6).text
+
+
+def test_a_finished_and_a_cancelled_request_log_their_line(server):
+    """One line each: id, outcome, prompt and completion tokens (the usage's), times."""
+    before = len(_lines(server))
+    got = server.client().chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    line = _line(server, before, id=got.id)
+    assert line["outcome"] == "finished" and line["first"] != "-"
+    assert int(line["prompt"]) == got.usage.prompt_tokens
+    assert int(line["completion"]) == got.usage.completion_tokens == 7
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data:"))
+    rid = json.loads(first[5:])["id"]
+    line = _line(server, before, id=rid)
+    assert line["outcome"] == "cancelled" and int(line["completion"]) < 200
+    assert [m["id"] for m in _lines(server)[before:]].count(rid) == 1
+
+
+def test_completion_tokens_are_each_choices_own_count(server):
+    """n=2 over two prompts, sampled towards eos so that the choices end at other lengths:
+    usage (whole and streamed), the log line and the generation counter give the sum of each
+    choice's tokens."""
+    generated = "transmuter_jax_generation_tokens_total"
+    args = dict(model=NAME, prompt=["Once upon", "The quiet river"], max_tokens=12,
+                temperature=1.0, seed=0, n=2, logit_bias={"3": 4})  # fmt: skip
+    client = server.client()
+    before, counted = len(_lines(server)), _gauge(server, generated)
+    got = client.completions.create(**args, logprobs=0)
+    lengths = [len(c.logprobs.tokens) for c in sorted(got.choices, key=lambda c: c.index)]
+    assert len(lengths) == 4 and len(set(lengths)) > 1, lengths  # else the check is weak
+    assert got.usage.completion_tokens == sum(lengths)
+    assert int(_line(server, before, id=got.id)["completion"]) == sum(lengths)
+    assert _gauge(server, generated) - counted == sum(lengths)
+    chunks = list(client.completions.create(**args, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == sum(lengths)
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(4)]  # fmt: skip
+    assert texts == [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+
+
+def test_max_completion_tokens_is_honoured_before_max_tokens(server):
+    got = server.client().chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=10, max_completion_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert got.usage.completion_tokens == 3 and got.choices[0].finish_reason == "length"
+
+
+def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch):
+    import argparse
+
+    from transmuter_jax.serving import cli
+
+    monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+    assert cli._api_key(argparse.Namespace(api_key=None)) == "from-env"
+    assert cli._api_key(argparse.Namespace(api_key="flag")) == "flag"
+    monkeypatch.setenv(cli.API_KEY_ENV, "")
+    assert cli._api_key(argparse.Namespace(api_key=None)) is None
+    monkeypatch.delenv(cli.API_KEY_ENV)
+    assert cli._api_key(argparse.Namespace(api_key=None)) is None
 
 
 BAD = [
@@ -434,6 +577,8 @@ def test_a_full_queue_gets_429(guarded):
     assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses
     limited = next(r for r in asyncio.run(main()) if r.status_code == 429)
     assert limited.json()["error"]["type"] == "rate_limit_error"
+    refused = [m for m in _lines(guarded) if m["outcome"] == "refused"]
+    assert refused and all(m["completion"] == "0" and m["first"] == "-" for m in refused)
 
 
 def test_sigterm_exits_0(guarded):

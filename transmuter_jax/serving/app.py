@@ -20,7 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from .backend import Event, Final, Submission
 from .protocol import ApiError, ChatRequest, CompletionRequest
-from .scheduler import Job, Scheduler
+from .scheduler import Group, Scheduler
 
 
 @dataclasses.dataclass
@@ -136,12 +136,12 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None)
         constraint = await _constraint(served, body)
         sub = _submission(served, body, prompt, max_tokens, logprobs, "messages", constraint)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        job = scheduler.submit(rid, sub)
+        group = scheduler.submit(rid, [sub])
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = _chat_chunks(served, job, rid, body.logprobs, include)
-            return EventSourceResponse(_sse(chunks), ping=600)
-        finals = await _finals(job, request)
+            chunks = _chat_chunks(served, group, body.logprobs, include)
+            return EventSourceResponse(_sse(chunks, group), ping=600)
+        [finals] = await _finals(group, request)
         return _chat_response(served, rid, sub, finals, body.logprobs)
 
     @app.post("/v1/completions")
@@ -160,12 +160,12 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None)
             for p in prompts
         ]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = [scheduler.submit(f"{rid}-{i}", s) for i, s in enumerate(subs)]
+        group = scheduler.submit(rid, subs)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = _completion_chunks(served, jobs, rid, body.logprobs is not None, include)
-            return EventSourceResponse(_sse(chunks), ping=600)
-        results = [await _finals(job, request) for job in jobs]
+            chunks = _completion_chunks(served, group, body.logprobs is not None, include)
+            return EventSourceResponse(_sse(chunks, group), ping=600)
+        results = await _finals(group, request)
         return _completion_response(served, rid, subs, results, body.logprobs is not None)
 
     return app
@@ -397,25 +397,39 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> list[tuple[tuple[int], fl
     return out
 
 
-async def _finals(job: Job, request: Request) -> list[tuple[Final, str]]:
-    """The final answer and finish reason of each choice of ``job``; cancels it when the
-    client goes away."""
-    finals: dict[int, tuple[Final, str]] = {}
+async def _left(request: Request) -> None:
+    """Returns when the client has closed the connection.
+
+    It waits on ``receive`` itself: ``request.is_disconnected()`` never sees the disconnect
+    behind the ``http`` middleware (Starlette's BaseHTTPMiddleware drops the message its
+    cancelled poll receives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.25)  # not expected once the body is read: look again later
+
+
+async def _finals(group: Group, request: Request) -> list[list[tuple[Final, str]]]:
+    """The final answer and finish reason of each choice of each job of ``group``, collected
+    as they come; every open job is cancelled when the client goes away or a job fails."""
+    finals: dict[tuple[int, int], tuple[Final, str]] = {}
 
     async def collect() -> None:
-        async for event in job.events():
+        async for index, event in group.events():
             if event.final is not None:
-                finals[event.choice] = (event.final, event.finish_reason or "stop")
+                finals[index, event.choice] = (event.final, event.finish_reason or "stop")
 
-    task = asyncio.ensure_future(collect())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            job.cancel()
-            raise ApiError(499, "the client closed the request", code="client_closed")
-    task.result()
-    return [finals[c] for c in range(job.submission.n)]
+    task, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_left(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            if gone.exception() is None:
+                raise ApiError(499, "the client closed the request", code="client_closed")
+            await task  # receive failed: nothing tells of the client any more
+        task.result()
+    finally:
+        task.cancel()
+        gone.cancel()
+        group.cancel()
+    return [[finals[p, c] for c in range(j.submission.n)] for p, j in enumerate(group.jobs)]
 
 
 def _token(tokenizer: Any, token: int) -> tuple[str, list[int]]:
@@ -510,29 +524,40 @@ def _completion_response(served: Served, rid: str, subs, results, logprobs: bool
     }
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
-    async for chunk in chunks:
-        yield {"data": json.dumps(chunk, ensure_ascii=False)}
-    yield {"data": "[DONE]"}
+async def _sse(
+    chunks: AsyncIterator[dict[str, Any]], group: Group
+) -> AsyncIterator[dict[str, str]]:
+    """The SSE events of ``chunks``, then [DONE]; every open job of ``group`` is cancelled when
+    the stream ends early (the client went away, a job failed)."""
+    try:
+        async for chunk in chunks:
+            yield {"data": json.dumps(chunk, ensure_ascii=False)}
+        yield {"data": "[DONE]"}
+    finally:
+        group.cancel()
 
 
-async def _chat_chunks(served: Served, job: Job, rid: str, logprobs: bool, include: bool):
+async def _chat_chunks(served: Served, group: Group, logprobs: bool, include: bool):
     tok = served.pipe.tokenizer
     created = int(time.time())
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served.name}
+    head = {
+        "id": group.id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": served.name,
+    }
     extra = {"usage": None} if include else {}
 
     def chunk(index: int, delta: dict, lp=None, reason=None) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         return {**head, "choices": [choice], **extra}
 
-    for index in range(job.submission.n):
+    [sub] = group.submissions
+    for index in range(sub.n):
         yield chunk(index, {"role": "assistant", "content": ""})
-    completion = 0
     event: Event
-    async for event in job.events():
+    async for _, event in group.events():
         if event.token is not None:
-            completion += 1
             lp = None
             if logprobs:
                 lp = _chat_logprobs(
@@ -548,42 +573,36 @@ async def _chat_chunks(served: Served, job: Job, rid: str, logprobs: bool, inclu
                 yield chunk(event.choice, {"content": event.text})
             yield chunk(event.choice, {}, None, event.finish_reason)
     if include:
-        yield {**head, "choices": [], "usage": _usage(len(job.submission.prompt), completion)}
+        yield {**head, "choices": [], "usage": _usage(len(sub.prompt), group.completion_tokens)}
 
 
-async def _completion_chunks(
-    served: Served, jobs: list[Job], rid: str, logprobs: bool, include: bool
-):
+async def _completion_chunks(served: Served, group: Group, logprobs: bool, include: bool):
     tok = served.pipe.tokenizer
     head = {
-        "id": rid,
+        "id": group.id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": served.name,
     }
     extra = {"usage": None} if include else {}
-    completion = 0
-    for p, job in enumerate(jobs):  # the prompts' jobs run together; their chunks come in order
-        n = job.submission.n
-        async for event in job.events():
-            index = p * n + event.choice
-            if event.token is not None:
-                completion += 1
-                lp = None
-                if logprobs:
-                    tops = [event.top] if event.top is not None else None
-                    lp = _completion_logprobs(tok, [event.token], [event.logprob], tops)
-                if not event.text and lp is None:
-                    continue
-                choice = {"index": index, "text": event.text, "logprobs": lp, "finish_reason": None}
-            else:
-                choice = {
-                    "index": index,
-                    "text": event.text,
-                    "logprobs": None,
-                    "finish_reason": event.finish_reason,
-                }
-            yield {**head, "choices": [choice], **extra}
+    async for p, event in group.events():  # the prompts' chunks interleave, as they come
+        index = p * group.submissions[p].n + event.choice
+        if event.token is not None:
+            lp = None
+            if logprobs:
+                tops = [event.top] if event.top is not None else None
+                lp = _completion_logprobs(tok, [event.token], [event.logprob], tops)
+            if not event.text and lp is None:
+                continue
+            choice = {"index": index, "text": event.text, "logprobs": lp, "finish_reason": None}
+        else:
+            choice = {
+                "index": index,
+                "text": event.text,
+                "logprobs": None,
+                "finish_reason": event.finish_reason,
+            }
+        yield {**head, "choices": [choice], **extra}
     if include:
-        prompt = sum(len(j.submission.prompt) for j in jobs)
-        yield {**head, "choices": [], "usage": _usage(prompt, completion)}
+        prompt = sum(len(s.prompt) for s in group.submissions)
+        yield {**head, "choices": [], "usage": _usage(prompt, group.completion_tokens)}

@@ -150,6 +150,12 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key /v1 routes require: --api-key, else $TRANSMUTER_JAX_API_KEY; None when neither
+    gives one."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def _draft(pipe: Any, model: str) -> Any:
     """The draft model ``model`` (a ``TextGeneration``); raises ValueError naming the flag when
     it cannot draft for ``pipe`` (another vocabulary or token texts, a grow cache)."""
@@ -226,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         speculative=(lambda: backend.speculated) if isinstance(backend, SlotBackend) else None,
     )
     scheduler = Scheduler(backend, metrics, args.max_queue)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = _api_key(args)
     app = create_app(served, scheduler, api_key)
     log.info(
         "serving %s as %r on http://%s:%d (%s, context %d)",

@@ -1,7 +1,9 @@
 """The asyncio side of a request: admission (a bounded queue), its events, its timings.
 
-A :class:`Job` carries one request's events from the engine thread (backend.py) to the event
-loop; closing its iterator (a client that went away) cancels the request in the backend.
+A :class:`Group` is one request: a :class:`Job` per prompt carries its events from the engine
+thread (backend.py) to the event loop. Closing the group's iterator (a client that went away,
+an engine error) cancels every job of the request in the backend. Each request that ends
+(finished, cancelled, failed or refused) gets one log line.
 """
 
 from __future__ import annotations
@@ -18,58 +20,116 @@ from .protocol import ApiError
 log = logging.getLogger("transmuter_jax.serving")
 
 
+OUTCOMES = ("finished", "cancelled", "failed", "refused")  # how a request ends (its log line)
+
+
 @dataclasses.dataclass
 class Timing:
-    """When a request arrived, got its first token and ended; how many tokens it got."""
+    """When a job arrived, got its first token and ended; the tokens of each choice."""
 
     arrival: float
     first: float | None = None
     end: float | None = None
-    tokens: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
 
 
 class Job:
-    """One admitted request: iterate :meth:`events` to get its events in order."""
+    """One prompt of a request in the backend: its timing, token counts and outcome.
 
-    def __init__(self, scheduler: Scheduler, request_id: str, submission: Submission):
-        self.scheduler, self.id, self.submission = scheduler, request_id, submission
-        self.timing = Timing(now())
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._ticket = scheduler.backend.submit(
-            submission, lambda e: loop.call_soon_threadsafe(self._queue.put_nowait, e)
-        )
+    Its events go to its :class:`Group` as they arrive, counted and timed then (not when read).
+    """
+
+    def __init__(self, group: Group, index: int, submission: Submission):
+        self.group, self.index, self.submission = group, index, submission
+        self.timing = Timing(now(), tokens=[0] * submission.n)
+        self.outcome: str | None = None  # set when the job ends: one of OUTCOMES
         self._open = submission.n
-        self.cancelled = False
+        loop = asyncio.get_running_loop()
+        self._ticket = group.scheduler.backend.submit(
+            submission, lambda e: loop.call_soon_threadsafe(self._arrive, e)
+        )
 
-    async def events(self) -> AsyncIterator[Event]:
-        """The request's events until every choice has ended; raises RuntimeError for an engine
-        error. Leaving early cancels the request."""
-        try:
-            while self._open:
-                event = await self._queue.get()
-                if event.finish_reason == "error":
-                    raise RuntimeError(event.text)
-                if event.token is not None:
-                    if self.timing.first is None:
-                        self.timing.first = now()
-                    if event.choice == 0:
-                        self.timing.tokens += 1
-                if event.finish_reason is not None:
-                    self._open -= 1
-                yield event
-        finally:
-            if self._open:
-                self.cancel()
-            else:
-                self.scheduler.finished(self)
+    def _arrive(self, event: Event) -> None:
+        """Counts and times ``event`` (on the event loop), then queues it for the group."""
+        if self.outcome is not None:  # cancelled: the backend may still send a few
+            return
+        if event.finish_reason == "error":
+            self.group._queue.put_nowait((self.index, event))
+            self._end("failed")
+            return
+        t = self.timing
+        if event.token is not None:
+            if t.first is None:
+                t.first = now()
+            t.tokens[event.choice] += 1
+        if event.final is not None:  # the choice's answer: its tokens are the count
+            t.tokens[event.choice] = len(event.final.token_ids)
+        if event.finish_reason is not None:
+            self._open -= 1
+        self.group._queue.put_nowait((self.index, event))
+        if not self._open:
+            self._end("finished")
 
     def cancel(self) -> None:
-        """Stops the request: the backend gives it no more events."""
-        if not self.cancelled:
-            self.cancelled = True
-            self.scheduler.backend.cancel(self._ticket)
-            log.info("request %s cancelled after %d tokens", self.id, self.timing.tokens)
+        """Stops the job unless it has ended: the backend gives it no more events."""
+        if self.outcome is None:
+            self.group.scheduler.backend.cancel(self._ticket)
+            self._end("cancelled")
+
+    def _end(self, outcome: str) -> None:
+        self.outcome, self.timing.end = outcome, now()
+        self.group.scheduler.ended(self)
+        self.group._ended()
+
+
+class Group:
+    """One request's jobs (a prompt each; chat has one): iterate :meth:`events` to get their
+    events as they come. It logs one line when its last job ends, or when it is refused."""
+
+    def __init__(self, scheduler: Scheduler, request_id: str, submissions: list[Submission]):
+        self.scheduler, self.id, self.submissions = scheduler, request_id, submissions
+        self.arrival = now()
+        self.jobs: list[Job] = []
+        self.outcome: str | None = None  # set when the request ends: one of OUTCOMES
+        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens of every choice of every job so far (each choice's own count)."""
+        return sum(sum(job.timing.tokens) for job in self.jobs)
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(job index, event) pairs as they come until every choice of every job has ended;
+        raises RuntimeError for an engine error. Leaving early cancels every open job."""
+        remaining = sum(s.n for s in self.submissions)
+        try:
+            while remaining:
+                index, event = await self._queue.get()
+                if event.finish_reason == "error":
+                    raise RuntimeError(event.text)
+                if event.finish_reason is not None:
+                    remaining -= 1
+                yield index, event
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancels every job that has not ended."""
+        for job in self.jobs:
+            job.cancel()
+
+    def _refuse(self) -> None:
+        self.outcome = "refused"
+        self.cancel()
+        self.scheduler.log(self)
+
+    def _ended(self) -> None:
+        if self.outcome is None and len(self.jobs) == len(self.submissions):
+            outcomes = {job.outcome for job in self.jobs}
+            if None not in outcomes:
+                ranked = ("failed", "cancelled", "finished")
+                self.outcome = next(o for o in ranked if o in outcomes)
+                self.scheduler.log(self)
 
 
 class Scheduler:
@@ -85,9 +145,21 @@ class Scheduler:
         self.backend, self.metrics, self.max_queue = backend, metrics, int(max_queue)
         self.closing = False
 
-    def submit(self, request_id: str, submission: Submission) -> Job:
-        """A job for ``submission``; raises ApiError 429 when the queue is full, 503 when the
-        server is stopping."""
+    def submit(self, request_id: str, submissions: list[Submission]) -> Group:
+        """The jobs of one request, a prompt each, admitted together; raises ApiError 429 when
+        the queue is full, 503 when the server is stopping (no job of the request runs then)."""
+        group = Group(self, request_id, list(submissions))
+        try:
+            for index, submission in enumerate(group.submissions):
+                self._admit()
+                group.jobs.append(Job(group, index, submission))
+        except BaseException:
+            group._refuse()
+            raise
+        self.metrics.prompt_tokens.inc(sum(len(s.prompt) for s in group.submissions))
+        return group
+
+    def _admit(self) -> None:
         if self.closing:
             raise ApiError(503, "the server is shutting down", type="server_error")
         if self.backend.waiting >= self.max_queue:
@@ -97,28 +169,33 @@ class Scheduler:
                 type="rate_limit_error",
                 code="queue_full",
             )
-        self.metrics.prompt_tokens.inc(len(submission.prompt))
-        return Job(self, request_id, submission)
 
-    def finished(self, job: Job) -> None:
-        """Records a job that ended: metrics and the request's log line."""
-        t = job.timing
-        t.end = now()
-        m = self.metrics
-        tokens = t.tokens * job.submission.n
-        m.generation_tokens.inc(tokens)
+    def ended(self, job: Job) -> None:
+        """Records a job that ended in the metrics: its tokens, and its timings if it finished."""
+        t, m = job.timing, self.metrics
+        m.generation_tokens.inc(sum(t.tokens))
+        if job.outcome != "finished":
+            return
         m.latency.observe(t.end - t.arrival)
-        ttft = None if t.first is None else t.first - t.arrival
-        if ttft is not None:
-            m.ttft.observe(ttft)
-            if t.tokens > 1:
-                m.tpot.observe((t.end - t.first) / (t.tokens - 1))
-        shown = "-" if ttft is None else f"{ttft * 1000:.0f} ms"
+        if t.first is not None:
+            m.ttft.observe(t.first - t.arrival)
+            steps = max(t.tokens)  # the choices decode together
+            if steps > 1:
+                m.tpot.observe((t.end - t.first) / (steps - 1))
+
+    def log(self, group: Group) -> None:
+        """The request's one log line: its id, outcome, prompt and completion tokens (each
+        choice's own count, summed), time to the first token and total time."""
+        firsts = [job.timing.first for job in group.jobs if job.timing.first is not None]
+        ends = [job.timing.end for job in group.jobs if job.timing.end is not None]
+        ttft = f"{(min(firsts) - group.arrival) * 1000:.0f} ms" if firsts else "-"
+        total = (max(ends, default=now()) - group.arrival) * 1000
         log.info(
-            "request %s: %d prompt tokens, %d new tokens, first token %s, total %.0f ms",
-            job.id,
-            len(job.submission.prompt),
-            tokens,
-            shown,
-            (t.end - t.arrival) * 1000,
+            "request %s %s: %d prompt tokens, %d completion tokens, first token %s, total %.0f ms",
+            group.id,
+            group.outcome,
+            sum(len(s.prompt) for s in group.submissions),
+            group.completion_tokens,
+            ttft,
+            total,
         )
