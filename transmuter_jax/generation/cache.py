@@ -236,7 +236,8 @@ class Mode:
 
     Attributes:
         name: "in_place", "append" or "grow".
-        shared: rows with prompts of different lengths can share one cache (not in grow).
+        shared: rows with prompts of different lengths can share one cache (not in grow at
+            exact lengths, nor in a padded grow cache of one padding for every row).
         padded: a grow cache of fixed rows whose valid rows come last.
         on_device: decode chunks can run on the device (the cache keeps its shape each step).
         rows_first: a row's valid rows come first, where its prompt's steps wrote them (so the
@@ -276,8 +277,8 @@ class Mode:
         return min(prompt_bucket(remaining), PREFILL_CAP)
 
     def groups(self, lengths: dict[int, int]) -> list[list[int]]:
-        """The rows that share a cache, from each live row's prompt length: all of them (in
-        grow, those of one length)."""
+        """The rows that share a cache, from each live row's prompt length: all of them (where
+        rows cannot share one, :attr:`shared`, those of one length)."""
         return [list(lengths)] if lengths else []
 
     def room(self, size: int, capacity: int | None, longest: int) -> int:
