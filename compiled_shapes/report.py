@@ -85,16 +85,18 @@ SHARED_POLICIES = [
 GROW_POLICIES = [
     sim.policy("pow2", "exact"),
     sim.policy("exact", "exact"),
+    sim.policy("buckets", "padded64"),
     sim.policy("pow2", "padded64"),
     sim.policy("exact", "padded64"),
     sim.policy("pow2", "paddedpow2"),
+    sim.policy("buckets", "bucket64"),
     sim.policy("pow2", "bucket64"),
     sim.policy("pow2", "fixed:512"),
 ]
 IMPLEMENTED = {
     "in_place": "buckets / percall",
     "append": "buckets / percall",
-    "grow": "pow2 / padded64",
+    "grow": "buckets / padded64",
 }
 BEFORE = "pow2 / exact"  # grow before this change
 
@@ -496,11 +498,11 @@ def _numbers(data, rows, fixtures, steps, times) -> dict[str, str]:
     policies = {
         "w": (
             "Whisper",
-            {"before": BEFORE, "after": "pow2 / padded64", "bucket": "pow2 / bucket64"},
+            {"before": BEFORE, "after": "buckets / padded64", "bucket": "buckets / bucket64"},
         ),
         "m": (
             "Marian",
-            {"before": BEFORE, "after": "pow2 / padded64", "bucket": "pow2 / bucket64"},
+            {"before": BEFORE, "after": "buckets / padded64", "bucket": "buckets / bucket64"},
         ),
         "c": (
             "chat, in_place",
