@@ -581,6 +581,18 @@ def test_a_full_queue_gets_429(guarded):
     assert refused and all(m["completion"] == "0" and m["first"] == "-" for m in refused)
 
 
+def test_more_prompts_than_the_queue_holds_get_400(guarded):
+    body = {"model": NAME, "prompt": ["Once upon", "a time"], "max_tokens": 2}
+    headers = {"authorization": f"Bearer {KEY}"}
+    answer = httpx.post(f"{guarded.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "prompt" and "--max-queue" in error["message"]
+    body["prompt"] = ["Once upon"]  # the server goes on
+    assert httpx.post(f"{guarded.url}/v1/completions", json=body, headers=headers,
+                      timeout=60).status_code == 200  # fmt: skip
+
+
 def test_sigterm_exits_0(guarded):
     assert guarded.stop() == 0
     assert "stopped" in guarded.log.read_text()

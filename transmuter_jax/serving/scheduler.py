@@ -146,8 +146,16 @@ class Scheduler:
         self.closing = False
 
     def submit(self, request_id: str, submissions: list[Submission]) -> Group:
-        """The jobs of one request, a prompt each, admitted together; raises ApiError 429 when
-        the queue is full, 503 when the server is stopping (no job of the request runs then)."""
+        """The jobs of one request, a prompt each, admitted together; raises ApiError 400 when
+        it has more prompts than the queue ever holds, 429 when the queue is full, 503 when the
+        server is stopping (no job of the request runs then)."""
+        if len(submissions) > self.max_queue:
+            raise ApiError(
+                400,
+                f"prompt: {len(submissions)} prompts in one request, more than the server's "
+                f"queue of {self.max_queue} holds (--max-queue): send at most {self.max_queue}",
+                param="prompt",
+            )
         group = Group(self, request_id, list(submissions))
         try:
             for index, submission in enumerate(group.submissions):
