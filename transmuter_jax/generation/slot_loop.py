@@ -35,9 +35,7 @@ def single(engine: Engine) -> Engine:
     if options.num_return_sequences > 1:
         changes["num_return_sequences"] = 1
     if engine.spec.constraint:
-        changes |= dict.fromkeys(("json_schema", "regex", "grammar", "choice")) | {
-            "json_object": False
-        }
+        changes |= {k: False if k == "json_object" else None for k in constraints.KINDS}
     if not changes:
         return engine
     return dataclasses.replace(engine, spec=engine.spec.with_options(**changes))
