@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from generation_cases import case, context, tiered
+from generation_cases import case, context, encoder_inputs, reference, tiered
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,9 +19,15 @@ APPEND = ["llama-optimum", "qwen2-optimum", "gpt2-optimum"]  # gpt2: position_id
 GROW = [
     "gemma3-optimum"
 ]  # positions from the cache length: the padded rewrite, its valid rows last
+# requests with inputs of their own: an encoder's outputs (Marian and Whisper, padded grow
+# caches), image features (SmolVLM, append) and M-RoPE positions with them (Qwen2.5-VL, in_place)
+ENCODER = ["marian-optimum", "whisper-optimum"]
+VISION = ["smolvlm-torch", "qwen25vl-genai-fp32"]
 NEW = 8
-# the quick tier: one family per cache mode, and gpt2 (position_ids in an append cache)
-FAST = ["llama-genai-fp32", "llama-optimum", "gpt2-optimum", "gemma3-optimum"]
+# the quick tier: one family per cache mode, and gpt2 (position_ids in an append cache), and
+# one family of each kind of inputs
+FAST = ["llama-genai-fp32", "llama-optimum", "gpt2-optimum", "gemma3-optimum", "marian-optimum",
+        "qwen25vl-genai-fp32"]  # fmt: skip
 
 
 def _tiered(names):
@@ -39,17 +45,41 @@ _ENGINES: dict = {}
 def engine(name, workdir, **options):
     key = (name, tuple(sorted(options.items())))
     if key not in _ENGINES:
+        if name in ENCODER:
+            options["given"] = encoder_inputs(name, case(name, "batch"), [0])[0]
+        if name in VISION:
+            options["image_token"] = case(name, "image")["image_token_id"]
         spec = context(name, workdir, max_new_tokens=NEW, **options)
         _ENGINES[key] = generation.compile(spec, 4, capacity=128, top_logprobs=3)
     return _ENGINES[key]
 
 
+def inputs_of(name):
+    """Each request's own inputs: an encoder's outputs for each prompt of the batch case; for a
+    vision model, the image case's prompt first with its features (and M-RoPE positions)."""
+    the_case = case(name, "batch")
+    prompts = the_case["prompts"]
+    if name in ENCODER:
+        return prompts, [encoder_inputs(name, the_case, [i])[1] for i in range(len(prompts))]
+    if name in VISION:
+        image = case(name, "image")
+        _, arrays = reference(name)
+        own = {"image_features": arrays[image["image_features"][0]]}
+        if "position_ids" in image:  # [3, 1, prompt]
+            own["position_ids"] = arrays[image["position_ids"][0]][:, 0]
+        return [image["prompts"][0], *prompts], [own] + [None] * len(prompts)
+    return prompts, [None] * len(prompts)
+
+
 def requests(name):
-    prompts = case(name, "batch")["prompts"]
+    prompts, inputs = inputs_of(name)
     return {
-        "greedy": Request(prompts[0], max_new_tokens=NEW, logprobs=True, top_logprobs=2),
+        "greedy": Request(
+            prompts[0], max_new_tokens=NEW, logprobs=True, top_logprobs=2, inputs=inputs[0]
+        ),
         "sampled": Request(
             prompts[1],
+            inputs=inputs[1],
             do_sample=True,
             temperature=0.8,
             top_k=20,
@@ -60,6 +90,7 @@ def requests(name):
         ),  # fmt: skip
         "penalized": Request(
             prompts[2 % len(prompts)],
+            inputs=inputs[2 % len(prompts)],
             repetition_penalty=1.4,
             presence_penalty=0.5,
             min_p=0.05,
@@ -127,9 +158,34 @@ def _every_offset(name, workdir, offsets):
             assert _summary(prefix, got.get(1, [])) == alone[target], (target, offset)
 
 
-@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND + GROW))
+@pytest.mark.parametrize("name", _tiered(IN_PLACE + APPEND + GROW + ENCODER + VISION))
 def test_a_request_inserted_at_every_step_offset_equals_its_solo_run(name, workdir):
     _every_offset(name, workdir, range(0, 6))
+
+
+@pytest.mark.parametrize("name", _tiered(ENCODER + VISION))
+def test_requests_with_inputs_get_transformers_tokens_in_the_slots(name, workdir):
+    """Requests with their own inputs (an encoder's outputs of other lengths, image features,
+    M-RoPE positions) running together in the slots, joined at other steps, each get
+    transformers' greedy tokens."""
+    eng = engine(name, workdir)
+    prompts, inputs = inputs_of(name)
+    if name in VISION:
+        image = case(name, "image")
+        expected = [image["tokens"][0], *case(name, "batch")["tokens"]]
+    else:
+        expected = case(name, "batch")["tokens"]
+    state, got, prefixes = eng.init_state(), {}, {}
+    for i, (prompt, own) in enumerate(zip(prompts[:4], inputs, strict=False)):
+        prefixes[i] = eng.prefill(Request(prompt, max_new_tokens=NEW, inputs=own))
+        state = eng.insert(prefixes[i], state, i)
+        state, tokens = eng.generate(state, 1 + i)
+        _record(tokens, got)
+    _drain(eng, state, got, steps=3)
+    assert len(prefixes) == min(4, len(prompts)) > 1
+    for i, prefix in prefixes.items():
+        tokens = [t.token for t in [prefix.first, *got.get(i, [])] if not t.eos]
+        assert tokens == expected[i][:NEW], i
 
 
 @pytest.mark.parametrize(

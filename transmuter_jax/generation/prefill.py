@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import slots
+from ..runtime.jit import put_all
+from . import slot_inputs, slots
 from .cache import PREFILL_CAP
 from .errors import GenerationError
 from .stops import StopStrings
@@ -44,6 +45,8 @@ class Pending:
         chunk: the most prompt tokens of one step.
         tables: each request's constraint table (:func:`.slots.prefill`'s), or None.
         window: the cache's rows after a step (a grow cache starts with none).
+        inputs: each request's inputs (:mod:`.slot_inputs`).
+        given: the requests' given inputs, batch n, at one encoder width.
     """
 
     requests: tuple[slots.Request, ...]
@@ -56,6 +59,8 @@ class Pending:
     chunk: int = PREFILL_CAP
     tables: tuple[Any, ...] = ()
     window: int = 0
+    inputs: tuple[slot_inputs.Inputs, ...] = ()
+    given: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def remaining(self) -> np.ndarray:
@@ -146,7 +151,7 @@ def begin(
     for size in _schedule(engine, prompts, chunk):
         written = np.maximum(written, fed + size)
         fed = np.minimum(fed + size, prompts)
-    for i, (r, _) in enumerate(admitted):
+    for i, (r, _, _) in enumerate(admitted):
         need = max(prompts[i] + r["max_new"], int(written[i]))
         if need > capacity:
             raise GenerationError(
@@ -159,16 +164,20 @@ def begin(
     own = engine.cache_mode.first_rows(steps[0], max(prompts)) if len(steps) == 1 else None
     if own is not None and asked <= own < rows:  # one step feeds every prompt: its own rows
         rows = own  # (it attends over them alone; insert puts them in a slot's first rows)
+    inputs = tuple(i for _, _, i in admitted)
+    given, width = slot_inputs.joined(engine, inputs)
     return Pending(
         requests,
-        tuple(r for r, _ in admitted),
-        tuple(s for _, s in admitted),
+        tuple(r for r, _, _ in admitted),
+        tuple(s for _, s, _ in admitted),
         np.zeros(n, np.int32),
         np.zeros(n, np.int32),
-        engine.cache.empty(n, engine.cache_mode.start_rows(rows)),
+        engine.cache.empty(n, engine.cache_mode.start_rows(rows), width),
         chunk=chunk,
         tables=tuple(tables),
         window=rows,
+        inputs=inputs,
+        given=put_all(given),
     )
 
 
@@ -191,13 +200,15 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
     for i, request in enumerate(pending.requests):
         start = int(pending.fed[i])
         tokens[i, : real[i]] = request.prompt[start : start + real[i]]
-    feed: dict[str, Any] = {"tokens": tokens}
+    feed: dict[str, Any] = {"tokens": tokens, **pending.given}
     if "attention_mask" in {i.name for i in engine.model.inputs}:
         feed["attention_mask"] = mode.mask(pending.lengths, size, rows)
-    axes = slots._axes(engine)
-    if axes:
-        positions = (np.arange(size)[None, :] + pending.fed[:, None]).astype(np.int32)
-        feed["position_ids"] = np.broadcast_to(positions, (3, n, size)) if axes == 3 else positions
+    each = pending.inputs or (slot_inputs.NONE,) * n
+    positions = slot_inputs.step_positions(engine, each, pending.fed, size)
+    if positions is not None:
+        feed["position_ids"] = positions
+    prompts = [r.prompt for r in pending.requests]
+    feed |= slot_inputs.step_images(engine, prompts, each, pending.fed, real, size)
     last = np.maximum(real - 1, 0).astype(np.int32)
     logits, cache = engine.compiled.steps(
         pending.cache, feed, pending.lengths, last, pending.window, real
@@ -218,8 +229,11 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
     n = len(pending.requests)
     tables = pending.tables or (None,) * n
     lengths = np.asarray(pending.lengths, np.int32)
+    deltas = [i.delta for i in pending.inputs] or [0] * n
     each = [  # host arrays: the selection's call copies them
-        slots._request_rows(engine, r_, r, lengths[i : i + 1], {}, tables[i], host=True)
+        slots._request_rows(
+            engine, r_, r, lengths[i : i + 1], {}, tables[i], host=True, delta=deltas[i]
+        )
         for i, (r_, r) in enumerate(zip(pending.requests, pending.resolved, strict=True))
     ]
     # the cache apart: not copied (one request: its rows as they are)
@@ -247,9 +261,10 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
         drafted = slots._drafted(engine, request.prompt, pending.resolved[i]["assisted"])
         drafts = dataclasses.replace(one.drafts, cache=drafted)
         cache = jax.tree.map(row, pending.cache)
+        given = {k: row(v) for k, v in pending.given.items()}
         one = dataclasses.replace(one, cache=cache, drafts=drafts)
         if pending.resolved[i]["max_new"] == 0:
-            prefixes.append(slots.Prefix(request, one, None, tables[i]))
+            prefixes.append(slots.Prefix(request, one, None, tables[i], given))
             continue
         token = slots._tokens(out, request, [i], 0, None)[0]
         token = dataclasses.replace(token, slot=0)
@@ -258,8 +273,21 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
             if stops.hit([*request.prompt, token.token]):
                 token = dataclasses.replace(token, done=True, finish_reason="stop")
                 one = dataclasses.replace(one, done=jnp.ones(1, bool))
-        prefixes.append(slots.Prefix(request, one, token, tables[i]))
+        prefixes.append(slots.Prefix(request, one, token, tables[i], given))
     return prefixes
+
+
+def _by_width(engine: Engine, requests: Sequence[slots.Request]) -> list[list[int]]:
+    """The requests in groups of one encoder width, where the decoder cannot pad them (takes
+    no encoder_attention_mask); else one group."""
+    if not engine.given or slot_inputs.MASK in engine.given or len(requests) < 2:
+        return [list(range(len(requests)))]
+    name, groups = engine.given[0], {}
+    for i, request in enumerate(requests):
+        given = (request.inputs or {}).get(name)
+        key = None if given is None else np.shape(given)[slot_inputs.encoder_axis(name)]
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
 
 
 def prefill_many(engine: Engine, requests: Sequence[slots.Request]) -> list[slots.Prefix]:
@@ -267,6 +295,13 @@ def prefill_many(engine: Engine, requests: Sequence[slots.Request]) -> list[slot
     grow cache whose rows share one padding, one prompt after another)."""
     if len(requests) > 1 and not engine.cache_mode.shared:
         return [p for request in requests for p in prefill_many(engine, [request])]
+    groups = _by_width(engine, requests)
+    if len(groups) > 1:  # encoder outputs of other widths and no mask to pad them
+        done: dict[int, slots.Prefix] = {}
+        for members in groups:
+            done |= dict(zip(members, prefill_many(engine, [requests[i] for i in members]),
+                             strict=True))  # fmt: skip
+        return [done[i] for i in range(len(requests))]
     pending = begin(engine, requests)
     while not pending.done:
         pending = advance(engine, pending)

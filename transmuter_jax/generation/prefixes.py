@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import prefill as prefills
-from . import slots
+from . import slot_inputs, slots
 from .errors import GenerationError
 
 if TYPE_CHECKING:
@@ -313,9 +313,12 @@ def written(pending: prefills.Pending, row: int, size: int = BLOCK) -> int:
 
 def blocks_apply(engine: Engine) -> bool:
     """Whether the engine's prompt steps may be padded to :data:`BLOCK` tokens (its rule pads
-    to buckets; else :class:`PrefixCache` cannot run its prompts)."""
+    to buckets; else :class:`PrefixCache` cannot run its prompts) and its rows depend on the
+    prompt's tokens alone (no request's own inputs: an encoder's, images)."""
     mode, rule = engine.cache_mode, engine.spec.prefill
     if not mode.rows_first:  # a grow cache's valid rows come last: no stored rows to put back
+        return False
+    if slot_inputs.takes(engine):
         return False
     return mode.prompt_step(BLOCK, rule) == BLOCK and mode.prompt_step(BLOCK - 1, rule) == BLOCK
 

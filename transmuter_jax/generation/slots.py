@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -25,7 +26,7 @@ import numpy as np
 from .. import hub
 from ..runtime.jit import jit_options, put, put_all
 from ..runtime.stored import AutoStoredJit, storable
-from . import constraints
+from . import constraints, slot_inputs
 from . import drafts as drafting
 from .cache import PREFILL_CAP, bucket
 from .decode import end_of_row
@@ -74,6 +75,10 @@ class Request:
             :class:`~.constraints.Constraint` or a mapping of one option (``{"regex": ...}``,
             ``{"choice": [...]}``, ``{"json_schema": ...}``); a finite one whose device table
             equals llguidance's masks (a regex, a choice), or None.
+        inputs: the request's own inputs, one row each, as generate()'s (docs/engine.md):
+            an encoder-decoder's given inputs (``encoder_hidden_states`` [1, rows, H], ...),
+            ``image_features`` [image tokens, H], M-RoPE ``position_ids`` [3, prompt]; kept
+            as read-only copies.
     """
 
     prompt: tuple[int, ...]
@@ -97,9 +102,18 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_new_tokens: int = 0
     constraint: Any = None
+    inputs: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if self.inputs is not None:
+            if not isinstance(self.inputs, Mapping):
+                raise GenerationError(
+                    f"inputs must be a mapping of input names to arrays, got "
+                    f"{type(self.inputs).__name__}"
+                )
+            frozen = {str(k): _frozen(v) for k, v in self.inputs.items()}
+            fix("inputs", types.MappingProxyType(frozen))
         fix("constraint", constraints.of(self.constraint))
         fix("prompt", tuple(int(t) for t in self.prompt))
         if self.eos_token_id is not None:
@@ -118,6 +132,15 @@ class Request:
             raise GenerationError("a request needs a prompt of at least one token")
         if self.top_logprobs < 0 or (self.max_new_tokens is not None and self.max_new_tokens < 0):
             raise GenerationError("max_new_tokens and top_logprobs must not be negative")
+
+
+def _frozen(value: Any) -> np.ndarray:
+    """A read-only copy of ``value`` (the caller's array is neither kept nor changed)."""
+    array = np.array(value)
+    if array.dtype == object:
+        raise GenerationError(f"a request's input must be a numeric array, got {value!r:.60}")
+    array.flags.writeable = False
+    return array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +262,7 @@ class Prefix:
     rows: Rows_
     first: Token | None
     table: constraints.TokenTable | None = None
+    given: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # batch 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -257,6 +281,7 @@ class SlotState:
     capacity: int
     top_logprobs: int
     table: constraints.TokenTable | None = None  # the live slots' constraint tables, joined
+    given: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # [B, ...] per slot
 
     @property
     def live_table(self) -> constraints.TokenTable | None:
@@ -298,8 +323,11 @@ def check(engine: Engine) -> None:
         )
     if any(not isinstance(p, str) for p in spec.processors):
         raise GenerationError("a task's own processors need a program of their own: generate()")
-    if spec.given or spec.embed is not None or spec.image_token is not None:
-        raise GenerationError("slots run decoder-only text prompts (no given inputs, no images)")
+    if options.encoder_ids:
+        raise GenerationError(
+            "encoder_repetition_penalty and encoder_no_repeat_ngram_size read the encoder's ids "
+            "on the host: use generate()"
+        )
     if options.num_return_sequences > 1:
         raise GenerationError("num_return_sequences > 1 needs generate()")
     if engine.placement is not None:
@@ -584,12 +612,17 @@ def _chunk(engine: Engine, rows: int, k: int, size: int):
     def make():
         one = _step_function(engine, rows, k)
 
-        def run(params, state_rows: Rows_, limit, table):
-            return run_steps(one, size, k, params, state_rows, limit, table=table)
+        def run(params, embed_params, state_rows: Rows_, given, limit, table):
+            extra = {"table": table, "embed_params": embed_params, "given": given}
+            return run_steps(one, size, k, params, state_rows, limit, **extra)
 
-        return jax.jit(run, donate_argnums=(1,), **jit_options(dict(engine.jit_options)))
+        return jax.jit(run, donate_argnums=(2,), **jit_options(dict(engine.jit_options)))
 
     return program(key, make, engine.compiled.steps.held)
+
+
+def _embed_params(engine: Engine) -> dict:
+    return engine.embed.params if engine.embed is not None else {}
 
 
 def _own(engine: Engine) -> frozenset[str]:
@@ -763,6 +796,7 @@ def _empty(engine: Engine, batch: int, capacity: int, held: int | None = None) -
         min_new=i(0),
         constraint=i(-1),
         drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity), host=True),
+        delta=i(0) if _axes(engine) == 3 else None,
     )
     return put_all(rows)  # one copy of the host arrays
 
@@ -804,6 +838,8 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
     ngram = pick(request.max_matching_ngram_size, o.max_matching_ngram_size)
     ngram = NGRAM_DEFAULT if ngram is None else ngram
     refusal = engine.cache_mode.draft_refusal() if lookup else ""
+    if lookup and slot_inputs.takes(engine):
+        refusal = "it takes given inputs, images or M-RoPE positions, which drafts do not"
     if refusal:
         raise GenerationError(
             f"speculative decoding (prompt_lookup_num_tokens, num_assistant_tokens) cannot run "
@@ -830,10 +866,12 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
     )
 
 
-def _admit(engine: Engine, request: Request) -> tuple[dict[str, Any], StopStrings | None]:
-    """``request``'s resolved options and stop strings; raises GenerationError for a request
-    the engine cannot take (bad ids, options, top_logprobs, logit_bias, stop strings without
-    texts)."""
+def _admit(
+    engine: Engine, request: Request
+) -> tuple[dict[str, Any], StopStrings | None, slot_inputs.Inputs]:
+    """``request``'s resolved options, stop strings and inputs; raises GenerationError for a
+    request the engine cannot take (bad ids, options, top_logprobs, logit_bias, stop strings
+    without texts, inputs it does not take or lacks)."""
     check(engine)
     if not isinstance(request, Request):
         raise GenerationError(f"prefill takes a Request, got {type(request).__name__}")
@@ -855,7 +893,10 @@ def _admit(engine: Engine, request: Request) -> tuple[dict[str, Any], StopString
         if engine.spec.token_texts is None:
             raise GenerationError("stop strings need token texts: context(tokenizer=...)")
         stops = StopStrings(request.stop_strings, engine.spec.token_texts)
-    return r, stops
+    inputs = slot_inputs.NONE
+    if request.inputs or engine.given:
+        inputs = slot_inputs.of(engine, request.prompt, request.inputs)
+    return r, stops, inputs
 
 
 def prefill(
@@ -869,7 +910,13 @@ def prefill(
     (0 < n < the prompt's length); only the rest of the prompt runs (see :mod:`.prefixes`).
     """
     capacity = engine.slot_capacity
-    r, stops = _admit(engine, request)
+    r, stops, inputs = _admit(engine, request)
+    if inputs is not slot_inputs.NONE:  # its own inputs: the prefill of several requests
+        if past is not None:
+            raise GenerationError("a request with inputs (an encoder's, images) takes no past")
+        from .prefill import prefill_many  # it builds on this module
+
+        return prefill_many(engine, [request])[0]
     prompt = list(request.prompt)
     start = 0 if past is None else int(past[1])
     if not 0 <= start < len(prompt):
@@ -922,10 +969,12 @@ def _request_rows(
     drafted: dict[str, jax.Array] | None = None,
     *,
     host: bool = False,
+    delta: int = 0,
 ) -> Rows_:
     """The device rows (batch 1) of ``request`` after its prompt: ``r`` its resolved options,
     ``lengths`` [1] its cached tokens, ``cache`` its cache, ``table`` its constraint's table
-    (its state 0; None: no constraint), ``drafted`` the draft model's cache of the prompt.
+    (its state 0; None: no constraint), ``drafted`` the draft model's cache of the prompt,
+    ``delta`` its M-RoPE positions' offset.
     ``host``: the host arrays as they are (numpy), for a jitted call that copies them itself
     (its own copy of ~30 small arrays is ~1.5 ms faster than ``device_put``'s)."""
     capacity, prompt = engine.slot_capacity, request.prompt
@@ -973,6 +1022,7 @@ def _request_rows(
             cache=drafted or {},
             host=True,
         ),  # fmt: skip
+        delta=one(delta, np.int32) if _axes(engine) == 3 else None,
     )
     return rows if host else put_all(rows)  # one copy of the host arrays
 
@@ -1081,8 +1131,15 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
     done = prefix.first is None or prefix.first.done
     if prefix.first is not None and not prefix.first.eos:
         tokens.append(prefix.first.token)
+    one, own_given = prefix.rows, prefix.given
+    if own_given or state.given:  # one encoder width for the slots' given inputs and cross cache
+        given, cache, own_given, own_cache = slot_inputs.fitted(
+            engine, state.given, state.rows.cache, own_given, one.cache, len(state.hosts)
+        )
+        rows = dataclasses.replace(state.rows, cache=cache)
+        state = dataclasses.replace(state, rows=rows, given=given)
+        one = dataclasses.replace(one, cache=own_cache)
     state, offset = _joined(state, slot, prefix.table)
-    one = prefix.rows
     if prefix.table is not None:  # its state in the slots' table (a host row's: its handle)
         c = one.constraint
         one = dataclasses.replace(one, constraint=jnp.where(c >= 0, c + offset, c))
@@ -1096,7 +1153,10 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
         if given > target or (given < target and engine.cache_mode.padded):
             one = dataclasses.replace(one, cache=_resized_cache(engine, one.cache, target))
     _release(state, slot)
-    rows = _insert_function(jit_key(engine.jit_options))(state.rows, one, jnp.int32(slot))
+    put_in = _insert_function(jit_key(engine.jit_options))
+    rows = put_in(state.rows, one, jnp.int32(slot))
+    if own_given:
+        state = dataclasses.replace(state, given=put_in(state.given, own_given, jnp.int32(slot)))
     if done:
         rows = dataclasses.replace(rows, done=rows.done.at[slot].set(True))
     window = tuple(tokens[-window:]) if window else ()
@@ -1215,7 +1275,8 @@ def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, l
     padded = (window,) if engine.compiled.padded else ()
     engine.compiled.steps.shapes.add((1, window, True) + padded)  # the decode shape it runs
     run = _chunk(engine, window, state.top_logprobs, size)
-    rows, out = run(engine.model.params, state.rows, np.int32(steps), state.live_table)
+    params, embed = engine.model.params, _embed_params(engine)
+    rows, out = run(params, embed, state.rows, state.given, np.int32(steps), state.live_table)
     return read(state, rows, jax.device_get(out))
 
 
@@ -1227,7 +1288,8 @@ def warm(engine: Engine, state: SlotState, steps: int) -> SlotState:
     for window in windows(state.capacity):
         state = resized(engine, state, window)
         run = _chunk(engine, window, state.top_logprobs, size)
-        rows, _ = run(engine.model.params, state.rows, np.int32(0), state.live_table)
+        params, embed = engine.model.params, _embed_params(engine)
+        rows, _ = run(params, embed, state.rows, state.given, np.int32(0), state.live_table)
         state = dataclasses.replace(state, rows=rows)
     return state
 
