@@ -421,6 +421,15 @@ def test_random_sequences_in_a_grow_cache_equal_solo_runs(ops, workdir):
     _random_sequence("gemma3-optimum", ops, workdir)
 
 
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=_OPS)
+def test_random_sequences_of_requests_with_encoder_outputs_equal_solo_runs(ops, workdir):
+    """The same with Marian's requests, each with its encoder's outputs (of other widths)."""
+    _random_sequence("marian-optimum", ops, workdir)
+
+
 def _random_sequence(name, ops, workdir):
     eng = engine(name, workdir)
     reqs = list(requests(name).values())
@@ -471,3 +480,85 @@ def test_per_request_stop_strings_equal_transformers(name, workdir):
 class _Texts:
     def __init__(self, texts):
         self.token_texts = texts
+
+
+def test_a_decoder_given_the_encoders_cross_cache_refuses_slots_saying_why(workdir):
+    """onnxruntime-genai's Whisper decoder takes the encoder's cross-attention cache as given
+    inputs, and its MultiHeadAttention keeps exact cache lengths: no slots, and the error says
+    why (generate() runs it, tests/test_genai_whisper.py)."""
+    from generation_cases import FIXTURES, load
+
+    folder = FIXTURES / "whisper-genai-fp32"
+    decoder = load(folder / "decoder.onnx")
+    names = tuple(i.name for i in decoder.inputs if "_cross_" in i.name)
+    spec = generation.context(folder, decoder, given=names, max_new_tokens=NEW)
+    eng = generation.compile(spec, 2, capacity=64)
+    with pytest.raises(ValueError, match="cannot run slots: .*MultiHeadAttention"):
+        eng.init_state()
+
+
+def test_bad_inputs_get_clear_errors_and_leave_the_slots_as_they_were(workdir):
+    eng = engine("marian-optimum", workdir)
+    prompts, inputs = inputs_of("marian-optimum")
+    with pytest.raises(ValueError, match="needs inputs"):
+        eng.prefill(Request(prompts[0]))
+    with pytest.raises(ValueError, match="not the engine's"):
+        eng.prefill(Request(prompts[0], inputs={**inputs[0], "pixel_values": np.zeros(3)}))
+    two = {k: np.concatenate([v, v]) for k, v in inputs[0].items()}
+    with pytest.raises(ValueError, match="must be one row"):
+        eng.prefill(Request(prompts[0], inputs=two))
+    with pytest.raises(ValueError, match="mapping"):
+        Request(prompts[0], inputs=[1, 2])
+    with pytest.raises(ValueError, match="drafts do not"):
+        eng.prefill(Request(prompts[0], inputs=inputs[0], prompt_lookup_num_tokens=3))
+    mine = {k: np.array(v) for k, v in inputs[0].items()}
+    before = {k: v.copy() for k, v in mine.items()}
+    request = Request(prompts[0], inputs=mine, max_new_tokens=NEW)
+    mine["encoder_hidden_states"][:] = 7.0  # the request keeps its own copy
+    assert solo(eng, request) == solo(eng, Request(prompts[0], inputs=before, max_new_tokens=NEW))
+    vision = engine("smolvlm-torch", workdir)
+    image_prompts, image_inputs = inputs_of("smolvlm-torch")
+    fewer = {"image_features": image_inputs[0]["image_features"][1:]}
+    with pytest.raises(ValueError, match="image tokens"):
+        vision.prefill(Request(image_prompts[0], inputs=fewer))
+    with pytest.raises(ValueError, match="not the engine's"):  # no M-RoPE positions here
+        vision.prefill(Request(image_prompts[0], inputs={**image_inputs[0], "position_ids": [[0]]}))
+
+
+def test_a_decoder_without_an_encoder_mask_keeps_one_encoder_width(workdir):
+    """Whisper's decoder (optimum) takes no encoder_attention_mask: a request whose encoder
+    outputs have another width cannot join the slots, and saying so leaves them running."""
+    name = "whisper-optimum"
+    eng = engine(name, workdir)
+    prompts, inputs = inputs_of(name)
+    state = eng.init_state()
+    first = eng.prefill(Request(prompts[0], inputs=inputs[0], max_new_tokens=NEW))
+    state = eng.insert(first, state, 0)
+    shorter = {k: v[:, :-1] for k, v in inputs[1].items()}
+    other = eng.prefill(Request(prompts[1], inputs=shorter, max_new_tokens=2))
+    with pytest.raises(ValueError, match="takes no encoder_attention_mask"):
+        eng.insert(other, state, 1)
+    got: dict = {}
+    _drain(eng, state, got)
+    assert _summary(first, got.get(0, [])) == solo(eng, first.request)
+
+
+def test_generate_runs_models_with_inputs_through_the_slots(workdir):
+    """generate() of an encoder-decoder or a vision model is a loop over the slots, each row's
+    inputs its request's; a processor that reads the encoder's ids keeps the host rows."""
+    from transmuter_jax.generation import loop
+
+    the_case = case("marian-optimum", "batch")
+    given, inputs = encoder_inputs("marian-optimum", the_case, [0, 1])
+    eng = engine("marian-optimum", workdir)
+    assert loop.through_slots(eng, inputs)
+    assert loop.through_slots(engine("qwen25vl-genai-fp32", workdir), {})
+    penalized = engine("marian-optimum", workdir, encoder_repetition_penalty=1.2)
+    assert not loop.through_slots(penalized, {**inputs, "encoder_input_ids": [[1], [2]]})
+    with pytest.raises(ValueError, match="encoder_repetition_penalty"):
+        penalized.init_state()
+    # its rows' inputs as requests: row 1's encoder outputs, not row 0's
+    alone = generation.generate(eng, [the_case["prompts"][1]], [0],
+                                {k: v[1:] for k, v in inputs.items()})  # fmt: skip
+    both = generation.generate(eng, the_case["prompts"][:2], [0, 0], inputs)
+    assert both[1] == alone[0] == the_case["tokens"][1][:NEW]

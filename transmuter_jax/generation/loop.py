@@ -241,7 +241,9 @@ def generate(
     if speculates or through_slots(ctx, inputs):  # a loop over the slots' API
         returns = int(ctx.options.num_return_sequences)  # each sequence a row of its own
         rows = _returns(_rows(ctx, prompts, seeds, inputs, clamp)[: len(prompts)], returns)
-        kept = slot_loop.run(ctx, [(r.prompt, r.max_new, r.seed) for r in rows], on_token)[0]
+        own = _row_inputs(ctx, rows, inputs, returns)
+        each = [(r.prompt, r.max_new, r.seed, o) for r, o in zip(rows, own, strict=True)]
+        kept = slot_loop.run(ctx, each, on_token)[0]
         return (
             kept if returns == 1 else [kept[i : i + returns] for i in range(0, len(kept), returns)]
         )
@@ -255,11 +257,11 @@ def generate(
 def through_slots(ctx: Engine, inputs: Mapping[str, Any]) -> bool:
     """Whether :func:`generate` runs as a loop over the slots' API (:mod:`.slot_loop`): where
     the slots run the specification (:func:`.slots.check`; sampling with n > 1 too: each
-    sequence in a slot of its own) and the call gives no inputs (a decoder-only model's encoder
-    ids are its prompts). Elsewhere (beam search, a task's own processors, a specification's
-    constraint, given inputs or images, a mesh, a grow cache of exact lengths) it runs its rows
-    on the host with the same step."""
-    if set(inputs) - {"encoder_input_ids"} or ctx.options.encoder_ids:
+    sequence in a slot of its own), each row's inputs (an encoder's outputs, image features,
+    M-RoPE positions) its request's. Elsewhere (beam search, a task's own processors, a
+    processor that reads the encoder's ids, a mesh, a grow cache of exact lengths) it runs its
+    rows on the host with the same step."""
+    if ctx.options.encoder_ids:
         return False
     try:
         slots.check(slot_loop.single(ctx))
@@ -807,6 +809,25 @@ def return_seed(seed: int, j: int) -> int:
     """The sampling seed of sequence ``j`` of a prompt of seed ``seed`` with num_return_sequences
     above 1: ``seed`` for j = 0, else ``(seed + j * 0x9E3779B9) mod 2**32``."""
     return int(seed) if j == 0 else (int(seed) + j * RETURN_STRIDE) & 0xFFFFFFFF
+
+
+def _row_inputs(
+    ctx: Engine, rows: list[_Row], inputs: Mapping[str, Any], returns: int
+) -> list[dict[str, Any] | None]:
+    """Each row's own inputs, as its slots' request takes them (:mod:`.slot_inputs`): row i of
+    each given input (of prompt i // ``returns``), its image tokens' features, its positions."""
+    features = inputs.get("image_features")
+    token = ctx.image_token
+    out = []
+    for i, row in enumerate(rows):
+        own: dict[str, Any] = {n: np.asarray(inputs[n])[i // returns][None] for n in ctx.given}
+        count = row.prompt.count(token) if token is not None and features is not None else 0
+        if count:
+            own["image_features"] = np.asarray(features)[row.features : row.features + count]
+        if row.positions is not None and _position_axes(ctx) == 3:
+            own["position_ids"] = row.positions
+        out.append(own or None)
+    return out
 
 
 def _returns(rows: list[_Row], returns: int) -> list[_Row]:

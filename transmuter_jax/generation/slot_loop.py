@@ -1,7 +1,7 @@
 """generate() as a loop over the slots' API: prefill_many, insert, generate.
 
 Where the slots run a specification (:func:`.slots.check`: no beam search, no task's own
-processors, no given inputs or images, no mesh, a cache whose rows can join at other lengths),
+processors, no mesh, a cache whose rows can join at other lengths),
 :func:`.loop.generate` is :func:`run`: each prompt (with num_return_sequences n > 1, each of
 its n sequences, :func:`single`) is a :class:`~.slots.Request` with the specification's
 options, its seed and its number of new tokens, in a slot of its own; the
@@ -43,12 +43,13 @@ def single(engine: Engine) -> Engine:
 
 def run(
     engine: Engine,
-    rows: Sequence[tuple[Sequence[int], int, int]],
+    rows: Sequence[tuple[Sequence[int], int, int] | tuple[Sequence[int], int, int, Any]],
     on_token: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> tuple[list[list[Any]], speculative.Stats]:
-    """generate() over the slots: each (prompt, max_new_tokens, seed) a request in a slot of
-    its own (an empty prompt or none to make: a row that gives nothing), the prompts prefilled
-    together, then the slots' decode chunks until every row is done.
+    """generate() over the slots: each (prompt, max_new_tokens, seed[, inputs]) a request in a
+    slot of its own (an empty prompt or none to make: a row that gives nothing; ``inputs``: the
+    request's own, :mod:`.slot_inputs`), the prompts prefilled together, then the slots' decode
+    chunks until every row is done.
 
     Returns each row's new tokens (as :func:`.loop.generate` gives them: without the eos id,
     with log-probabilities where the options ask) and what speculation did
@@ -56,6 +57,8 @@ def run(
     """
     constraint = constraints.from_options(engine.options)  # each row's request's
     engine = single(engine)
+    inputs = [row[3] if len(row) > 3 else None for row in rows]
+    rows = [tuple(row[:3]) for row in rows]
     options = engine.options
     need = [
         max(bucket(len(p) + n), bucket(len(p)) if len(p) <= PREFILL_CAP else bucket(len(p) + 1))
@@ -74,8 +77,11 @@ def run(
         batch_size=max(engine.batch_size, len(rows)),  # num_return_sequences: rows per prompt
         slot_capacity=capacity,
         slot_top_logprobs=options.top_logprobs,
-        slot_windows=False,
-    )  # a capacity of the call's own, read whole: one decode program, as generate() had
+        # a capacity of the call's own, read whole: one decode program, as generate() had;
+        # an encoder-decoder's calls allow the model's whole length (Whisper: 448 tokens) and
+        # end far sooner: its chunks read a window of the rows in use
+        slot_windows=bool(engine.given),
+    )
     state = None  # the slots, made when a row takes more than its first token
     n = len(rows)
     kept: list[list[Any]] = [[] for _ in rows]
@@ -93,6 +99,7 @@ def run(
             logprobs=options.logprobs,
             top_logprobs=options.top_logprobs,
             constraint=constraint,
+            inputs=inputs[i],
         )
         for i in taking
     ]

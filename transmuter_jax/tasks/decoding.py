@@ -50,10 +50,11 @@ def compiled(
     (after the others); engines of one decoder share their programs through the program cache.
     ``assistant``: a draft model's (folder, decoder, embed) for speculative decoding.
 
-    A decoder fed ``given`` inputs (an encoder's states) runs generate()'s own rows, whose padded
-    grow cache then grows 64 rows at a time (``grow_cache="buckets"``): such tasks allow the
-    model's whole length (Whisper: 448 tokens) where outputs end far sooner, and every step
-    of a cache sized for the whole length reads and moves all its rows."""
+    A decoder fed ``given`` inputs (an encoder's states) gets a padded grow cache that grows 64
+    rows at a time on the host rows' path (``grow_cache="buckets"``: beam search, timestamps):
+    such tasks allow the model's whole length (Whisper: 448 tokens) where outputs end far
+    sooner, and every step of a cache sized for the whole length reads and moves all its rows
+    (through the slots, the decode chunks read a window of the rows in use)."""
     helper = None
     if assistant is not None:
         helper = gen.context(assistant[0], assistant[1], embed=assistant[2])
