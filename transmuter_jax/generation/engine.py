@@ -94,7 +94,10 @@ class Engine:
         return slots.init(self)
 
     def prefill(self, request: slots.Request) -> slots.Prefix:
-        """Runs ``request``'s prompt alone (one padded step) and selects its first token."""
+        """Runs ``request``'s prompt alone (one padded step) and selects its first token (a
+        request with inputs of its own: as :meth:`prefill_many` runs it)."""
+        if isinstance(request, slots.Request) and (request.inputs or self.given):
+            return prefills.prefill_many(self, [request])[0]
         return slots.prefill(self, request)
 
     def prefill_many(self, requests: Sequence[slots.Request]) -> list[slots.Prefix]:

@@ -911,12 +911,11 @@ def prefill(
     """
     capacity = engine.slot_capacity
     r, stops, inputs = _admit(engine, request)
-    if inputs is not slot_inputs.NONE:  # its own inputs: the prefill of several requests
-        if past is not None:
-            raise GenerationError("a request with inputs (an encoder's, images) takes no past")
-        from .prefill import prefill_many  # it builds on this module
-
-        return prefill_many(engine, [request])[0]
+    if inputs is not slot_inputs.NONE:
+        raise GenerationError(
+            "a request with inputs of its own (an encoder's, images) runs through "
+            "engine.prefill or prefill_many, and takes no past"
+        )
     prompt = list(request.prompt)
     start = 0 if past is None else int(past[1])
     if not 0 <= start < len(prompt):
