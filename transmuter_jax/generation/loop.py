@@ -38,6 +38,7 @@ from .errors import GenerationError
 from .processors import Rows, static_masks
 from .programs import jit_key, program
 from .select import beam_selection, selection
+from .slot_inputs import axes as _position_axes
 from .steps import Steps, pad_grow
 
 OnToken = Callable[[dict[str, np.ndarray]], None]
@@ -904,13 +905,6 @@ def _states(processor, rows, vocab) -> np.ndarray:
             for r in rows
         ]
     )
-
-
-def _position_axes(ctx: Engine) -> int:
-    info = next((i for i in ctx.model.inputs if i.name == "position_ids"), None)
-    if info is None:
-        return 0
-    return 3 if info.shape is not None and len(info.shape) == 3 else 1
 
 
 def _feed(ctx, tokens, positions, state, given, axes) -> dict[str, Any]:

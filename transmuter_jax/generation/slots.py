@@ -35,6 +35,7 @@ from .options import MAX_DRAFT, MAX_NGRAM, NGRAM_DEFAULT
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
 from .select import cutoffs
+from .slot_inputs import axes as _axes
 from .stops import StopStrings
 
 if TYPE_CHECKING:
@@ -1362,13 +1363,6 @@ def read(state: SlotState, rows: Rows_, out: StepOut) -> tuple[SlotState, list[T
 def _slot(state: SlotState, slot: int) -> None:
     if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < len(state.hosts):
         raise GenerationError(f"slot must be an integer in [0, {len(state.hosts)}), got {slot!r}")
-
-
-def _axes(engine: Engine) -> int:
-    info = next((i for i in engine.model.inputs if i.name == "position_ids"), None)
-    if info is None:
-        return 0
-    return 3 if info.shape is not None and len(info.shape) == 3 else 1
 
 
 def _pad_token(engine: Engine) -> int:
