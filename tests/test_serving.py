@@ -339,6 +339,16 @@ def _lines(server) -> list[re.Match]:
     return list(LINE.finditer(server.log.read_text()))
 
 
+def _refusal(server, text: str) -> None:
+    """Waits up to 30 s for the log line of a request refused before it reached the
+    scheduler, ending in ``text`` (its status and message)."""
+    want = f"request POST /v1/chat/completions refused: {text}"
+    deadline = time.monotonic() + 30
+    while want not in server.log.read_text():
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.05)
+
+
 def _line(server, since: int, **want: str) -> re.Match:
     """The first request log line after the first ``since`` ones whose fields equal ``want``,
     waiting up to 30 s for it."""
@@ -497,6 +507,8 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     assert httpx.get(f"{server.url}/health").status_code == 200
+    # its one log line: the route, the status and the message
+    _refusal(server, f"{status} {error['message']}")
 
 
 def test_a_bounded_load_loses_nothing_and_memory_stays_flat(server):
@@ -579,6 +591,7 @@ def test_a_full_queue_gets_429(guarded):
     assert limited.json()["error"]["type"] == "rate_limit_error"
     refused = [m for m in _lines(guarded) if m["outcome"] == "refused"]
     assert refused and all(m["completion"] == "0" and m["first"] == "-" for m in refused)
+    assert "refused: 429" not in guarded.log.read_text()  # the scheduler's line, not a second
 
 
 def test_more_prompts_than_the_queue_holds_get_400(guarded):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -21,6 +22,8 @@ from sse_starlette.sse import EventSourceResponse
 from .backend import Event, Final, Submission
 from .protocol import ApiError, ChatRequest, CompletionRequest
 from .scheduler import Group, Scheduler
+
+log = logging.getLogger("transmuter_jax.serving")
 
 
 @dataclasses.dataclass
@@ -53,7 +56,12 @@ def _field(loc: Sequence[Any]) -> str | None:
     return ".".join(parts) or None
 
 
-def _error(error: ApiError) -> JSONResponse:
+def _error(error: ApiError, request: Request | None = None) -> JSONResponse:
+    """OpenAI's error body; with ``request``, the refusal's one log line (a request the
+    scheduler refused has its own)."""
+    if request is not None:
+        log.info("request %s %s refused: %d %s", request.method, request.url.path,
+                 error.status, error.message)  # fmt: skip
     return JSONResponse(error.body(), status_code=error.status)
 
 
@@ -64,7 +72,7 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return _error(error)
+        return _error(error, None if getattr(error, "logged", False) else request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -73,10 +81,11 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None)
             return _error(
                 ApiError(
                     400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json"
-                )
+                ),
+                request,
             )
         param = _field(first.get("loc", ()))
-        return _error(ApiError(400, f"{param}: {first.get('msg')}", param=param))
+        return _error(ApiError(400, f"{param}: {first.get('msg')}", param=param), request)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
@@ -89,13 +98,15 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None)
                         "a missing or wrong API key (give it as 'Authorization: Bearer KEY')",
                         type="authentication_error",
                         code="invalid_api_key",
-                    )
+                    ),
+                    request,
                 )
                 metrics.requests.labels(path, "401").inc()
                 return response
         try:
             response = await call_next(request)
         except Exception as error:  # noqa: BLE001 - the server keeps serving
+            log.exception("request %s %s failed", request.method, path)
             response = _error(ApiError(500, f"internal error: {error}", type="server_error"))
         if path.startswith("/v1/"):
             metrics.requests.labels(path, str(response.status_code)).inc()

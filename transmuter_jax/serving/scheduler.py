@@ -161,8 +161,9 @@ class Scheduler:
             for index, submission in enumerate(group.submissions):
                 self._admit()
                 group.jobs.append(Job(group, index, submission))
-        except BaseException:
-            group._refuse()
+        except BaseException as error:
+            group._refuse()  # its log line
+            error.logged = True  # type: ignore[attr-defined]
             raise
         self.metrics.prompt_tokens.inc(sum(len(s.prompt) for s in group.submissions))
         return group
