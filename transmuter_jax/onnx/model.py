@@ -43,7 +43,7 @@ from .errors import (
     TransmuterError,
     UnsupportedOpError,
 )
-from .registry import registered
+from .registry import DEFAULT_DOMAINS, canonical_domain, registered
 from .trace import (
     Graph,
     HostSplit,
@@ -230,7 +230,7 @@ class Model:
         folder = os.path.dirname(os.path.abspath(path))
         opsets = {}
         for entry in proto.opset_import:
-            domain = "" if entry.domain in ("", "ai.onnx") else entry.domain
+            domain = canonical_domain(entry.domain)
             opsets[domain] = entry.version
         graph = proto.graph
         available = [o.name for o in graph.output]
@@ -561,7 +561,7 @@ class Model:
             if node.op_type in _PRODUCTS and node.input[0] == moving[0]:
                 found = (moving[0], tail)
                 break
-            if node.op_type not in _ELEMENTWISE or node.domain not in ("", "ai.onnx"):
+            if node.op_type not in _ELEMENTWISE or node.domain not in DEFAULT_DOMAINS:
                 break
             name = moving[0]
         if self._split is not None:
@@ -674,7 +674,7 @@ def _find_indexing(
             inner = {k: v for k, v in sources.items() if k not in shadowed}
             inner_dims = {**dims, **{t.name: tuple(t.dims) for t in sub.initializer}}
             _find_indexing(sub, inner_dims, inner, limits)
-        domain = node.domain if node.domain not in ("", "ai.onnx") else ""
+        domain = canonical_domain(node.domain)
         if domain == "" and node.op_type in _SAME_VALUES and node.input:
             source = sources.get(node.input[0])
             if source is not None:

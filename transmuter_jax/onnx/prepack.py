@@ -25,6 +25,7 @@ import numpy as np
 from onnx import GraphProto, NodeProto, TensorProto, helper
 
 from ..runtime import switch
+from .registry import DEFAULT_DOMAINS
 from .trace import node_inputs, outer_names, subgraphs
 
 DOMAIN = "transmuter_jax"
@@ -137,7 +138,7 @@ def _fixed(graph: GraphProto) -> set[str]:
 
 
 def _default_domain(node: NodeProto) -> bool:
-    return node.domain in ("", "ai.onnx")
+    return node.domain in DEFAULT_DOMAINS
 
 
 def _w_transposed(use: _Use) -> bool | None:

@@ -23,6 +23,7 @@ from onnx import GraphProto, NodeProto, helper, numpy_helper
 
 from .model import Model
 from .products import attr, linear
+from .registry import DEFAULT_DOMAINS
 from .trace import subgraphs
 
 _LINEAR = ("MatMul", "Gemm", "MatMulNBits")
@@ -101,9 +102,11 @@ class _Rewriter:
                 node = self.producer.get(value)
         if node is None or node.op_type not in _LINEAR or not self._only(value):
             return None, None, None
-        if node.domain not in ("", "ai.onnx", "com.microsoft") or linear(node, self.shapes) is None:
+        if node.domain not in (*DEFAULT_DOMAINS, "com.microsoft"):
             return None, None, None
         info = linear(node, self.shapes)
+        if info is None:
+            return None, None, None
         if info.weight not in self.params or not self._cuttable(node, info):
             return None, None, None
         return node, add, reshape
