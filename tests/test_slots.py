@@ -509,6 +509,12 @@ def test_bad_inputs_get_clear_errors_and_leave_the_slots_as_they_were(workdir):
         eng.prefill(Request(prompts[0], inputs=two))
     with pytest.raises(ValueError, match="mapping"):
         Request(prompts[0], inputs=[1, 2])
+    words = {**inputs[0], "encoder_attention_mask": np.array([["a", "b"]])}
+    with pytest.raises(ValueError, match="must be numbers"):
+        eng.prefill(Request(prompts[0], inputs=words))
+    narrow = {**inputs[0], "encoder_hidden_states": inputs[0]["encoder_hidden_states"][..., :3]}
+    with pytest.raises(ValueError, match="the decoder takes"):
+        eng.prefill(Request(prompts[0], inputs=narrow))
     with pytest.raises(ValueError, match="drafts do not"):
         eng.prefill(Request(prompts[0], inputs=inputs[0], prompt_lookup_num_tokens=3))
     mine = {k: np.array(v) for k, v in inputs[0].items()}

@@ -98,15 +98,16 @@ def of(engine: Engine, prompt: Sequence[int], inputs: Mapping[str, Any] | None) 
             f"the request needs inputs {missing} (the encoder's outputs, one row), which the "
             "specification says are given"
         )
-    dtypes = {i.name: device_dtype(np.dtype(i.dtype)) for i in engine.model.inputs}
+    infos = {i.name: i for i in engine.model.inputs}
     arrays, widths = {}, set()
     for name in given:
-        a = np.asarray(inputs[name])
+        a = _numeric(name, inputs[name])
         if a.ndim < 2 or a.shape[0] != 1:
             raise GenerationError(
                 f"input {name!r} must be one row (a leading axis of 1), got shape {a.shape}"
             )
-        arrays[name] = a.astype(dtypes[name])
+        _check_shape(name, a, infos[name].shape)
+        arrays[name] = a.astype(device_dtype(np.dtype(infos[name].dtype)))
         widths.add(a.shape[encoder_axis(name)])
     if len(widths) > 1:
         raise GenerationError(f"the given inputs have encoder rows of different lengths {widths}")
@@ -119,10 +120,32 @@ def of(engine: Engine, prompt: Sequence[int], inputs: Mapping[str, Any] | None) 
     return Inputs(arrays, width, features, positions, delta)
 
 
+def _numeric(name: str, value: Any) -> np.ndarray:
+    a = np.asarray(value)
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+        raise GenerationError(f"input {name!r} must be numbers, got an array of {a.dtype}")
+    return a
+
+
+def _check_shape(name: str, a: np.ndarray, declared: Any) -> None:
+    """Raises GenerationError where ``a`` has another rank or fixed size than the decoder's
+    input ``name`` declares (besides the batch and the encoder's rows)."""
+    if declared is None:
+        return
+    axis = encoder_axis(name)
+    wrong = len(declared) != a.ndim or any(
+        isinstance(d, int) and i not in (0, axis) and d != a.shape[i]
+        for i, d in enumerate(declared)
+    )
+    if wrong:
+        shown = tuple(d if isinstance(d, int) else str(d) for d in declared)
+        raise GenerationError(f"input {name!r} has shape {a.shape}; the decoder takes {shown}")
+
+
 def _features(engine: Engine, prompt: Sequence[int], given: Any) -> np.ndarray | None:
     if given is None:
         return None
-    features = np.asarray(given)
+    features = _numeric(FEATURES, given)
     count = list(prompt).count(engine.image_token)
     if features.ndim != 2 or features.shape[0] != count:
         raise GenerationError(
@@ -135,7 +158,7 @@ def _features(engine: Engine, prompt: Sequence[int], given: Any) -> np.ndarray |
 def _positions(engine: Engine, prompt: Sequence[int], given: Any) -> tuple[np.ndarray | None, int]:
     if given is None:
         return None, 0
-    positions = np.asarray(given)
+    positions = _numeric(POSITIONS, given)
     n = axes(engine)
     if positions.ndim == 3 and positions.shape[1] == 1:  # [axes, 1, prompt]: one row
         positions = positions[:, 0]
