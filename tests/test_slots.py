@@ -515,7 +515,7 @@ def test_bad_inputs_get_clear_errors_and_leave_the_slots_as_they_were(workdir):
     narrow = {**inputs[0], "encoder_hidden_states": inputs[0]["encoder_hidden_states"][..., :3]}
     with pytest.raises(ValueError, match="the decoder takes"):
         eng.prefill(Request(prompts[0], inputs=narrow))
-    with pytest.raises(ValueError, match="drafts do not"):
+    with pytest.raises(ValueError, match="drafts' steps do not"):
         eng.prefill(Request(prompts[0], inputs=inputs[0], prompt_lookup_num_tokens=3))
     mine = {k: np.array(v) for k, v in inputs[0].items()}
     before = {k: v.copy() for k, v in mine.items()}
@@ -523,6 +523,8 @@ def test_bad_inputs_get_clear_errors_and_leave_the_slots_as_they_were(workdir):
     mine["encoder_hidden_states"][:] = 7.0  # the request keeps its own copy
     assert solo(eng, request) == solo(eng, Request(prompts[0], inputs=before, max_new_tokens=NEW))
     vision = engine("smolvlm-torch", workdir)
+    with pytest.raises(ValueError, match="embedding model, which the drafts' steps do not"):
+        vision.prefill(Request(inputs_of("smolvlm-torch")[0][1], prompt_lookup_num_tokens=2))
     image_prompts, image_inputs = inputs_of("smolvlm-torch")
     fewer = {"image_features": image_inputs[0]["image_features"][1:]}
     with pytest.raises(ValueError, match="image tokens"):

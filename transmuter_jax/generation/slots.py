@@ -839,8 +839,11 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
     ngram = pick(request.max_matching_ngram_size, o.max_matching_ngram_size)
     ngram = NGRAM_DEFAULT if ngram is None else ngram
     refusal = engine.cache_mode.draft_refusal() if lookup else ""
-    if lookup and slot_inputs.takes(engine):
-        refusal = "it takes given inputs, images or M-RoPE positions, which drafts do not"
+    if lookup and (slot_inputs.takes(engine) or engine.spec.embed is not None):
+        refusal = (
+            "it takes given inputs, images, M-RoPE positions or an embedding model, which the "
+            "drafts' steps do not"
+        )
     if refusal:
         raise GenerationError(
             f"speculative decoding (prompt_lookup_num_tokens, num_assistant_tokens) cannot run "
