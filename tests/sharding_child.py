@@ -120,6 +120,51 @@ def run_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
     return results
 
 
+def slots_case(spec: dict, tmp: pathlib.Path) -> list[dict]:
+    """The slots on one device and on each mesh: three requests (greedy, seeded sampling, a
+    penalty; an encoder-decoder's each with its own encoder outputs) joining at other steps.
+    Reports each request's tokens and log-probabilities and the slots' cache specs."""
+    name = spec["fixture"]
+    the_case = case(name, "batch")
+    prompts = the_case["prompts"]
+    given = encoder_inputs(name, the_case, [0])[0]
+    own = [encoder_inputs(name, the_case, [i])[1] or None for i in range(3)]
+    ctx = context(name, tmp, given=given, max_new_tokens=6)
+    options = [dict(logprobs=True), dict(do_sample=True, seed=5, logprobs=True),
+               dict(repetition_penalty=1.3, logprobs=True)]  # fmt: skip
+
+    def run(engine):
+        state, got, firsts = engine.init_state(), {}, []
+        for i, extra in enumerate(options):
+            prefix = engine.prefill(generation.Request(prompts[i], inputs=own[i], **extra))
+            firsts.append(prefix.first)
+            state = engine.insert(prefix, state, 2 * i)
+            state, tokens = engine.generate(state, 2)
+            for t in tokens:
+                got.setdefault(t.slot, []).append(t)
+        while state.live_slots:
+            state, tokens = engine.generate(state, 3)
+            for t in tokens:
+                got.setdefault(t.slot, []).append(t)
+        rows = [[firsts[i], *got.get(2 * i, [])] for i in range(3)]
+        cache = {k: _spec(getattr(v.sharding, "spec", ())) for k, v in state.rows.cache.items()}
+        return [[t.token for t in r] for r in rows], [[t.logprob for t in r] for r in rows], cache
+
+    single, single_lp, _ = run(generation.compile(ctx, BATCH, capacity=128))
+    results = []
+    for model, data in spec["meshes"]:
+        mesh = sharding.make_mesh(model=model, data=data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = generation.compile(ctx, BATCH, capacity=128, mesh=mesh, shard_small=0)
+        tokens, logprobs, cache = run(engine)
+        placed = {k: _spec(v) for k, v in engine.placement.cache.items()}
+        results.append({"fixture": name, "mesh": [model, data], "single": single,
+                        "tokens": tokens, "logprob_gap": _gap(single_lp, logprobs),
+                        "cache": cache, "placement": placed})  # fmt: skip
+    return results
+
+
 def _gap(a: list, b: list) -> float:
     """The largest difference of two runs' log-probabilities (their tokens are equal)."""
     return max((abs(x - y) for r, q in zip(a, b, strict=True) for x, y in zip(r, q, strict=True)),
@@ -299,6 +344,8 @@ def main() -> None:
                 out["unrecognised"] = unrecognised(pathlib.Path(tmp))
             elif spec in ("pipelines", "kernels_on"):
                 out[spec] = globals()[spec]()
+            elif spec.get("slots"):
+                out.setdefault("slots", []).extend(slots_case(spec, pathlib.Path(tmp)))
             else:
                 out["cases"].extend(run_case(spec, pathlib.Path(tmp)))
     print("RESULT " + json.dumps(out))

@@ -356,6 +356,38 @@ def test_two_processes_give_single_device_tokens():
         assert result["together"] == result["alone"]
 
 
+def test_slots_on_a_mesh_give_single_device_tokens():
+    """Requests joining the slots at other steps get their single-device tokens and
+    log-probabilities on meshes of model and data axes (a text decoder, and Marian's requests
+    with their own encoder outputs in a padded grow cache); the slots' cache stays split."""
+    meshes = [[2, 4], [8, 1]]
+    cases = [{"fixture": f, "meshes": meshes, "slots": True}
+             for f in ("llama-optimum", "marian-optimum")]  # fmt: skip
+    results = _run(cases)["slots"]
+    assert len(results) == 4
+    for r in results:
+        assert r["tokens"] == r["single"], (r["fixture"], r["mesh"])
+        assert r["logprob_gap"] < 1e-4, (r["fixture"], r["mesh"], r["logprob_gap"])
+        # the self-attention cache as generate() places it (split on "model" where the heads
+        # divide it, on "data" by rows)
+        own = {k: v for k, v in r["cache"].items() if "encoder" not in k}
+        assert {k: _norm(v) for k, v in own.items()} == {k: _norm(r["placement"][k]) for k in own}
+    assert any("model" in v for r in results for v in r["placement"].values())
+
+
+def test_a_mesh_of_several_processes_refuses_slots_saying_why(tmp_path):
+    """The host reads every slot's tokens: slots run on a mesh of one process."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    devices = np.array([SimpleNamespace(process_index=i) for i in (0, 1)])
+    placement = SimpleNamespace(mesh=SimpleNamespace(devices=devices))
+    engine = generation.compile(context("llama-optimum", tmp_path), 2)
+    spanning = dataclasses.replace(engine, placement=placement)
+    with pytest.raises(ValueError, match="a mesh of one process"):
+        spanning.init_state()
+
+
 def test_overrides_win_over_the_rules(tmp_path):
     """An override replaces the rules' spec (or replication); a wrong one names itself."""
     ctx = _stored("llama-optimum", tmp_path)

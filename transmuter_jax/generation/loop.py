@@ -261,8 +261,8 @@ def through_slots(ctx: Engine, inputs: Mapping[str, Any]) -> bool:
     sequence in a slot of its own), each row's inputs (an encoder's outputs, image features,
     M-RoPE positions) its request's. Elsewhere (beam search, a task's own processors, a
     processor that reads the encoder's ids, a mesh, a grow cache of exact lengths) it runs its
-    rows on the host with the same step."""
-    if ctx.options.encoder_ids:
+    rows on the host with the same step (the slots run on a mesh: docs/engine.md)."""
+    if ctx.options.encoder_ids or ctx.placement is not None:
         return False
     try:
         slots.check(slot_loop.single(ctx))

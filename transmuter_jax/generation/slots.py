@@ -331,8 +331,12 @@ def check(engine: Engine) -> None:
         )
     if options.num_return_sequences > 1:
         raise GenerationError("num_return_sequences > 1 needs generate()")
-    if engine.placement is not None:
-        raise GenerationError("slots run without a mesh for now: use generate()")
+    placement = engine.placement
+    if placement is not None and len({d.process_index for d in placement.mesh.devices.flat}) > 1:
+        raise GenerationError(
+            "slots run on a mesh of one process (the host reads every slot's tokens): use "
+            "generate() on a mesh that spans processes"
+        )
     if engine.assistant is not None:
         for who, one in (("model", engine), ("assistant model", engine.assistant)):
             refusal = one.cache_mode.slot_refusal() or one.cache_mode.draft_refusal()
@@ -764,6 +768,8 @@ def init(engine: Engine) -> SlotState:
     check(engine)
     capacity = engine.slot_capacity
     rows = _empty(engine, engine.batch_size, capacity, window_of(1, capacity))
+    if engine.placement is not None:  # the cache split over the mesh, as generate() places it
+        rows = dataclasses.replace(rows, cache=engine.placement.place_cache(rows.cache))
     return SlotState(rows, (None,) * engine.batch_size, capacity, engine.slot_top_logprobs)
 
 
@@ -844,6 +850,8 @@ def _resolved(engine: Engine, request: Request) -> dict[str, Any]:
             "it takes given inputs, images, M-RoPE positions or an embedding model, which the "
             "drafts' steps do not"
         )
+    if lookup and engine.placement is not None:
+        refusal = "it runs on a mesh, and drafts run on one device"
     if refusal:
         raise GenerationError(
             f"speculative decoding (prompt_lookup_num_tokens, num_assistant_tokens) cannot run "

@@ -468,6 +468,11 @@ def check(engine: Engine, inputs: dict[str, Any]) -> None:
             f"a mask hides (in_place or append), and {engine.spec.model.path!r} has a grow "
             f"cache: {refusal}. Generate without prompt_lookup_num_tokens"
         )
+    if engine.placement is not None:
+        raise GenerationError(
+            "prompt_lookup_num_tokens (speculative decoding) runs on one device: generate "
+            "without it on a mesh"
+        )
     try:
         slots.check(engine)
     except GenerationError as error:
