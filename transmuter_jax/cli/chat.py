@@ -85,13 +85,18 @@ def run(args: argparse.Namespace, notice: CompileNotice) -> int:
         first = not any(m["role"] == "user" for m in history)  # the images come with it
         history.append(message("user", line, first))
         answer = []
+        stream = pipe.stream(history, seed=args.seed, **options)
         try:
-            for piece in pipe.stream(history, seed=args.seed, **options):
+            for piece in stream:
                 answer.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:
             sys.stdout.write(" [stopped]")
+        finally:  # Ctrl-C while a piece is written too: its generation stops here
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
         sys.stdout.write("\n")
         sys.stdout.flush()
         notice.report()

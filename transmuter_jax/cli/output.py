@@ -74,12 +74,19 @@ def record(result: Any, index: int | None = None, **head: Any) -> dict[str, Any]
 
 
 def write_line(pieces: Iterable[str]) -> int:
-    """Writes streamed pieces to stdout as they come, then a newline; returns their count."""
+    """Writes streamed pieces to stdout as they come, then a newline; returns their count.
+    The stream is closed however this ends (Ctrl-C while a piece is written included): its
+    generation stops before the process exits."""
     count = 0
-    for piece in pieces:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-        count += 1
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            count += 1
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()
     sys.stdout.write("\n")
     sys.stdout.flush()
     return count
