@@ -282,11 +282,10 @@ def _by_width(engine: Engine, requests: Sequence[slots.Request]) -> list[list[in
     no encoder_attention_mask); else one group."""
     if not engine.given or slot_inputs.MASK in engine.given or len(requests) < 2:
         return [list(range(len(requests)))]
-    name, groups = engine.given[0], {}
+    groups: dict[int, list[int]] = {}
     for i, request in enumerate(requests):
-        given = (request.inputs or {}).get(name)
-        key = None if given is None else np.shape(given)[slot_inputs.encoder_axis(name)]
-        groups.setdefault(key, []).append(i)
+        given = {n: a for n, a in (request.inputs or {}).items() if n in engine.given}
+        groups.setdefault(slot_inputs.width(given), []).append(i)
     return list(groups.values())
 
 
