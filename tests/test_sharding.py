@@ -381,7 +381,9 @@ def test_a_mesh_of_several_processes_refuses_slots_saying_why(tmp_path):
     from types import SimpleNamespace
 
     devices = np.array([SimpleNamespace(process_index=i) for i in (0, 1)])
-    placement = SimpleNamespace(mesh=SimpleNamespace(devices=devices))
+    mesh = SimpleNamespace(devices=devices)
+    placement = sharding.Placement(mesh, None, {})  # a mesh whose devices span 2 processes
+    assert placement.processes == 2
     engine = generation.compile(context("llama-optimum", tmp_path), 2)
     spanning = dataclasses.replace(engine, placement=placement)
     with pytest.raises(ValueError, match="a mesh of one process"):

@@ -331,8 +331,7 @@ def check(engine: Engine) -> None:
         )
     if options.num_return_sequences > 1:
         raise GenerationError("num_return_sequences > 1 needs generate()")
-    placement = engine.placement
-    if placement is not None and len({d.process_index for d in placement.mesh.devices.flat}) > 1:
+    if engine.placement is not None and engine.placement.processes > 1:
         raise GenerationError(
             "slots run on a mesh of one process (the host reads every slot's tokens): use "
             "generate() on a mesh that spans processes"

@@ -370,10 +370,15 @@ class Placement:
         """The cache arrays put on the mesh."""
         return {k: place(v, self.sharding(self.cache[k])) for k, v in arrays.items()}
 
+    @property
+    def processes(self) -> int:
+        """How many processes the mesh's devices belong to."""
+        return len({d.process_index for d in self.mesh.devices.flat})
+
     def readable(self, x: jax.Array) -> jax.Array:
         """``x``, traced, replicated when the mesh spans processes (so that every process can
         read the value the host loop reads); else as it is."""
-        if len({d.process_index for d in self.mesh.devices.flat}) == 1:
+        if self.processes == 1:
             return x
         return jax.lax.with_sharding_constraint(x, self.sharding(PartitionSpec()))
 
