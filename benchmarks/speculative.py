@@ -52,7 +52,7 @@ def _call(runner, tokenizer, prompts, options) -> tuple[float, list]:
 
 
 def _measure(pipe, prompts, options, repeats) -> tuple[dict, list]:
-    from transmuter_jax.generation import speculative
+    from transmuter_jax.generation import slot_loop
 
     runner = pipe._runner
     _call(runner, pipe.tokenizer, prompts, options)  # compile and warm up
@@ -73,7 +73,7 @@ def _measure(pipe, prompts, options, repeats) -> tuple[dict, list]:
         from transmuter_jax.generation.loop import new_tokens
 
         rows = [(p, new_tokens(engine, len(p)), 0) for p in prompts]
-        _, stats = speculative.run(engine, rows)
+        _, stats = slot_loop.run(engine, rows)
         result.update(
             drafted=stats.drafted,
             accepted=stats.accepted,

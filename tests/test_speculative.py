@@ -35,6 +35,14 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("speculative")
 
 
+@pytest.fixture(autouse=True)
+def free_rows(monkeypatch):
+    """Verifications priced as where rows cost nothing (an accelerator's long steps): every
+    draft is verified and no slot pauses, so the random fixtures' drafts run (the CPU's
+    pricing, which drafts less, has a test of its own)."""
+    monkeypatch.setattr(speculative, "ROW_COST", {"cpu": 1e9})
+
+
 def _prompts(name):
     """The batch case's prompts, each also followed by a copy of itself (drafts that hit)."""
     prompts = [list(p) for p in case(name, "batch")["prompts"]]
@@ -499,3 +507,83 @@ def test_a_request_that_does_not_draft_skips_the_draft_models_prompt(workdir):
                 got[t.slot].append(t.token)
     assert got == want
     assert speculative.stats(state, 0).drafted == 0 and speculative.stats(state, 1).drafted > 0
+
+
+def test_a_failing_prompt_lookup_slot_pauses_and_a_right_guess_resumes_it():
+    from transmuter_jax.generation import drafts as drafting
+
+    # slots: lookup k=1 misses; lookup k=0 guessed right; lookup k=0 guessed wrong;
+    # draft model k=1 misses; lookup k=3 keeps all; constant schedule k=1 misses;
+    # lookup k=4 keeps 1 of 4; lookup k=4 keeps none; draft model k=4 keeps none
+    d = drafting.empty(9, lookup=4, ngram=2, host=True)
+    d.k[:] = [1, 0, 0, 1, 3, 1, 4, 4, 4]
+    d.model[[3, 8]] = True
+    d.adaptive[5] = False
+    count = np.array([1, 0, 0, 1, 3, 1, 4, 4, 4], np.int32)
+    accepted = np.array([0, 0, 0, 0, 3, 0, 1, 0, 0], np.int32)
+    live = np.ones(9, bool)
+    hit = np.array([False, True, False, False, False, False, False, False, False])
+    after = drafting.adapted(d, count, accepted, live, hit | ~hit, hit)
+    # paused; resumed at 1; still paused; a draft model keeps 1; grown (capped at 4); constant;
+    # k - 1 (some kept, or none: transformers' schedule), for a draft model too
+    assert np.asarray(after.k).tolist() == [0, 1, 0, 1, 4, 1, 3, 3, 3]
+    dead = drafting.adapted(d, count, accepted, np.zeros(9, bool), hit, hit)
+    assert np.asarray(dead.k)[1] == 0  # a free slot's guess resumes nothing
+    # the rate: half the old one and half whether the first draft (or the guess) was right
+    rate = np.asarray(after.rate)
+    assert rate[4] == rate[6] == 0.75 and rate[0] == rate[7] == 0.25 and rate[1] == 0.75
+    assert np.asarray(dead.rate).tolist() == [0.5] * 9
+
+
+def test_a_verification_is_as_long_as_its_expected_tokens_pay_for():
+    from transmuter_jax.generation import drafts as drafting
+    from transmuter_jax.generation.speculative import lengths_of
+
+    sizes = lengths_of(10)  # (1, 2, 4, 8, 11)
+
+    def best(rates, counts, row_cost=16.0):
+        d = drafting.empty(len(rates), lookup=10, ngram=2, host=True)
+        d.rate[:] = rates
+        live = np.ones(len(rates), bool)
+        values = drafting.worth(d, np.array(counts, np.int32), live, sizes, row_cost)
+        return sizes[int(np.argmax(np.asarray(values)))]
+
+    assert best([0.9], [10]) >= 8  # one slot copying: a long step
+    assert best([0.02], [10]) == 1  # one slot that never hits: plain steps
+    assert best([0.5] * 4 + [0.0] * 4, [1] * 4 + [0] * 4) == 1  # 8 rows more for ~2 tokens
+    assert best([0.9] * 4, [3] * 4) == 4  # four copying slots
+    assert best([0.5] * 8, [1] * 8, row_cost=256.0) == 2  # where the weights cost the most
+
+
+def test_the_proposers_guess_ignores_k_and_is_minus_one_without_a_match():
+    from transmuter_jax.generation import drafts as drafting
+
+    history = np.array([[5, 6, 7, 8, 5, 6, -1, -1], [1, 2, 3, 4, -1, -1, -1, -1]], np.int32)
+    length = np.array([6, 4], np.int32)
+    d = drafting.empty(2, lookup=3, ngram=2, host=True)
+    d.k[:] = 0  # paused: drafts nothing, guesses still
+    tokens, count, guess = drafting.propose(history, length, d, np.array([3, 3]), 3, 2)
+    assert np.asarray(count).tolist() == [0, 0]
+    assert np.asarray(guess).tolist() == [7, -1]  # "5 6" occurs before, followed by 7
+    d.k[:] = 2
+    tokens, count, guess = drafting.propose(history, length, d, np.array([3, 3]), 3, 2)
+    assert np.asarray(count).tolist() == [2, 0] and np.asarray(tokens)[0, :2].tolist() == [7, 8]
+
+
+def test_the_cpus_pricing_keeps_the_tokens(workdir, monkeypatch):
+    name = "llama-optimum"
+    prompts = _prompts(name)
+    plain = generation.compile(context(name, workdir, max_new_tokens=NEW), len(prompts))
+    want = generation.generate(plain, prompts, [0] * len(prompts))
+    drafted = {}
+    for cost in (16.0, 1e9):
+        monkeypatch.setattr(speculative, "ROW_COST", {"cpu": cost})
+        spec = generation.compile(
+            context(name, workdir, max_new_tokens=NEW, prompt_lookup_num_tokens=LOOKUP),
+            len(prompts),
+        )
+        assert generation.generate(spec, prompts, [0] * len(prompts)) == want
+        _, stats = slot_loop.run(spec, [(p, NEW, 0) for p in prompts])
+        assert stats.steps + stats.accepted == stats.tokens
+        drafted[cost] = stats.drafted
+    assert drafted[16.0] < drafted[1e9]  # the CPU pauses and cuts drafts; the tokens stay

@@ -72,6 +72,25 @@ STEP_TOKENS = 16
 is no longer bound by reading the weights, and drafting costs more than it saves. At batch 1 a
 slot drafts up to 15 tokens, at batch 8 one each, from 16 slots on none."""
 
+ROW_COST = {"cpu": 16.0}
+"""By backend: a step's cost apart from its token rows, in rows (reading the weights against
+computing one more row), which prices a verification's length (:func:`.drafts.worth`). Measured
+on the default model on a 2-core CPU: a step of 1 row 26 ms, of 16 rows 47-52 ms. Elsewhere
+:data:`ROW_COST_OTHER` (an accelerator's step stays bound by the weights for far more rows;
+not measured here)."""
+ROW_COST_OTHER = 256.0
+
+
+def row_cost() -> float:
+    """:data:`ROW_COST` of the default backend."""
+    return float(ROW_COST.get(jax.default_backend(), ROW_COST_OTHER))
+
+
+def pauses(cost: float) -> bool:
+    """Whether a prompt-lookup slot whose drafts keep failing pauses (:func:`.drafts.adapted`):
+    where a step of two tokens costs over 1% more than one (``cost``: :func:`row_cost`)."""
+    return (cost + 2) / (cost + 1) > 1.01
+
 
 def lengths_of(width: int) -> tuple[int, ...]:
     """The step lengths of a chunk whose slots draft at most ``width`` tokens."""
@@ -165,11 +184,14 @@ def _fit(q, vocab: int):
     return q[..., :vocab]
 
 
-def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: int):
-    """The pure ``verify(params, rows, tokens [B, width], count [B], q [B, width, V]) -> (rows,
-    StepOut [B, W], accepted [B])`` of steps of ``length`` tokens (W = width + 1); ``q``: the
-    draft model's probabilities of its drafts (a sampled slot it drafts for), [B, width, 0]
-    without an assistant model."""
+def _verify_function(
+    engine: Engine, capacity: int, k: int, length: int, width: int, pause: bool = True
+):
+    """The pure ``verify(params, rows, tokens [B, width], count [B], q [B, width, V], guess [B])
+    -> (rows, StepOut [B, W], accepted [B])`` of steps of ``length`` tokens (W = width + 1);
+    ``q``: the draft model's probabilities of its drafts (a sampled slot it drafts for),
+    [B, width, 0] without an assistant model; ``guess``: the n-grams' first proposal
+    (:func:`.drafts.propose`), which takes a paused slot back to drafting where it is right."""
     spec, mode = engine.spec, engine.cache_mode
     step = engine.compiled.steps.function(True, None)
     masks = slots._device_masks(spec)
@@ -178,7 +200,7 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
     drafted = length - 1
     sampled = _q_width(engine) > 0 and drafted > 0
 
-    def verify(params, rows: slots.Rows_, tokens, count, q):
+    def verify(params, rows: slots.Rows_, tokens, count, q, guess):
         batch, columns = rows.history.shape
         live = ~rows.done
         count = jnp.where(live, jnp.minimum(count, drafted), 0)
@@ -270,7 +292,9 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
             count=counted,
             done=ended,
             cache=cache,
-            drafts=drafting.adapted(rows.drafts, count, accepted, live),
+            drafts=drafting.adapted(
+                rows.drafts, count, accepted, live, guess >= 0, guess == chosen[:, 0], pause
+            ),
         )
         return rows, out, jnp.where(live, count, 0)
 
@@ -343,6 +367,7 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
     width + 1], drafted [size, B])``: up to ``limit`` speculative steps in a
     ``lax.while_loop``, the cache donated."""
     lengths = lengths_of(width)
+    cost = row_cost()
     key = (
         "slots-speculative",
         engine.compiled.steps.key("slots", True, None),
@@ -355,10 +380,11 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
         longest,
         engine.compiled.steps.local(),
         _assistant_key(engine),
+        cost,
     )
 
     def make():
-        branches = [_verify_function(engine, capacity, k, n, width) for n in lengths]
+        branches = [_verify_function(engine, capacity, k, n, width, pauses(cost)) for n in lengths]
         sizes = jnp.asarray(lengths, jnp.int32)
         draft = None if engine.assistant is None else _draft_function(engine, capacity, width)
 
@@ -388,7 +414,9 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
                 most = jnp.minimum(most, longest_step - 1)
                 most = jnp.where(live & (r.drafts.lookup > 0), jnp.maximum(most, 0), 0)
                 have = r.prompt + r.count
-                tokens, count = drafting.propose(r.history, have, r.drafts, most, width, longest)
+                tokens, count, guess = drafting.propose(
+                    r.history, have, r.drafts, most, width, longest
+                )
                 q = jnp.zeros((batch, width, 0), jnp.float32)  # no draft model: no q
                 if draft is not None:  # the assistant model's slots
                     model = live & r.drafts.model
@@ -403,8 +431,15 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
                 fits = jnp.min(jnp.where(live, room, capacity))
                 shortest = jnp.sum(sizes < want)  # the shortest length that holds every draft
                 longest_fit = jnp.sum(sizes <= fits) - 1
-                index = jnp.clip(jnp.minimum(shortest, longest_fit), 0, len(lengths) - 1)
-                r, o, d = jax.lax.switch(index, branches, params, r, tokens, count, q)
+                top = jnp.clip(jnp.minimum(shortest, longest_fit), 0, len(lengths) - 1)
+                # the length worth most (prompt lookup's drafts may be cut: they never change
+                # the tokens; a draft model's are not, its sampled draws would)
+                modeled = jnp.max(jnp.where(live & r.drafts.model, count, 0)) + 1
+                least = jnp.minimum(jnp.sum(sizes < modeled), top)
+                values = drafting.worth(r.drafts, count, live, lengths, cost)
+                at = jnp.arange(len(lengths))
+                index = jnp.argmax(jnp.where((at >= least) & (at <= top), values, -jnp.inf))
+                r, o, d = jax.lax.switch(index, branches, params, r, tokens, count, q, guess)
                 out = jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), out, o)
                 return i + 1, r, out, drafted.at[i].set(d)
 
