@@ -37,8 +37,8 @@ class Drafts:
     drafted, accepted: tokens drafted and accepted so far. steps: verification steps so far.
     rate: [B] float32 how often the first draft was kept lately (each verification, or each
     step's guess where the slot drafted nothing, weighs half; 0.5 at first), which prices a
-    longer step (:func:`worth`). cache: the assistant model's cache by
-    input name (empty without one), its valid rows the slot's (the same tokens as the target's).
+    longer step (:func:`worth`). cache: the assistant model's cache by input name (empty
+    without one), its valid rows the slot's (the same tokens as the target's).
     """
 
     lookup: jax.Array

@@ -184,14 +184,13 @@ def _fit(q, vocab: int):
     return q[..., :vocab]
 
 
-def _verify_function(
-    engine: Engine, capacity: int, k: int, length: int, width: int, pause: bool = True
-):
+def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: int, pause: bool):
     """The pure ``verify(params, rows, tokens [B, width], count [B], q [B, width, V], guess [B])
     -> (rows, StepOut [B, W], accepted [B])`` of steps of ``length`` tokens (W = width + 1);
     ``q``: the draft model's probabilities of its drafts (a sampled slot it drafts for),
     [B, width, 0] without an assistant model; ``guess``: the n-grams' first proposal
-    (:func:`.drafts.propose`), which takes a paused slot back to drafting where it is right."""
+    (:func:`.drafts.propose`), which takes a paused slot back to drafting where it is right;
+    ``pause``: whether failing prompt-lookup slots pause (:func:`pauses`)."""
     spec, mode = engine.spec, engine.cache_mode
     step = engine.compiled.steps.function(True, None)
     masks = slots._device_masks(spec)
