@@ -235,6 +235,77 @@ def test_matmul_token_rows_under_vmap_and_grad(rng):
     np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize(
+    "live",
+    [
+        [1, 1, 1, 1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0, 0, 0, 0],  # the first: computed in place
+        [0, 0, 0, 0, 0, 0, 0, 1],  # gathered
+        [1, 1, 0, 1, 0, 0, 1, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0],  # none: the first computed, kept finite
+    ],
+)
+@pytest.mark.parametrize(("steps", "k", "n"), [(1, 576, 70), (3, 130, 257), (1, 40, 49)])
+def test_matmul_live_rows_compute_the_live_rows_alone(rng, live, steps, k, n):
+    """Within live_rows, a product over the tokens computes the rows of live batch rows with the
+    bits of the whole product and gives every other batch row a copy of a computed one (finite);
+    a product not over the tokens, or of another batch, computes every row."""
+    batch = len(live)
+    x = rng.standard_normal((batch, steps, k)).astype(np.float32)
+    packed = jnp.asarray(kernels.pack(rng.standard_normal((k, n)).astype(np.float32)))
+    live = np.array(live, bool)
+
+    def fn(x, live, tokens):
+        with kernels.live_rows(live):
+            return kernels.matmul(x, packed, n, tokens=tokens)
+
+    run = jax.jit(fn, static_argnums=2)
+    whole = np.asarray(jax.jit(kernels.matmul, static_argnums=2)(x, packed, n))
+    got = np.asarray(run(x, live, True))
+    computed = np.flatnonzero(live) if live.any() else [0]
+    for b in range(batch):
+        want = whole[b] if b in computed else whole[computed[0]]
+        np.testing.assert_array_equal(got[b], want)
+    np.testing.assert_array_equal(np.asarray(run(x, live, False)), whole)
+    assert "tj_gemm_live_f32" in run.lower(x, live, True).as_text()
+    other = rng.standard_normal((batch + 1, steps, k)).astype(np.float32)  # not the step's batch
+    assert "tj_gemm_live_f32" not in run.lower(other, live, True).as_text()
+    flat = x[:, 0]  # [B, K]: the batch's rows too
+    got = np.asarray(run(flat, live, True))
+    for b in computed:
+        np.testing.assert_array_equal(got[b], whole[b, 0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("zero_points", [None, "packed"])
+@pytest.mark.parametrize(("k", "steps"), [(576, 1), (96, 2)])
+def test_matmul_nbits_live_rows_compute_the_live_rows_alone(rng, zero_points, k, steps):
+    """MatMulNBits (int8 activations, the default model's block 32) over x [B, S, K] within
+    live_rows: the live batch rows' results bit for bit those of the whole product, the others
+    copies of a computed row; x [B, K] computes every row."""
+    n, block, batch = 70, 32, 6
+    b, scales, zp = _nbits(rng, k, n, block, zero_points)
+    x = (rng.standard_normal((batch, steps, k)) * 3).astype(np.float32)
+    ref = lambda x, b, s, z: int8_product(x, b, s, z, k, n, block)  # noqa: E731
+
+    def fn(x, live):
+        with kernels.live_rows(live):
+            return kernels.matmul_nbits(x, b, scales, zp, n=n, block_size=block, reference=ref,
+                                        int8=True)  # fmt: skip
+
+    whole = _int8_call(x, b, scales, zp, k, n, block)
+    run = jax.jit(fn)
+    for live in ([0, 1, 0, 0, 1, 1], [1, 0, 0, 0, 0, 0], [1] * batch):
+        live = np.array(live, bool)
+        got = np.asarray(run(x, live))
+        first = int(np.flatnonzero(live)[0])
+        for r in range(batch):
+            np.testing.assert_array_equal(got[r], whole[r] if live[r] else whole[first])
+    assert "tj_matmul_nbits_live" in run.lower(x, live).as_text()
+    assert "tj_matmul_nbits_live" not in run.lower(x[:, 0], live).as_text()
+
+
 def _attention_case(rng, b, s, n, nk, h, cached):
     q = rng.standard_normal((b, s, n, h)).astype(np.float32)
     k = rng.standard_normal((b, nk, s, h)).astype(np.float32)

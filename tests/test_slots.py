@@ -252,6 +252,33 @@ def test_a_request_gets_the_same_bits_in_every_slot_of_eight(name, workdir):
     assert [solo(eng, request, slot=s) for s in range(1, 8)] == [alone] * 7
 
 
+@pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-int4"])
+def test_the_step_computes_the_rows_of_live_slots_only(name, workdir):
+    """The step's weight products compute the rows of the slots that take a token only
+    (kernels.live_rows: float32 and int4 products), and a request gets the same bits whether
+    the other slots are empty or all run."""
+    import jax
+
+    from transmuter_jax import kernels
+
+    eng = generation.compile(context(name, workdir, max_new_tokens=NEW), 4, capacity=128,
+                             top_logprobs=3)  # fmt: skip
+    state = eng.init_state()
+    if kernels.enabled():
+        step = slots._step_function(eng, slots.held(eng, state), 3)
+        hlo = jax.jit(step).lower(eng.model.params, state.rows).as_text()
+        live = "tj_matmul_nbits_live" if "int4" in name else "tj_gemm_live_f32"
+        assert live in hlo
+    request = requests(name)["penalized"]
+    alone = solo(eng, request, slot=3)
+    prefix = eng.prefill(request)
+    for slot in range(4):
+        state = eng.insert(prefix, state, slot)
+    got: dict = {}
+    _drain(eng, state, got)
+    assert [_summary(prefix, got[s]) for s in range(4)] == [alone] * 4
+
+
 # every decoder-only text fixture: the slots' modes at every offset of a whole run (a grow one on
 # its padded rewrite), one that keeps exact lengths refused with the reason
 SWEEP = [

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import hub
 from ..runtime.jit import jit_options, put, put_all
-from ..runtime.stored import AutoStoredJit, storable
+from ..runtime.stored import AutoStoredJit, StoredJit, storable
 from . import constraints, slot_inputs
 from . import drafts as drafting
 from .cache import PREFILL_CAP, bucket
@@ -36,6 +36,7 @@ from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
 from .select import cutoffs
 from .slot_inputs import axes as _axes
+from .steps import LIVE
 from .stops import StopStrings
 
 if TYPE_CHECKING:
@@ -430,12 +431,19 @@ def _requested(scores, rows: Rows_, vocab: int):
     """A request's logit_bias (first, as transformers' sequence_bias) and its min_new_tokens
     (eos masked before them)."""
     at = jnp.arange(scores.shape[0])[:, None]
-    ids = jnp.where(rows.bias_ids < 0, vocab, rows.bias_ids)
-    scores = scores.at[at, ids].add(rows.bias_values, mode="drop")
-    eos = jnp.where(rows.eos < 0, vocab, rows.eos)
-    short = jnp.zeros(scores.shape, bool).at[at, eos].set(True, mode="drop")
-    short = short & (rows.count < rows.min_new)[:, None]
-    return jnp.where(short, LOWEST, scores)
+
+    def bias(scores):
+        ids = jnp.where(rows.bias_ids < 0, vocab, rows.bias_ids)
+        return scores.at[at, ids].add(rows.bias_values, mode="drop")
+
+    def short(scores):
+        eos = jnp.where(rows.eos < 0, vocab, rows.eos)
+        masked = jnp.zeros(scores.shape, bool).at[at, eos].set(True, mode="drop")
+        return jnp.where(masked & (rows.count < rows.min_new)[:, None], LOWEST, scores)
+
+    same = lambda s: s  # noqa: E731 - no slot asks for it: [B, V] work skipped
+    scores = jax.lax.cond(jnp.any(rows.bias_ids >= 0), bias, same, scores)
+    return jax.lax.cond(jnp.any(rows.count < rows.min_new), short, same, scores)
 
 
 def _counts(history, vocab):
@@ -515,6 +523,7 @@ def _step_function(
                 jnp.broadcast_to(positions, (3, batch, 1)) if axes == 3 else positions
             )
         feed |= given or {}
+        feed[LIVE] = live  # the products skip the rows of slots that take no token
         logits, cache = step(
             params, embed_params or {}, rows.cache, feed, rows.lengths, jnp.zeros(batch, jnp.int32)
         )
@@ -602,27 +611,57 @@ def _chunk(engine: Engine, rows: int, k: int, size: int):
     """The jitted ``(params, rows, limit, table) -> (rows, StepOut [size, B])``: up to ``limit``
     steps in a ``lax.while_loop`` that stops when every slot is done; the cache donated.
     ``rows``: the self-attention cache rows the slots hold (a decode window, :func:`held`)."""
-    key = (
+    steps, spec = engine.compiled.steps, engine.spec
+    names = constraints.program_names(spec.processors)
+    stored = steps.key(
         "slots",
-        engine.compiled.steps.key("slots", True, rows if engine.compiled.padded else None),
-        engine.spec.options.program_key,
-        constraints.program_names(engine.spec.processors),
+        True,
+        rows if engine.compiled.padded else None,
+        spec.options.program_key,
+        names,
+        spec.vocab_size,
+        _pad_token(engine),
+        _axes(engine),
+        spec.image_token,
         rows,
         k,
         size,
-        engine.compiled.steps.local(),
     )
 
-    def make():
-        one = _step_function(engine, rows, k)
+    def make(key):
+        def made():
+            one = _step_function(engine, rows, k)
 
-        def run(params, embed_params, state_rows: Rows_, given, limit, table):
-            extra = {"table": table, "embed_params": embed_params, "given": given}
-            return run_steps(one, size, k, params, state_rows, limit, **extra)
+            def run(params, embed_params, state_rows: Rows_, given, limit, table):
+                extra = {"table": table, "embed_params": embed_params, "given": given}
+                return run_steps(one, size, k, params, state_rows, limit, **extra)
 
-        return jax.jit(run, donate_argnums=(2,), **jit_options(dict(engine.jit_options)))
+            options = jit_options(dict(engine.jit_options))
+            return StoredJit(run, key, donate_argnums=(2,), **options)
 
-    return program(key, make, engine.compiled.steps.held)
+        return made
+
+    # stored on disk (a new process skips tracing it), unless a task's own processors (which
+    # have no stable name) are among them, or a constraint table (a host matcher's callback
+    # cannot be stored) is read
+    names_kept = all(isinstance(p, str) for p in names)
+    kept = program(("slots", stored, steps.local()), make(stored if names_kept else None),
+                   steps.held)  # fmt: skip
+    plain = program(("slots", stored, steps.local(), "table"), make(None), steps.held)
+
+    def call(params, embed_params, state_rows, given, limit, table):
+        chunk = kept if table is None else plain
+        args = (params, embed_params, state_rows, given, limit, table)
+        return chunk(_signature(args[2:]), *args)
+
+    return call
+
+
+def _signature(args: tuple) -> tuple:
+    """What tells apart the programs of a chunk's arguments: their tree, shapes and dtypes
+    (the weights, alike in every call, left out)."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((np.shape(a), np.dtype(a.dtype)) for a in leaves)
 
 
 def _embed_params(engine: Engine) -> dict:

@@ -35,6 +35,7 @@ from .errors import GenerationError
 from .processors import Rows
 from .programs import program
 from .select import cutoffs
+from .steps import LIVE
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -213,6 +214,7 @@ def _verify_function(engine: Engine, capacity: int, k: int, length: int, width: 
             feed["position_ids"] = (
                 jnp.broadcast_to(positions, (3, batch, length)) if axes == 3 else positions
             )
+        feed[LIVE] = live  # the products skip the rows of done slots
         last = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
         logits, cache = step(params, {}, rows.cache, feed, rows.lengths, last)  # logits [B, L, V]
         # position j selects after the slot's tokens and the first j drafts
@@ -326,6 +328,7 @@ def _draft_function(engine: Engine, capacity: int, width: int):
             i, token, cache, tokens, qs = carry
             at = (rows.lengths + i).astype(jnp.int32)
             feed = {"tokens": jnp.where(live, token, pad)[:, None].astype(jnp.int32)}
+            feed[LIVE] = live  # the products skip the slots that do not draft with it
             if "attention_mask" in names:
                 feed["attention_mask"] = mode.mask(at, 1, capacity, xp=jnp)
             if axes:

@@ -85,6 +85,7 @@ def pad_grow(ctx: Any) -> tuple[PaddedPast | None, str]:
 
 
 REAL = "transmuter_jax::real"  # the feed's [B] real tokens of each row (Steps' ``real``)
+LIVE = "transmuter_jax::live"  # the feed's [B] rows whose outputs are read (others: skipped)
 
 
 @dataclasses.dataclass
@@ -224,7 +225,7 @@ def _step_function(
             inputs[padding.input] = have - (lengths if padding.per_row else lengths[0])
         with switch.off_over_mesh(placed):  # a mesh: no custom calls
             # the LM head of each row's last real token only: [B, 1, V] ([B, P, V]: last [B, P])
-            outputs = model.trace_last(static, params, inputs, last)
+            outputs = model.trace_last(static, params, inputs, last, live=feed.get(LIVE))
         logits = outputs["logits"]
         logits = logits[:, 0] if jnp.ndim(last) == 1 else logits
         last_logits = logits.astype(jnp.float32)  # [B, V] ([B, P, V]: last [B, P])

@@ -144,6 +144,44 @@ def token_rows(counts: jax.Array, steps: int):
         _TOKEN_ROWS.reset(reset)
 
 
+# The live rows [B] of the batch of the step being traced (see live_rows), or None.
+_LIVE_ROWS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "live_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def live_rows(live: jax.Array):
+    """Within: a product over a step's token rows (``x [B, S, K]`` or ``[B, K]``;
+    :func:`matmul` with ``tokens=True``) and a MatMulNBits over ``x [B, S, K]`` compute the rows
+    of the live batch rows only (``live`` [B] bool), reading the weights once for them all; a
+    row that is not live holds a copy of a live one (nothing may read it). A computed row has
+    the bits it has when every row is computed. A batch of one is always computed."""
+    live = jnp.asarray(live)
+    reset = _LIVE_ROWS.set(live.astype(jnp.int32) if live.shape[0] > 1 else None)
+    try:
+        yield
+    finally:
+        _LIVE_ROWS.reset(reset)
+
+
+def _live_for(x: jax.Array) -> jax.Array | None:
+    """The live rows of :func:`live_rows` where ``x``'s leading axis is the step's batch."""
+    live = _LIVE_ROWS.get()
+    if live is None or x.ndim not in (2, 3) or x.shape[0] != live.shape[0]:
+        return None
+    return live
+
+
+def _matmul_live_kernel(x: jax.Array, packed: jax.Array, live: jax.Array, n: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+    return jax.ffi.ffi_call("tj_gemm_live_f32", out)(x, packed, live)
+
+
+def _matmul_live_reference(x: jax.Array, packed: jax.Array, live: jax.Array, n: int):
+    return _matmul_reference(x, packed, n)  # every row: the others' are never read
+
+
 def _counts_for(x: jax.Array) -> jax.Array | None:
     """The counts of :func:`token_rows` where ``x``'s rows are the step's tokens, batch first."""
     given = _TOKEN_ROWS.get()
@@ -170,6 +208,10 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, *, tokens: bool = False) -> 
     counts = _counts_for(x) if tokens else None
     if counts is not None:
         return _wrapped(_matmul_rows_kernel, _matmul_rows_reference, n=n)(x, packed, counts)
+    live = _live_for(x) if tokens else None
+    if live is not None:
+        fn = _wrapped(_matmul_live_kernel, _matmul_live_reference, folds=False, n=n)
+        return fn(x, packed, live)  # vmap over x: every row (the blocks would move)
     return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
 
 
@@ -389,26 +431,31 @@ def matmul_nbits(
     gradients and for vmap over the weights. Call only when :func:`nbits_supported` says so.
     """
     zp = jnp.zeros((0,), jnp.uint8) if zero_points is None else jnp.asarray(zero_points)
+    # x [B, S, K] of a step's batch: the rows of live batch rows only (see live_rows)
+    live = _live_for(x) if jnp.ndim(x) == 3 else None
 
-    def kernel(x, b, scales, zp):
+    def kernel(x, b, scales, zp, *live):
         out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
-        return jax.ffi.ffi_call("tj_matmul_nbits", out)(
+        name = "tj_matmul_nbits_live" if live else "tj_matmul_nbits"
+        return jax.ffi.ffi_call(name, out)(
             x,
             b,
             scales,
             zp,
+            *live,
             block_size=np.int64(block_size),
             int8=bool(int8),
             portable=os.environ.get(PORTABLE_ENV, "") == "1",
             packed=bool(packed),
         )
 
-    def ref(x, b, scales, zp):
+    def ref(x, b, scales, zp, *live):  # every row: the others' are never read
         b = nbits_unpack(b) if packed else b
         return reference(x, b, scales, None if zp.size == 0 else zp)
 
-    fn = _wrapped(kernel, ref)
-    return fn(jnp.asarray(x, jnp.float32), jnp.asarray(b), jnp.asarray(scales), zp)
+    fn = _wrapped(kernel, ref, folds=live is None)  # vmap over x: the blocks would move
+    more = () if live is None else (live,)
+    return fn(jnp.asarray(x, jnp.float32), jnp.asarray(b), jnp.asarray(scales), zp, *more)
 
 
 # ---------------------------------------------------------------- RMS norms

@@ -54,7 +54,9 @@ STRIP = 32  # columns per strip of a packed float32 weight, as gemm.cc's kStrip
 TARGETS = {
     "tj_gemm_f32": "TjGemmF32",
     "tj_gemm_rows_f32": "TjGemmRowsF32",
+    "tj_gemm_live_f32": "TjGemmLiveF32",
     "tj_matmul_nbits": "TjMatMulNBits",
+    "tj_matmul_nbits_live": "TjMatMulNBitsLive",
     "tj_rms_norm": "TjRmsNorm",
     "tj_attention_f32": "TjAttentionF32",
     "tj_silu_mul_f32": "TjSiluMulF32",

@@ -491,6 +491,7 @@ class Model:
         inputs,
         last: jax.Array,
         output: str = "logits",
+        live: jax.Array | None = None,
     ) -> dict[str, jax.Array]:
         """:meth:`trace`, with ``output`` [B, S, V] computed for one position of each row only:
         [B, 1, V] at ``last`` [B] (or P positions: [B, P, V] at ``last`` [B, P]). Where
@@ -500,25 +501,30 @@ class Model:
 
         With ``last`` [B], the tokens after each row's ``last`` are padding: the products over
         the tokens skip them (:func:`transmuter_jax.kernels.token_rows`), so the other outputs'
-        rows past ``last`` (a cache's present) hold values nothing may read."""
+        rows past ``last`` (a cache's present) hold values nothing may read.
+
+        ``live`` [B] bool: the rows whose outputs are read; the products over the tokens
+        compute those rows only (:func:`transmuter_jax.kernels.live_rows`), so the others'
+        outputs hold values nothing may read."""
         found = self.head(output)
-        with self._token_rows(inputs, last):
-            if found is None:
-                outputs = self.trace(static, params, inputs)
-                full = outputs[output]
-                outputs[output] = _at(full, last)
-                return outputs
-            hidden, tail = found
-            skip = {id(n) for n in tail}
-            body = [n for n in self._graph.proto.node if id(n) not in skip]
-            scope = self._scope(static, params, inputs)
-            given = frozenset()
-            if self._split is not None and all(n in scope for n in self._split.names):
-                given = self._split.names
-            run_nodes(self._graph, scope, nodes=body, given=given)
-        rows = scope[hidden]  # [B, S, H]
-        scope = scope.new_child({hidden: _at(rows, last)})
-        run_nodes(self._graph, scope, nodes=tail)
+        rows_live = contextlib.nullcontext() if live is None else kernels.live_rows(live)
+        with rows_live:
+            with self._token_rows(inputs, last):
+                if found is None:
+                    outputs = self.trace(static, params, inputs)
+                    outputs[output] = _at(outputs[output], last)
+                    return outputs
+                hidden, tail = found
+                skip = {id(n) for n in tail}
+                body = [n for n in self._graph.proto.node if id(n) not in skip]
+                scope = self._scope(static, params, inputs)
+                given = frozenset()
+                if self._split is not None and all(n in scope for n in self._split.names):
+                    given = self._split.names
+                run_nodes(self._graph, scope, nodes=body, given=given)
+            rows = scope[hidden]  # [B, S, H]
+            scope = scope.new_child({hidden: _at(rows, last)})
+            run_nodes(self._graph, scope, nodes=tail)
         return {o.name: jnp.asarray(scope[o.name]) for o in self.outputs}
 
     @staticmethod

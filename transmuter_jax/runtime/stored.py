@@ -43,7 +43,9 @@ ENVIRONMENT = switch.TRACE_ENVIRONMENT
 CUSTOM_CALLS = (
     "tj_gemm_f32",
     "tj_gemm_rows_f32",
+    "tj_gemm_live_f32",
     "tj_matmul_nbits",
+    "tj_matmul_nbits_live",
     "tj_rms_norm",
     "tj_attention_f32",
     "tj_silu_mul_f32",

@@ -360,12 +360,16 @@ class SlotBackend:
             prefix = PrefixCache(self.engine, 0).prefill(probe)
             state = self.engine.insert(prefix, state, 0)
             state = self._compiled(state, 1)
-            if n == 0:  # a step's time: every slot's row runs, live or not
+            if n == 0:  # a step's time with every slot taking a token (a full batch)
+                for slot in range(1, self._max_batch_size):
+                    state = self.engine.insert(prefix, state, slot)
                 for _ in range(3):
                     ran = time.perf_counter()
                     state, _ = self.engine.generate(state, 1)
                     self._measured(time.perf_counter() - ran)
                 self.chunk_steps = _fitted(self.decode_steps, self.step_seconds)
+                for slot in range(1, self._max_batch_size):
+                    state = self.engine.free(state, slot)
             if self.chunk_steps > 1:
                 state = self._compiled(state, self.chunk_steps)
             state = self.engine.free(state, 0)

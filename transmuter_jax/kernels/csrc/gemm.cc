@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common.h"
+#include "live.h"
 #include "native.h"
 #include "pool.h"
 
@@ -360,7 +361,34 @@ static ffi::Error GemmRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> pa
   return ffi::Error::Success();
 }
 
+// The same product over the live rows of a batch (live.h): x [..., K] is B blocks of rows, one
+// per batch row; live [B] nonzero where a row is live. A computed row has the bits it has in the
+// whole product.
+static ffi::Error GemmLiveImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                               ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  auto error = GemmImplShapes(xd, packed.dimensions(), yd, "tj_gemm_live_f32");
+  if (error.failure()) return error;
+  const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const float* w = packed.typed_data();
+  auto rows = [&](const float* a, float* b, int64_t r) { gemm(a, w, b, r, k, n); };
+  const int64_t batch = static_cast<int64_t>(live.element_count());
+  if (!live_product(x.typed_data(), y->typed_data(), m, k, n, live.typed_data(), batch, rows)) {
+    return ffi::Error::InvalidArgument("tj_gemm_live_f32: the rows do not match the batch");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace tj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmLiveF32, tj::GemmLiveImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmRowsF32, tj::GemmRowsImpl,
                               xla::ffi::Ffi::Bind()

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "live.h"
 #include "nbits_block32.h"
 #include "nbits_int8.h"
 #include "nbits_lanes.h"
@@ -434,40 +435,27 @@ static void rearrange(const float* x, int64_t m, int64_t k, int64_t groups, floa
   }
 }
 
-static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
-                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
-                            ffi::ResultBuffer<ffi::F32> y, int64_t block_size, bool int8,
-                            bool portable, bool packed) {
-  auto xd = x.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() < 1 || yd.size() != xd.size()) {
-    return ffi::Error::InvalidArgument("tj_matmul_nbits: bad ranks");
-  }
-  const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
-  if (block_size < 16 || (block_size & (block_size - 1)) != 0) {
-    return ffi::Error::InvalidArgument("tj_matmul_nbits: block_size must be a power of 2 >= 16");
-  }
+// The weights of a product and how to read them (checked by NbitsImpl).
+struct NbitsWeights {
+  const uint8_t* b;
+  const float* scales;
+  const void* zp;
+  ZeroPoints kind;
+  int64_t k, block_size;
+  bool int8, portable, packed;
+};
+
+// y [m, n] = x [m, k] @ the weights.
+static ffi::Error nbits_product(const NbitsWeights& weights, const float* xin, float* yout,
+                                int64_t m, int64_t n) {
+  const NbitsWeights& q = weights;
+  const int64_t k = q.k, block_size = q.block_size;
+  const bool int8 = q.int8, portable = q.portable, packed = q.packed;
+  const ZeroPoints kind = q.kind;
   const int64_t blocks = (k + block_size - 1) / block_size;
   const int64_t padded = blocks * block_size;
   const int64_t groups = padded / kGroup;
-  ZeroPoints kind = kNone;
-  if (zp.element_count() > 0) {
-    kind = zp.element_type() == ffi::DataType::U8 ? kPacked : kFloat;
-    const int64_t want = kind == kPacked ? n * ((blocks + 1) / 2) : n * blocks;
-    if ((kind == kFloat && zp.element_type() != ffi::DataType::F32) ||
-        static_cast<int64_t>(zp.element_count()) != want) {
-      return ffi::Error::InvalidArgument("tj_matmul_nbits: bad zero points");
-    }
-  }
-  if (padded % kGroup != 0 || static_cast<int64_t>(b.element_count()) != n * padded / 2 ||
-      static_cast<int64_t>(scales.element_count()) != n * blocks ||
-      product(yd, 0, yd.size() - 1) != m) {
-    return ffi::Error::InvalidArgument("tj_matmul_nbits: shapes do not match K, N, block_size");
-  }
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  const float* xin = x.typed_data();
-  NbitsJob job{nullptr, b.typed_data(), scales.typed_data(), zp.untyped_data(), kind,
-               y->typed_data(), m, n, groups, blocks, block_size, 0};
+  NbitsJob job{nullptr, q.b, q.scales, q.zp, kind, yout, m, n, groups, blocks, block_size, 0};
   Pool& pool = Pool::get();
   const int64_t target = 8 * static_cast<int64_t>(pool.threads());
   job.rows_per_chunk = std::max<int64_t>(4, (n + target - 1) / target);
@@ -515,9 +503,86 @@ static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   return ffi::Error::Success();
 }
 
+// x [..., K] @ the weights -> y [..., N], over the live rows where `live` is given.
+static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                            const ffi::Buffer<ffi::S32>* live, ffi::ResultBuffer<ffi::F32> y,
+                            int64_t block_size, bool int8, bool portable, bool packed) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() < 1 || yd.size() != xd.size()) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: bad ranks");
+  }
+  const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
+  if (block_size < 16 || (block_size & (block_size - 1)) != 0) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: block_size must be a power of 2 >= 16");
+  }
+  const int64_t blocks = (k + block_size - 1) / block_size;
+  const int64_t padded = blocks * block_size;
+  const int64_t groups = padded / kGroup;
+  ZeroPoints kind = kNone;
+  if (zp.element_count() > 0) {
+    kind = zp.element_type() == ffi::DataType::U8 ? kPacked : kFloat;
+    const int64_t want = kind == kPacked ? n * ((blocks + 1) / 2) : n * blocks;
+    if ((kind == kFloat && zp.element_type() != ffi::DataType::F32) ||
+        static_cast<int64_t>(zp.element_count()) != want) {
+      return ffi::Error::InvalidArgument("tj_matmul_nbits: bad zero points");
+    }
+  }
+  if (padded % kGroup != 0 || static_cast<int64_t>(b.element_count()) != n * padded / 2 ||
+      static_cast<int64_t>(scales.element_count()) != n * blocks ||
+      product(yd, 0, yd.size() - 1) != m) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: shapes do not match K, N, block_size");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  NbitsWeights w{b.typed_data(), scales.typed_data(), zp.untyped_data(), kind, k, block_size,
+                 int8, portable, packed};
+  if (live == nullptr) return nbits_product(w, x.typed_data(), y->typed_data(), m, n);
+  ffi::Error failed = ffi::Error::Success();
+  auto rows = [&](const float* a, float* c, int64_t r) {
+    auto error = nbits_product(w, a, c, r, n);
+    if (error.failure()) failed = error;
+  };
+  const int64_t batch = static_cast<int64_t>(live->element_count());
+  if (!live_product(x.typed_data(), y->typed_data(), m, k, n, live->typed_data(), batch, rows)) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits_live: the rows do not match the batch");
+  }
+  return failed;
+}
+
+// x [..., K] @ the weights -> y [..., N].
+static ffi::Error NbitsFull(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t block_size, bool int8,
+                            bool portable, bool packed) {
+  return NbitsImpl(x, b, scales, zp, nullptr, y, block_size, int8, portable, packed);
+}
+
+// The same product over the live rows of a batch (live.h): x [..., K] is B blocks of rows, one
+// per batch row; live [B] nonzero where a row is live.
+static ffi::Error NbitsLive(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                            ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y,
+                            int64_t block_size, bool int8, bool portable, bool packed) {
+  return NbitsImpl(x, b, scales, zp, &live, y, block_size, int8, portable, packed);
+}
+
 }  // namespace tj
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsLive, tj::NbitsLive,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("int8")
+                                  .Attr<bool>("portable")
+                                  .Attr<bool>("packed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsFull,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
