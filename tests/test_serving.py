@@ -143,6 +143,19 @@ def test_serving_modules_load_neither_jax_nor_the_model_at_import():
                 assert not name.startswith(("jax", "numpy", "..")), f"{path.name}: {name}"
 
 
+def test_the_slots_backend_idles_at_the_smallest_window_after_its_warm_up(pipe):
+    """Warming up runs every window of the cache; the idle backend then holds 64 rows a slot."""
+    from transmuter_jax.generation import slots
+    from transmuter_jax.serving.slots import SlotBackend
+
+    backend = SlotBackend(pipe, 2, max_model_len=256, decode_steps=4)
+    try:
+        assert slots.held(backend.engine, backend._state) == 64
+        assert backend._state.live_slots == [] and backend.chunk_steps in (1, 2, 4)
+    finally:
+        backend.close()
+
+
 def test_health_and_models(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = server.client().models.list()

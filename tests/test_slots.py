@@ -342,6 +342,27 @@ def test_a_slot_freed_mid_chunk_is_reused(workdir):
         state = eng.insert(prefix, eng.insert(prefix, eng.init_state(), 0), 0)
 
 
+def test_chunks_of_any_length_share_the_program_of_program_steps(workdir):
+    """generate(state, steps, program_steps) runs the loop compiled for program_steps, stopped
+    after steps: the same tokens as chunks of their own programs; bad values are refused."""
+    name = "llama-optimum"
+    eng = engine(name, workdir)
+    request = requests(name)["sampled"]
+    alone = solo(eng, request, slot=1)
+    prefix = eng.prefill(request)
+    state = eng.insert(prefix, eng.init_state(), 1)
+    got: dict = {}
+    for steps in (1, 3, 2, 4, 1, 4):
+        state, tokens = eng.generate(state, steps, 4)
+        assert len(tokens) <= steps
+        _record(tokens, got)
+    _drain(eng, state, got)
+    assert _summary(prefix, got[1]) == alone
+    for steps, program in ((4, 2), (0, 4), (2, 0), (2, 1.5)):
+        with pytest.raises(generation.GenerationError, match="steps"):
+            eng.generate(eng.init_state(), steps, program)
+
+
 def test_a_slot_whose_request_ends_mid_chunk_takes_the_next_one(workdir):
     import dataclasses
 

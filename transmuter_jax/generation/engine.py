@@ -127,12 +127,14 @@ class Engine:
         return slots.insert(self, prefix, state, slot)
 
     def generate(
-        self, state: slots.SlotState, steps: int
+        self, state: slots.SlotState, steps: int, program_steps: int | None = None
     ) -> tuple[slots.SlotState, list[slots.Token]]:
         """Up to ``steps`` decode steps of every live slot in one compiled loop: the state after
         them (``state`` is donated) and the new tokens, step by step (a slot that speculates,
-        docs/speculative.md, may take several tokens a step)."""
-        return speculative.generate(self, state, steps)
+        docs/speculative.md, may take several tokens a step). The loop is compiled for a power
+        of two of ``steps``, or of ``program_steps`` (at least ``steps``), so that chunks of
+        other lengths run one program."""
+        return speculative.generate(self, state, steps, program_steps)
 
     def free(self, state: slots.SlotState, slot: int) -> slots.SlotState:
         """``state`` with slot ``slot`` empty."""

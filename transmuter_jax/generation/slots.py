@@ -607,6 +607,20 @@ def program_size(steps: int) -> int:
     return 1 << (max(int(steps), 1) - 1).bit_length()
 
 
+def chunk_size(steps: int, program_steps: int | None = None) -> int:
+    """The steps of the program a chunk of ``steps`` steps runs: :func:`program_size` of
+    ``program_steps`` (at least ``steps``: the loop stops after ``steps``), else of ``steps``;
+    raises GenerationError for a bad value."""
+    for name, value in (("steps", steps), ("program_steps", program_steps)):
+        if value is None and name == "program_steps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GenerationError(f"{name} must be a positive integer, got {value!r}")
+    if program_steps is not None and program_steps < steps:
+        raise GenerationError(f"program_steps {program_steps} is fewer than steps {steps}")
+    return program_size(steps if program_steps is None else program_steps)
+
+
 def _chunk(engine: Engine, rows: int, k: int, size: int):
     """The jitted ``(params, rows, limit, table) -> (rows, StepOut [size, B])``: up to ``limit``
     steps in a ``lax.while_loop`` that stops when every slot is done; the cache donated.
@@ -1306,18 +1320,20 @@ def free(state: SlotState, slot: int) -> SlotState:
     return dataclasses.replace(state, rows=rows, hosts=hosts)
 
 
-def generate(engine: Engine, state: SlotState, steps: int) -> tuple[SlotState, list[Token]]:
+def generate(
+    engine: Engine, state: SlotState, steps: int, program_steps: int | None = None
+) -> tuple[SlotState, list[Token]]:
     """Up to ``steps`` decode steps of every live slot, in one compiled loop.
 
     Returns the state after them and the new tokens, step by step (slot order within a step).
     A stop string ends its slot on the host: the slot's later tokens of the chunk are dropped.
+    ``program_steps``: run the program of chunks of that many steps (:func:`chunk_size`), so that
+    chunks of other lengths share one program.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise GenerationError(f"steps must be a positive integer, got {steps!r}")
+    size = chunk_size(steps, program_steps)
     live = state.live_slots
     if not live:
         return state, []
-    size = program_size(steps)
     longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
     window = window_of(longest + steps, state.capacity) if engine.slot_windows else state.capacity
     state = resized(engine, state, window)

@@ -458,19 +458,17 @@ def _chunk(engine: Engine, capacity: int, k: int, size: int, width: int, longest
 
 
 def generate(
-    engine: Engine, state: slots.SlotState, steps: int
+    engine: Engine, state: slots.SlotState, steps: int, program_steps: int | None = None
 ) -> tuple[slots.SlotState, list[slots.Token]]:
     """:func:`.slots.generate` where some live slot speculates: up to ``steps`` steps, each of
     which gives a slot one token or more. The tokens come in order (slot order within a step's
-    position)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise GenerationError(f"steps must be a positive integer, got {steps!r}")
+    position). ``program_steps``: as :func:`.slots.generate`'s."""
+    size = slots.chunk_size(steps, program_steps)
     width, longest = speculating(engine, state)
     if not width or state.live_table is not None:
         # no slot speculates, or a live slot is constrained (the verify step reads no constraint
         # table): plain steps, which give a speculating slot the same tokens, one at a time
-        return slots.generate(engine, state, steps)
-    size = slots.program_size(steps)
+        return slots.generate(engine, state, steps, program_steps)
     state = slots.resized(engine, state, state.capacity)  # its steps read the whole capacity
     engine.compiled.steps.shapes.add((width, state.capacity, True))  # its verify steps' widest
     run = _chunk(engine, state.capacity, state.top_logprobs, size, width, longest)

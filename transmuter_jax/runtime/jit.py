@@ -17,41 +17,22 @@ import numpy as np
 # batch 8, which int8-quantized products (MatMulNBits accuracy_level 4) turn into other tokens.
 # With XLA's own emitters (and the library's kernels for the large products) each row is
 # computed alike at any batch.
-#
-# XLA compiles a program's kernels as several LLVM modules by default, and a loaded program
-# keeps memory for each: one module holds the same code in about 25% less resident memory
-# (the default model's decode chunk: about 30 MB against 40 MB a program), compiles as fast and
-# runs as fast on a 2-core CPU.
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
-SPLIT_OPTION = "xla_cpu_parallel_codegen_split_count"
-CPU_OPTIONS = {
-    "xla_cpu_copy_insertion_use_region_analysis": True,
-    YNN_OPTION: "",
-    SPLIT_OPTION: 1,
-}
-OPTIONAL = (YNN_OPTION, SPLIT_OPTION)  # left out where this XLA does not know them
+CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True, YNN_OPTION: ""}
 
 
 @functools.cache
 def cpu_options() -> dict[str, Any]:
-    """:data:`CPU_OPTIONS` less the :data:`OPTIONAL` ones this XLA does not know (older)."""
-    options = {k: v for k, v in CPU_OPTIONS.items() if k not in OPTIONAL}
-    for name in OPTIONAL:
-        if name in CPU_OPTIONS and _known({**options, name: CPU_OPTIONS[name]}):
-            options[name] = CPU_OPTIONS[name]
-    return options
-
-
-def _known(options: dict[str, Any]) -> bool:
-    """Whether XLA compiles a small program with ``options``."""
+    """:data:`CPU_OPTIONS` less the YNNPACK option where this XLA does not know it (older)."""
+    options = dict(CPU_OPTIONS)
     try:
         from jax._src import config
 
         with config.enable_compilation_cache(False):  # the probe stays out of every cache
             jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
-    except Exception:  # noqa: BLE001 - an XLA that does not know an option
-        return False
-    return True
+    except Exception:  # noqa: BLE001 - an XLA without YNNPACK fusions: nothing to turn off
+        options.pop(YNN_OPTION)
+    return options
 
 
 def jit_options(options: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -5,11 +5,12 @@ thread. Between decode chunks the thread frees the slots of requests that ended 
 went away, then admits waiting requests into the free slots: their prompts run together in one
 prefill (up to :attr:`SlotBackend.prefill_rows` of them, through the prefix cache,
 :mod:`transmuter_jax.generation.prefixes`) and each first token goes out at once; then one
-chunk of every live slot runs. A chunk is ``decode_steps`` steps, or fewer (a power of two,
-fitted at start-up to the measured time of a step), that last at most about
-:data:`JOIN_WAIT_S`, else one step, so a request that arrives during a chunk waits about that
-long to join. Every program these run is compiled at start-up, before the server answers
-/health, so no request waits for a compile. The chunk's length changes no answer. Each slot
+chunk of every live slot runs. A chunk is ``decode_steps`` steps, or the most that are a
+power of two (one at least) that last at most about :data:`JOIN_WAIT_S` at the running mean of
+the step time (a step of fewer live slots costs less), so a request that arrives during a
+chunk waits about that long to join; one program runs chunks of every length. Every program
+these run is compiled at start-up, before the server answers /health, so no request waits for
+a compile. The chunk's length changes no answer. Each slot
 carries its request's own options, and rows never read each other, so a request's tokens and
 log-probabilities do not depend on the others in flight (prompts prefilled together too, as
 checked at start-up: :func:`~transmuter_jax.generation.prefixes.rows_agree`).
@@ -124,7 +125,7 @@ class SlotBackend:
         self.pipe, self.tokenizer = pipe, pipe.tokenizer
         self.decode_steps = int(decode_steps)
         self.step_seconds = 0.0  # the measured time of a decode step (a running mean)
-        self._sizes: set[int] = set()  # the chunk sizes that have run
+        self._warmed = False  # the decode chunks' programs are compiled
         assistant = None
         if draft is not None:
             assistant = gen.context(draft.files.folder, draft.decoder, embed=draft.embed)
@@ -148,7 +149,7 @@ class SlotBackend:
         self._max_batch_size = int(max_batch_size)
         self._device: dict[tuple, bool] = {}  # constraint, eos ids -> the slots take it
         self.prefill_rows = 1  # the most prompts one prefill runs (see _warm)
-        self.chunk_steps = self.decode_steps  # the steps of a long decode chunk (see _warm)
+        self.chunk_steps = self.decode_steps  # a full batch's chunk (see _warm, _chunk)
         if warm:
             self._warm()
         self._thread = threading.Thread(target=self._loop, name="transmuter-slots", daemon=True)
@@ -306,14 +307,15 @@ class SlotBackend:
                 steps = self._chunk()
                 start = time.perf_counter()
                 live = len(self._slots)
-                self._state, tokens = engine.generate(self._state, steps)
+                # one program for chunks of every length: the loop stops after ``steps``
+                self._state, tokens = engine.generate(self._state, steps, self.decode_steps)
                 took = time.perf_counter() - start
-                if steps in self._sizes:  # a size's first chunk compiles: not a step's time
+                if self._warmed:  # a first chunk compiles: not a step's time
                     self._measured(took / max(_steps(tokens), 1))
-                new = "" if steps in self._sizes else " (its first: compiled)"
+                new = "" if self._warmed else " (its first: compiled)"
                 log.debug("engine: chunk of %d steps, %d slots, %.0f ms%s", steps, live,
                           took * 1000, new)  # fmt: skip
-                self._sizes.add(steps)
+                self._warmed = True
                 for token in tokens:
                     self._take(token)
             except Exception as error:  # noqa: BLE001 - handed to the requests in flight
@@ -321,10 +323,12 @@ class SlotBackend:
                 self._fail_all(error)
 
     def _chunk(self) -> int:
-        """The steps of the next chunk: :attr:`chunk_steps` where those last at most about
-        JOIN_WAIT_S at the measured step time, else one (two sizes, both compiled at start-up)."""
-        steps = self.chunk_steps
-        return steps if steps * self.step_seconds <= JOIN_WAIT_S else 1
+        """The steps of the next chunk: ``decode_steps``, or the most that are a power of two,
+        that last at most about JOIN_WAIT_S at the running mean of the step time (one at
+        least), which falls as fewer slots run: a lone request takes longer chunks, with fewer
+        round trips, than a full batch. One program runs them all (the loop of
+        ``decode_steps`` steps, stopped after these)."""
+        return _fitted(self.decode_steps, self.step_seconds)
 
     def _warm(self) -> None:
         """Compiles what requests run (prefill steps of each batch size in each prefill window,
@@ -333,8 +337,9 @@ class SlotBackend:
         bits (:func:`rows_agree`), and :attr:`chunk_steps`: ``decode_steps``, or the most
         steps below it that are a power of two, that last at most about JOIN_WAIT_S at the
         measured time of a step."""
-        from ..generation import Request, prefixes
+        from ..generation import Request, prefixes, slots
         from ..generation.prefixes import ROWS, PrefixCache, rows_agree
+        from ..runtime import stored
 
         start = time.perf_counter()
         for rows in [r for r in ROWS if r <= self._max_batch_size]:
@@ -359,37 +364,30 @@ class SlotBackend:
         for n, probe in enumerate(probes):
             prefix = PrefixCache(self.engine, 0).prefill(probe)
             state = self.engine.insert(prefix, state, 0)
-            state = self._compiled(state, 1)
+            state, _ = self.engine.generate(state, 1, self.decode_steps)
+            state = slots.warm(self.engine, state, self.decode_steps)  # every window
             if n == 0:  # a step's time with every slot taking a token (a full batch)
                 for slot in range(1, self._max_batch_size):
                     state = self.engine.insert(prefix, state, slot)
                 for _ in range(3):
                     ran = time.perf_counter()
-                    state, _ = self.engine.generate(state, 1)
+                    state, _ = self.engine.generate(state, 1, self.decode_steps)
                     self._measured(time.perf_counter() - ran)
                 self.chunk_steps = _fitted(self.decode_steps, self.step_seconds)
                 for slot in range(1, self._max_batch_size):
                     state = self.engine.free(state, slot)
-            if self.chunk_steps > 1:
-                state = self._compiled(state, self.chunk_steps)
             state = self.engine.free(state, 0)
-        self._state = state
+        # an idle server holds the smallest window (warm left the state at the capacity)
+        self._state = slots.resized(self.engine, state, slots.windows(state.capacity)[0])
+        self._warmed = True
+        stored.release_heap()  # the larger windows' buffers go back to the system
         log.info(
             "compiled the prefill and decode programs in %.1f s (prompts prefilled together: "
-            "at most %d; decode chunks of 1 or %d steps, a step %.0f ms%s)",
+            "at most %d; decode chunks of at most %d steps with every slot running, a step "
+            "%.0f ms%s)",
             time.perf_counter() - start, self.prefill_rows, self.chunk_steps,
             self.step_seconds * 1000, f"; drafts of {k} tokens" if k else "",
         )  # fmt: skip
-
-    def _compiled(self, state: Any, steps: int) -> Any:
-        """``state`` after a chunk of ``steps`` steps and the programs of every window of the
-        cache compiled for chunks of that size."""
-        from ..generation import slots
-
-        state, _ = self.engine.generate(state, steps)
-        state = slots.warm(self.engine, state, steps)
-        self._sizes.add(steps)
-        return state
 
     def _measured(self, seconds: float) -> None:
         mean = self.step_seconds
