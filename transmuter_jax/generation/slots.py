@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import hub
 from ..runtime.jit import jit_options, put, put_all
-from ..runtime.stored import AutoStoredJit, StoredJit, storable
+from ..runtime.stored import AutoStoredJit, StoredJit, signature, storable
 from . import constraints, slot_inputs
 from . import drafts as drafting
 from .cache import PREFILL_CAP, bucket
@@ -611,14 +611,18 @@ def chunk_size(steps: int, program_steps: int | None = None) -> int:
     """The steps of the program a chunk of ``steps`` steps runs: :func:`program_size` of
     ``program_steps`` (at least ``steps``: the loop stops after ``steps``), else of ``steps``;
     raises GenerationError for a bad value."""
-    for name, value in (("steps", steps), ("program_steps", program_steps)):
-        if value is None and name == "program_steps":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise GenerationError(f"{name} must be a positive integer, got {value!r}")
-    if program_steps is not None and program_steps < steps:
+    _positive("steps", steps)
+    if program_steps is None:
+        return program_size(steps)
+    _positive("program_steps", program_steps)
+    if program_steps < steps:
         raise GenerationError(f"program_steps {program_steps} is fewer than steps {steps}")
-    return program_size(steps if program_steps is None else program_steps)
+    return program_size(program_steps)
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GenerationError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _chunk(engine: Engine, rows: int, k: int, size: int):
@@ -665,17 +669,11 @@ def _chunk(engine: Engine, rows: int, k: int, size: int):
 
     def call(params, embed_params, state_rows, given, limit, table):
         chunk = kept if table is None else plain
-        args = (params, embed_params, state_rows, given, limit, table)
-        return chunk(_signature(args[2:]), *args)
+        # the weights, alike in every call, are left out of the signature
+        key = signature((state_rows, given, limit, table))
+        return chunk(key, params, embed_params, state_rows, given, limit, table)
 
     return call
-
-
-def _signature(args: tuple) -> tuple:
-    """What tells apart the programs of a chunk's arguments: their tree, shapes and dtypes
-    (the weights, alike in every call, left out)."""
-    leaves, tree = jax.tree.flatten(args)
-    return tree, tuple((np.shape(a), np.dtype(a.dtype)) for a in leaves)
 
 
 def _embed_params(engine: Engine) -> dict:

@@ -218,17 +218,21 @@ def storable(cls: type) -> type:
     return cls
 
 
+def signature(args: Any) -> tuple:
+    """A :class:`StoredJit` signature of ``args``: their tree, shapes and dtypes."""
+    leaves, tree = jax.tree.flatten(args)
+    return (
+        tree,
+        tuple((np.shape(x), getattr(x, "dtype", None) or np.result_type(x)) for x in leaves),
+    )
+
+
 class AutoStoredJit(StoredJit):
     """A :class:`StoredJit` called with its arguments only: the signature is their shapes and
     dtypes (for small argument lists, such as the selection's)."""
 
     def __call__(self, *args):
-        leaves, tree = jax.tree.flatten(args)
-        signature = (
-            tree,
-            tuple((np.shape(x), getattr(x, "dtype", None) or np.result_type(x)) for x in leaves),
-        )
-        return super().__call__(signature, *args)
+        return super().__call__(signature(args), *args)
 
 
 @functools.cache

@@ -332,7 +332,8 @@ class SlotBackend:
 
     def _warm(self) -> None:
         """Compiles what requests run (prefill steps of each batch size in each prefill window,
-        the first-token selection, insert, both decode chunk sizes), finds
+        the first-token selection, insert, the decode chunk of ``decode_steps`` in each
+        window), finds
         :attr:`prefill_rows`: the most prompts a prefill runs together whose rows keep their
         bits (:func:`rows_agree`), and :attr:`chunk_steps`: ``decode_steps``, or the most
         steps below it that are a power of two, that last at most about JOIN_WAIT_S at the
