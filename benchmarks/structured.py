@@ -1,10 +1,9 @@
 """Structured output: constrained vs unconstrained decode tokens/s, and constraint compile times.
 
 ``python benchmarks/structured.py [--new 48] [--repo default]`` runs the default model (greedy)
-at batch 1 and 8 without a constraint and with a JSON schema, a regex and a choice (each on
+at batch 1 and 8 without a constraint and with JSON schemas, a regex and a choice (each on
 the path it takes: the device table in the decode chunk, or llguidance's matcher on the host
-called from the decode chunk), plus the JSON schema on the old host path (one host step per
-token, ``json_schema_host_step``); times the per-step work of a table (:func:`restrict` and
+called from the decode chunk); times the per-step work of a table (:func:`restrict` and
 :func:`advance` on [batch, vocab] logits inside jit) and of host rows (the same, called back
 to llguidance) against a plain argmax, and the compile time of each constraint (llguidance,
 and the device table). It prints one JSON object; see benchmarks/README.md.
@@ -13,7 +12,6 @@ and the device table). It prints one JSON object; see benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -30,7 +28,8 @@ SCHEMA = {
         "member": {"type": "boolean"},
     },
     "required": ["name", "age", "member"],
-}
+}  # other properties allowed (JSON Schema's default): not regular, llguidance's host rows
+STRINGS = {**SCHEMA, "additionalProperties": False}  # the same, closed: a device table
 CLOSED = {  # closed objects of booleans, enums and integers: a device table
     "type": "object",
     "properties": {
@@ -44,30 +43,12 @@ CLOSED = {  # closed objects of booleans, enums and integers: a device table
 }
 CONSTRAINTS = {
     "json_schema": {"json_schema": SCHEMA},
-    # the same schema one host step per token (decode_steps only keeps its context apart)
-    "json_schema_host_step": {"json_schema": SCHEMA, "decode_steps": 15},
     "json_schema_closed": {"json_schema": CLOSED},
+    "json_schema_strings": {"json_schema": STRINGS},
     "regex": {"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3} (apples|pears)"},
     "choice": {"choice": ["positive", "negative", "neutral"]},
 }
 PROMPT = "Describe a person as JSON with a name, an age, tags and membership."
-
-
-@contextlib.contextmanager
-def _host_step(options: dict):
-    """For ``json_schema_host_step``: the constraint as a task processor (llguidance's matcher
-    on the host, one host step per token: the path before host rows ran in the chunk)."""
-    if options.get("decode_steps") != 15:
-        yield
-        return
-    from transmuter_jax.generation import constraints as cs
-
-    processor = cs.processor
-    cs.processor = lambda c, p, v, e: cs.HostMatcher(c, p, v, e).processor
-    try:
-        yield
-    finally:
-        cs.processor = processor
 
 
 def _rate(pipe, batch: int, new: int, options: dict, warm: bool = False) -> dict:
@@ -78,16 +59,15 @@ def _rate(pipe, batch: int, new: int, options: dict, warm: bool = False) -> dict
     prompts = [pipe.prompt_ids(f"{PROMPT} ({i})") for i in range(batch)]
     options = {"max_new_tokens": new, **options}
     runner = pipe._runner
-    with _host_step(options):
-        if warm:
-            runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
-        times, counts = [], []
+    if warm:
+        runner.run(pipe.tokenizer, prompts, options)  # compile and warm up
+    times, counts = [], []
 
-        def on_token(event) -> None:
-            times.append(time.perf_counter())
-            counts.append(int((event["token"] >= 0).sum()))
+    def on_token(event) -> None:
+        times.append(time.perf_counter())
+        counts.append(int((event["token"] >= 0).sum()))
 
-        runner.run(pipe.tokenizer, prompts, options, on_token=on_token)
+    runner.run(pipe.tokenizer, prompts, options, on_token=on_token)
     tokens = sum(counts[1:])  # the first event's tokens come with the prefill
     seconds = times[-1] - times[0]
     return {"tokens": tokens, "steps": len(times) - 1, "seconds": seconds}
@@ -104,9 +84,6 @@ def _rates(pipe, batch: int, new: int, rounds: int) -> dict:
     chunk's start over few tokens, constrained or not)."""
     configs = {"free": {}, **CONSTRAINTS}
     for name, options in CONSTRAINTS.items():
-        if name == "json_schema_host_step":  # as long as json_schema's
-            configs[f"free_{name}_length"] = configs["free_json_schema_length"]
-            continue
         _rate(pipe, batch, new, options, warm=True)
         steps = _rate(pipe, batch, new, options)["steps"]
         configs[f"free_{name}_length"] = {"max_new_tokens": steps + 1}
@@ -139,7 +116,7 @@ def _rates(pipe, batch: int, new: int, rounds: int) -> dict:
 
 def _device_step(vocab: int, batch: int, path: str, eos: tuple[int, ...]) -> dict:
     """Microseconds per step of the constraint's own work in a compiled loop of 64 steps over
-    random [batch, vocab] logits (greedy): a regex's and the closed schema's tables, the JSON
+    random [batch, vocab] logits (greedy): a regex's and the closed schemas' tables, the JSON
     schema's host rows (called back to llguidance), and a plain argmax."""
     import jax
     import jax.numpy as jnp
@@ -168,12 +145,14 @@ def _device_step(vocab: int, batch: int, path: str, eos: tuple[int, ...]) -> dic
     out = {}
     regex = cs.Constraint("regex", CONSTRAINTS["regex"]["regex"])
     closed = cs.Constraint("json_schema", json.dumps(CLOSED))
+    strings = cs.Constraint("json_schema", json.dumps(STRINGS))
     schema = cs.HostMask(cs.Constraint("json_schema", json.dumps(SCHEMA)), path, vocab, eos)
     zeros = jnp.zeros(batch, jnp.int32)
     cases = {
         "plain": (plain, lambda: zeros),
         "regex_table": (masked(cs.token_table(regex, path, vocab, eos)), lambda: zeros),
         "closed_table": (masked(cs.token_table(closed, path, vocab, eos)), lambda: zeros),
+        "strings_table": (masked(cs.token_table(strings, path, vocab, eos)), lambda: zeros),
         "host_rows": (masked(schema.table), lambda: schema.start([([1], [])] * batch)),
     }
     for name, (fn, start_state) in cases.items():
@@ -214,8 +193,6 @@ def main() -> None:
     cs._texts(path, vocab, eos)  # the vocabulary's byte texts for outlines-core, once
     report["compile"]["table_vocabulary_s"] = round(time.perf_counter() - start, 3)
     for name, options in CONSTRAINTS.items():
-        if name == "json_schema_host_step":
-            continue
         constraint = cs.from_options(ctx.options.replace(**options))
         start = time.perf_counter()
         cs.compile_matcher(constraint, path, vocab, eos)

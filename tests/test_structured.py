@@ -257,21 +257,35 @@ CLOSED = {  # closed objects of booleans, enums and integers: the device path
     "additionalProperties": False,
 }
 
+VALUES = {  # strings, numbers, bounded integers, a $ref, closed: as llguidance reads them
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 4},
+        "id": {"type": "integer", "minimum": -5, "maximum": 120},
+        "note": {"$ref": "#/$defs/text"},
+        "score": {"type": "number"},
+    },
+    "required": ["name", "id"],
+    "additionalProperties": False,
+    "$defs": {"text": {"type": "string"}},
+}
+
 DEVICE = [
     cs.Constraint("regex", r"[0-9]{2,5}(-[a-z]{1,4}){1,3}"),  # moves out of states that may end
     cs.Constraint("regex", r"(true|false|maybe)!?"),
     cs.Constraint("regex", r"[a-c]{1,6}( [0-9]{1,3})?"),
     cs.Constraint("choice", json.dumps(["alpha", "beta gamma", "b", "delta."])),
     cs.Constraint("choice", json.dumps(["positive", "negative", "neutral"])),  # forced tokens
+    cs.Constraint("json_schema", json.dumps(VALUES)),
 ]
-DEVICE_IDS = ["regex", "alternation", "optional", "choice", "labels"]
+DEVICE_IDS = ["regex", "alternation", "optional", "choice", "labels", "values"]
 
 
 @pytest.mark.parametrize("constraint", DEVICE, ids=DEVICE_IDS)
 def test_the_device_table_equals_the_host_path_token_for_token(constraint):
     table = cs.token_table(constraint, TOKENIZER, VOCAB, EOS)
     free = [False, True, False, False, True, False]  # constrained and free rows in one batch
-    logits = np.random.default_rng(1).normal(size=(40, len(free), VOCAB)).astype(np.float32)
+    logits = np.random.default_rng(1).normal(size=(90, len(free), VOCAB)).astype(np.float32)
     logits[:, :, list(EOS)] -= 3.0  # eos only where the constraint makes it win
     state = jnp.asarray([-1 if f else 0 for f in free], jnp.int32)
     device = np.asarray(_device_decode(table, state, jnp.asarray(logits)))
@@ -317,7 +331,7 @@ def test_device_masks_equal_llguidances_along_random_walks(constraint):
             state = cs.next_state(table, state, jnp.asarray([token]))
 
 
-def test_which_constraints_take_the_device_path():
+def test_which_constraints_take_the_device_path(monkeypatch):
     device = lambda c: isinstance(  # noqa: E731
         cs.processor(c, TOKENIZER, VOCAB, EOS), cs.DeviceMask
     )
@@ -332,12 +346,24 @@ def test_which_constraints_take_the_device_path():
     closed["additionalProperties"] = False  # closed, of booleans, enums and integers: exact
     closed["properties"] |= {"color": {"enum": ["red", 7]}, "n": {"type": "integer"}}
     assert device(cs.Constraint("json_schema", json.dumps(closed)))
-    closed["properties"]["name"] = {"type": "string"}  # strings: llguidance's escapes differ
-    assert not device(cs.Constraint("json_schema", json.dumps(closed)))
+    closed["properties"]["name"] = {"type": "string", "maxLength": 3}  # llguidance's strings
+    assert device(cs.Constraint("json_schema", json.dumps(closed)))
+    assert not device(cs.Constraint("json_schema", json.dumps(closed), whitespace=True))
     closed["properties"]["name"] = {"type": "string", "pattern": "^[a-c]{1,4}$"}  # anchored
     assert device(cs.Constraint("json_schema", json.dumps(closed)))
-    closed["properties"]["name"] = {"type": "string", "pattern": "[a-c]{1,4}"}  # a search
-    assert not device(cs.Constraint("json_schema", json.dumps(closed)))
+    search, date = {"type": "string", "pattern": "[a-c]{1,4}"}, {"type": "string", "format": "date"}
+    for host in [search, date, {"type": "number", "maximum": 2}]:  # and a bounded number
+        closed["properties"]["name"] = host
+        assert not device(cs.Constraint("json_schema", json.dumps(closed)))
+    recursive = {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}
+    recursive["$ref"] = "#/$defs/n"
+    assert not cs.Constraint("json_schema", json.dumps(recursive)).finite
+    assert not device(cs.Constraint("json_schema", json.dumps(recursive)))
+    monkeypatch.setattr(cs, "TABLE_LIMIT", 64 * VOCAB)  # a table of 64 states at most
+    big = cs.Constraint("regex", "[a-z]{1,80}")  # its 81 states: a host row
+    assert not device(big)
+    with pytest.raises(cs.NotExact, match="too large"):
+        cs.token_table(big, TOKENIZER, VOCAB, EOS)
 
 
 @pytest.fixture(scope="module")
@@ -358,9 +384,10 @@ PROMPTS = [[1, 5, 9], [1, 7], [1, 8, 8, 2], [1, 4]]
 @pytest.mark.parametrize("sample", [False, True])
 @pytest.mark.parametrize(
     "option",
-    [{"regex": r"[0-9]{2,5}(-[a-z]{1,4}){1,3}"}, {"choice": ["positive", "negative", "b"]}],
-    ids=["regex", "choice"],
-)
+    [{"regex": r"[0-9]{2,5}(-[a-z]{1,4}){1,3}"}, {"choice": ["positive", "negative", "b"]},
+     {"json_schema": VALUES}],
+    ids=["regex", "choice", "values"],
+)  # fmt: skip
 def test_generate_runs_the_table_in_the_decode_chunk_as_the_host_path(model, option, sample):
     options = {"max_new_tokens": 30, "do_sample": sample, "eos_token_id": list(EOS)}
     spec = gen.context(str(FIXTURE), model, **options, **option)
@@ -398,10 +425,11 @@ def test_host_matchers_run_in_the_decode_chunk_as_the_host_step(model, option, s
         assert all(len(tokens) < 40 for tokens in device)
 
 
+@pytest.mark.parametrize("schema", [CLOSED, VALUES], ids=["closed", "values"])
 @pytest.mark.parametrize("sample", [False, True])
-def test_a_closed_schema_runs_on_the_device_and_validates(model, sample):
+def test_a_closed_schema_runs_on_the_device_and_validates(model, sample, schema):
     options = {"max_new_tokens": 60, "do_sample": sample, "eos_token_id": list(EOS)}
-    spec = gen.context(str(FIXTURE), model, json_schema=CLOSED, **options)
+    spec = gen.context(str(FIXTURE), model, json_schema=schema, **options)
     engine = gen.compile(spec, 4)
     assert isinstance(engine.compiled.decoder.mask, cs.DeviceMask)
     decode = llguidance.LLTokenizer(TOKENIZER, n_vocab=VOCAB).decode_str
@@ -409,7 +437,7 @@ def test_a_closed_schema_runs_on_the_device_and_validates(model, sample):
     for tokens in gen.generate(engine, PROMPTS, [1, 2, 3, 4]):
         if len(tokens) < 60:  # ended by eos: a complete document
             ended += 1
-            jsonschema.validate(json.loads(decode(tokens)), CLOSED)
+            jsonschema.validate(json.loads(decode(tokens)), schema)
     assert ended >= 1
 
 

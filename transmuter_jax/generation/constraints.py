@@ -7,9 +7,10 @@ llguidance compiles a constraint against the tokenizer's vocabulary (its Hugging
 
 - host: a :class:`HostMatcher` per constraint, a task processor (``(state, process)``, see
   :mod:`.processors`) whose state is the row's bitmask and whose process is :func:`apply_mask`;
-- device: where the constraint is a finite automaton (regex, choice, schemas without $ref), a
-  :class:`TokenTable` (outlines-core's index of the same pattern as arrays) that a compiled step
-  reads with :func:`table_bitmask` and :func:`next_state`, with no host round trip.
+- device: where the constraint is a finite automaton written exactly as a regex (a regex, a
+  choice, a closed schema: :mod:`.json_regex`), a :class:`TokenTable` (outlines-core's index
+  of the pattern as arrays) that a compiled step reads with :func:`table_bitmask` and
+  :func:`next_state`, with no host round trip.
 - host rows inside the device loop (:class:`HostMask`): a row whose state is a handle (-2 - h)
   of a live llguidance matcher; the compiled step calls back to the host for its mask and
   hands it each new token, whose next mask a host thread computes while the device runs the
@@ -37,11 +38,12 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
+from . import json_regex
 from .errors import GenerationError
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 LOWEST = float(np.finfo(np.float32).min)  # as processors.LOWEST: removed tokens' score
-TABLE_LIMIT = 1 << 26  # most states x vocab entries of a device table (256 MiB of int32)
+TABLE_LIMIT = 1 << 26  # most states x vocab entries a table is built of (256 MiB on the host)
 KEEP_MATCHERS = 1024  # matchers a HostMatcher keeps, by (prompt, new tokens)
 
 
@@ -62,16 +64,22 @@ class Constraint:
 
     @property
     def finite(self) -> bool:
-        """Whether the constraint is a finite automaton (regex, choice, a schema without $ref),
-        which :func:`token_table` can put on the device."""
+        """Whether the constraint is a finite automaton (a regex, a choice, a schema without
+        recursive $refs or open objects and arrays)."""
         if self.kind in ("regex", "choice"):
             return True
-        return self.kind == "json_schema" and '"$ref"' not in self.text and not _open(self.text)
+        if self.kind != "json_schema":
+            return False
+        try:
+            return not _open(json_regex.inline(json.loads(self.text)))
+        except json_regex.Recursive:
+            return False
 
 
-def _open(schema: str) -> bool:
-    """Whether a schema allows documents of unbounded nesting (an object or array without
-    properties or items, such as json_object's, or a subschema that allows anything)."""
+def _open(schema: Any) -> bool:
+    """Whether a schema (its $refs inlined) allows documents of unbounded nesting (an object
+    or array without properties or items, such as json_object's, or a subschema that allows
+    anything)."""
 
     def walk(node: Any) -> bool:
         if not isinstance(node, dict):
@@ -93,7 +101,7 @@ def _open(schema: str) -> bool:
             return True
         return any(walk(sub) for sub in subs)
 
-    return walk(json.loads(schema))
+    return walk(schema)
 
 
 def from_options(options: Any) -> Constraint | None:
@@ -272,6 +280,7 @@ def _process(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 SENTINEL = "\x00"  # ends the pattern in outlines-core's index: where it may follow, eos may
 MIN_STATES = 16  # a device table's states are padded to a power of two, at least this
+MIN_CLASSES = 256  # and its token classes, at least this (few shapes: few programs)
 CHECK_WALKS = 16  # random token walks that check a table against llguidance when it is built
 CHECK_STEPS = 32
 
@@ -280,23 +289,71 @@ CHECK_STEPS = 32
 @dataclasses.dataclass(frozen=True)
 class TokenTable:
     """A finite constraint's token-level automaton, as device arrays (state 0 is the start;
-    states past the automaton's, up to a power of two, allow nothing).
+    states past the automaton's, up to a power of two, allow nothing). Tokens that every
+    state treats alike share a class: ``next`` has a column per class, not per token.
 
     Attributes:
         mask: [S, ceil(V / 32)] int32 the tokens each state allows (eos where it may end).
-        next: [S, V] int32 the state after each token (-1: not allowed; eos keeps the state).
+        next: [S, C] int32 the state after a token of each class (-1: not allowed; eos keeps
+            the state).
+        classes: [V] int32 each token's class (its column of ``next``).
         host: whether rows may hold host matchers (states -2 - h, see :class:`HostMask`):
             a step that reads the table then calls back to the host for those rows.
     """
 
     mask: jax.Array
     next: jax.Array
+    classes: jax.Array
     host: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def states(self) -> int:
         """The table's states (padded)."""
         return int(self.next.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTable:
+    """A table on the host, unpadded: ``next`` [S, C] int32, ``classes`` [V] int32 and
+    ``masks`` [S, ceil(V / 32)] int32 (each state's allowed tokens) as in :class:`TokenTable`."""
+
+    next: np.ndarray
+    classes: np.ndarray
+    masks: np.ndarray
+
+    def after(self, state: int, token: int) -> int:
+        """The state after ``token`` from ``state`` (-1: not allowed)."""
+        return int(self.next[state, self.classes[token]])
+
+
+def _padded(n: int, least: int = MIN_STATES) -> int:
+    """``n`` up to a power of two, at least ``least`` (a table's states or classes)."""
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+def join(tables: Sequence[TokenTable]) -> tuple[TokenTable, list[int]]:
+    """One table holding ``tables`` side by side, and where each one's states start in it
+    (their states move by that much; token classes are split where any table tells tokens
+    apart). Built on the host: tables are small but for their masks."""
+    sizes = [t.states for t in tables]
+    starts = [sum(sizes[:i]) for i in range(len(tables))]
+    size = _padded(sum(sizes))
+    classes = np.stack([np.asarray(t.classes) for t in tables])  # [T, V]
+    columns, inverse = np.unique(classes, axis=1, return_inverse=True)
+    nexts = np.full((size, _padded(columns.shape[1], MIN_CLASSES)), -1, np.int32)
+    for t, start, column in zip(tables, starts, columns, strict=True):
+        moved = np.asarray(t.next)[:, column]
+        nexts[start : start + t.states, : len(column)] = np.where(moved >= 0, moved + start, -1)
+    masks = [t.mask for t in tables]
+    if size > sum(sizes):
+        masks.append(jnp.zeros((size - sum(sizes), tables[0].mask.shape[1]), jnp.int32))
+    table = TokenTable(
+        jnp.concatenate(masks),
+        jnp.asarray(nexts),
+        jnp.asarray(inverse.reshape(-1).astype(np.int32)),
+        host=any(t.host for t in tables),
+    )
+    return table, starts
 
 
 def pack(allowed_tokens: np.ndarray) -> np.ndarray:
@@ -309,8 +366,13 @@ def pack(allowed_tokens: np.ndarray) -> np.ndarray:
 
 
 def pattern_of(constraint: Constraint) -> str:
-    """The regex of a regex or choice constraint (a JSON schema's, outlines-core's), for
-    outlines-core's index."""
+    """The regex of a regex or choice constraint, or of a schema :mod:`.json_regex` writes as
+    llguidance reads it, for outlines-core's index.
+
+    Raises:
+        NotExact: for a schema that module cannot write exactly (it runs on the host).
+        GenerationError: for a grammar.
+    """
     if constraint.kind == "regex":
         return constraint.text
     if constraint.kind == "choice":
@@ -318,10 +380,26 @@ def pattern_of(constraint: Constraint) -> str:
 
         return "|".join(f"({re.escape(c)})" for c in json.loads(constraint.text))
     if constraint.kind == "json_schema" and constraint.finite:
-        from outlines_core.json_schema import build_regex_from_schema
-
-        return build_regex_from_schema(constraint.text, whitespace_pattern="")
+        if not _expressible(constraint):
+            raise NotExact("no exact regex of this schema (docs/structured-output.md)")
+        return _schema_pattern(constraint.text)
     raise GenerationError(f"a {constraint.kind} constraint has no device table: use the host path")
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_pattern(text: str) -> str | None:
+    return json_regex.pattern(text)
+
+
+def _expressible(constraint: Constraint) -> bool:
+    """Whether a table may equal llguidance's masks, before building it (a build that fails
+    its checks costs up to seconds): a regex, a choice, or a compact schema :mod:`.json_regex`
+    writes exactly."""
+    if constraint.kind != "json_schema":
+        return constraint.finite
+    return (
+        constraint.finite and not constraint.whitespace and bool(_schema_pattern(constraint.text))
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -340,12 +418,13 @@ def _texts(path: str, vocab: int, eos: tuple[int, ...]) -> dict[bytes, list[int]
 
 
 class NotExact(GenerationError):
-    """A finite constraint whose table cannot equal llguidance's masks on every path."""
+    """A finite constraint without a device table equal to llguidance's masks on every path
+    (or one too large for the device): it runs as host rows."""
 
 
 @functools.lru_cache(maxsize=32)
-def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]) -> np.ndarray:
-    """[S, V] int32 the table of :class:`TokenTable` (``next``) on the host, unpadded.
+def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]) -> HostTable:
+    """The table of ``constraint`` on the host (its token classes: tokens alike in every state).
 
     outlines-core indexes the pattern followed by a NUL sentinel (its 0.2 index drops the moves
     out of states where the pattern may end; followed by the sentinel, no state of the pattern
@@ -369,13 +448,12 @@ def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, .
         raise NotExact(f"outlines-core cannot index it: {error}") from None
     transitions = index.get_transitions()
     start, finals = index.get_initial_state(), set(index.get_final_states())
-    names = {start: 0}
-    for name, moves in transitions.items():
-        for after in (name, *moves.values()):
-            if after not in finals:
-                names.setdefault(after, len(names))
+    seen = dict.fromkeys(  # every state, in the order of the transitions (C loops)
+        itertools.chain([start], *((name, *moves.values()) for name, moves in transitions.items()))
+    )
+    names = {name: i for i, name in enumerate(n for n in seen if n not in finals)}
     if len(names) * vocab > TABLE_LIMIT:
-        raise GenerationError(
+        raise NotExact(
             f"the {constraint.kind} has {len(names)} states: too large for a device table"
         )
     dense = np.full(max(max(names), *finals) + 1, -1, np.int64)
@@ -392,15 +470,37 @@ def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, .
         table[row, tokens[keep]] = dense[after[keep]]
         if sentinel in moves:
             table[row, eos_ids] = row
-    _as_llguidance(table, start_matcher, vocab, eos)
+    masks = _as_llguidance(table, start_matcher, vocab, eos)
     _check_walks(table, start_matcher, vocab, eos)
-    return table
+    first, classes = _columns(table)
+    return HostTable(np.ascontiguousarray(table[:, first]), classes, masks)
 
 
-def _mask_after(start: Any, tokens: list[int], vocab: int) -> np.ndarray:
+def _columns(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The classes of equal columns of ``table`` [S, V]: a column of each, [C], and each
+    column's class, [V] int32 (a hash of each column, then checked equal)."""
+    digest = np.zeros(table.shape[1], np.uint64)
+    with np.errstate(over="ignore"):
+        for row in table:
+            digest = digest * np.uint64(1_000_003) + row.astype(np.uint64)
+    _, first, classes = np.unique(digest, return_index=True, return_inverse=True)
+    classes = classes.reshape(-1).astype(np.int32)
+    if not np.array_equal(table[:, first][:, classes], table):  # a hash collision: exact way
+        columns = np.ascontiguousarray(table.T)
+        alike = columns.view(np.dtype((np.void, columns.shape[1] * 4))).ravel()
+        _, first, classes = np.unique(alike, return_index=True, return_inverse=True)
+        classes = classes.reshape(-1).astype(np.int32)
+    return first, classes
+
+
+def _words_after(start: Any, tokens: list[int], vocab: int) -> np.ndarray:
+    """[ceil(vocab / 32)] int32 llguidance's bitmask after ``tokens``, no bit past ``vocab``."""
     matcher = start.deep_copy()
     matcher.consume_tokens(tokens)
-    return _unpacked(matcher, vocab)
+    words = bitmask(matcher, vocab)
+    if vocab % 32:
+        words[-1] &= np.int32((1 << (vocab % 32)) - 1)
+    return words
 
 
 def _unpacked(matcher: Any, vocab: int) -> np.ndarray:
@@ -409,21 +509,29 @@ def _unpacked(matcher: Any, vocab: int) -> np.ndarray:
     return bits[:vocab].astype(bool)
 
 
-def _as_llguidance(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]) -> None:
+def _as_llguidance(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]) -> np.ndarray:
     """Keeps in each state of ``table`` only the tokens llguidance allows after one path to it
-    (breadth first from the start); raises NotExact where llguidance allows more."""
+    (breadth first from the start), and gives those masks, [S, ceil(V / 32)] int32; raises
+    NotExact where llguidance allows more."""
     paths, order = {0: []}, [0]
+    ordinary = np.ones(vocab, bool)
+    ordinary[list(eos)] = False
+    masks = np.zeros((len(table), -(-vocab // 32)), np.int32)
     for state in order:
-        want = _mask_after(start, paths[state], vocab)
+        masks[state] = _words_after(start, paths[state], vocab)
+        want = np.unpackbits(masks[state].view(np.uint8), bitorder="little")[:vocab].view(bool)
         have = table[state] >= 0
         if (want & ~have).any():
             raise NotExact("llguidance allows tokens the automaton does not")
         table[state, ~want] = -1
-        targets, first = np.unique(table[state], return_index=True)
-        for after, token in zip(targets.tolist(), first.tolist(), strict=True):
-            if after >= 0 and after not in paths and token not in eos:
-                paths[after] = [*paths[state], token]
+        tokens = np.flatnonzero(want & ordinary)
+        first = np.full(len(table), -1)
+        first[table[state, tokens[::-1]]] = tokens[::-1]  # the last write: the lowest token
+        for after in np.flatnonzero(first >= 0).tolist():
+            if after not in paths:
+                paths[after] = [*paths[state], int(first[after])]
                 order.append(after)
+    return masks
 
 
 def _check_walks(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]) -> None:
@@ -448,10 +556,12 @@ def _check_walks(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]
 @functools.lru_cache(maxsize=32)
 def _device_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]):
     host = _host_table(constraint, path, vocab, eos)
-    states = max(MIN_STATES, 1 << (len(host) - 1).bit_length())
-    padded = np.full((states, vocab), -1, np.int32)
-    padded[: len(host)] = host
-    return TokenTable(jnp.asarray(pack(padded >= 0)), jnp.asarray(padded))
+    (states, width), words = host.next.shape, -(-vocab // 32)
+    nexts = np.full((_padded(states), _padded(width, MIN_CLASSES)), -1, np.int32)
+    nexts[:states, :width] = host.next
+    masks = np.zeros((_padded(states), words), np.int32)
+    masks[:states] = host.masks
+    return TokenTable(jnp.asarray(masks), jnp.asarray(nexts), jnp.asarray(host.classes))
 
 
 def token_table(constraint: Constraint, path: str, vocab: int, eos: Sequence[int]) -> TokenTable:
@@ -482,13 +592,8 @@ def table_bitmask(table: TokenTable, state: jax.Array) -> jax.Array:
 
 def next_state(table: TokenTable, state: jax.Array, token: jax.Array) -> jax.Array:
     """[B] the state after ``token`` [B] from ``state`` [B] (free rows, state -1, stay -1)."""
-    after = table.next[jnp.maximum(state, 0), jnp.maximum(token, 0)]
+    after = table.next[jnp.maximum(state, 0), table.classes[jnp.maximum(token, 0)]]
     return jnp.where(state >= 0, after, state)
-
-
-@functools.lru_cache(maxsize=32)
-def _host_masks(constraint: Constraint, path: str, vocab: int, eos: tuple[int, ...]) -> np.ndarray:
-    return pack(_host_table(constraint, path, vocab, eos) >= 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,7 +624,7 @@ class DeviceMask:
         for token in tokens:
             if state < 0:
                 break
-            state = int(host[state, int(token)])
+            state = host.after(state, int(token))
         return state
 
     def start(self, rows: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> np.ndarray:
@@ -533,7 +638,7 @@ class DeviceMask:
         """The bitmask of a row (``{"prompt", "generated" (last first), "vocab"}``), from the
         table on the host (a prompt step's selection)."""
         state = self.walk(list(row["generated"])[::-1])
-        masks = _host_masks(self.constraint, self.path, self.vocab, self.eos)
+        masks = _host_table(self.constraint, self.path, self.vocab, self.eos).masks
         return masks[state] if state >= 0 else np.zeros(masks.shape[1], np.int32)
 
     def __getitem__(self, i: int) -> Any:
@@ -650,8 +755,9 @@ def _matcher_table(vocab: int) -> TokenTable:
     """A table of no device states whose rows may be host rows."""
     words = -(-vocab // 32)
     with jax.ensure_compile_time_eval():  # device arrays, also when first read in a trace
-        mask, after = jnp.zeros((1, words), jnp.int32), jnp.full((1, vocab), -1, jnp.int32)
-    return TokenTable(mask, after, host=True)
+        mask, after = jnp.zeros((1, words), jnp.int32), jnp.full((1, 1), -1, jnp.int32)
+        classes = jnp.zeros(vocab, jnp.int32)
+    return TokenTable(mask, after, classes, host=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -754,55 +860,13 @@ def processor(
     :class:`HostMask` (llguidance's matcher on the host, called from the device loop)."""
     path, eos = os.fspath(path), tuple(int(e) for e in eos)
     compile_matcher(constraint, path, vocab, eos)  # a bad constraint is refused by its name
-    if constraint.finite and _plain(constraint):
+    if _expressible(constraint):
         try:
             token_table(constraint, path, vocab, eos)
             return DeviceMask(constraint, path, int(vocab), eos)
         except NotExact:
             pass
     return HostMask(constraint, path, int(vocab), eos)
-
-
-def _plain(constraint: Constraint) -> bool:
-    """Whether a table may equal llguidance's masks, before building it: a regex or a choice,
-    or a schema of closed objects (additionalProperties false), arrays, enums, consts,
-    booleans, nulls, unbounded integers and strings given by a pattern anchored at both ends.
-    outlines-core's regex of other strings, numbers and bounded integers differs from
-    llguidance's JSON (escapes, exponents, bounds, lengths, formats, unanchored patterns):
-    building their table only to drop it would cost up to seconds."""
-    if constraint.kind != "json_schema":
-        return True
-    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-
-    def walk(node: Any) -> bool:
-        if isinstance(node, list):
-            return all(walk(n) for n in node)
-        if not isinstance(node, dict):
-            return True
-        if "enum" in node or "const" in node:
-            return True
-        kinds = node.get("type")
-        kinds = kinds if isinstance(kinds, list) else [kinds]
-        if kinds == ["string"]:
-            return _anchored(node)
-        if "string" in kinds or "number" in kinds or any(b in node for b in bounds):
-            return False
-        if "object" in kinds and node.get("additionalProperties") is not False:
-            return False
-        return all(walk(v) for k, v in node.items() if k not in ("required", "type"))
-
-    return walk(json.loads(constraint.text))
-
-
-def _anchored(node: dict) -> bool:
-    """Whether a string schema is a pattern anchored at both ends and nothing else that
-    constrains it (outlines-core and llguidance then take the same strings)."""
-    pattern = node.get("pattern")
-    if not isinstance(pattern, str) or set(node) - {"type", "pattern", "title", "description"}:
-        return False
-    body = pattern[:-1]
-    slashes = len(body) - len(body.rstrip("\\"))  # an odd count escapes the final "$"
-    return pattern.startswith("^") and pattern.endswith("$") and slashes % 2 == 0
 
 
 def restrict(scores: jax.Array, table: TokenTable | None, state: jax.Array) -> jax.Array:

@@ -1284,16 +1284,7 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
     for t in [h.table for _, h in live] + [own]:
         if not any(t is u for u in tables):
             tables.append(t)
-    starts = [sum(t.states for t in tables[:i]) for i in range(len(tables))]
-    total = starts[-1] + tables[-1].states
-    size = max(constraints.MIN_STATES, 1 << (int(total) - 1).bit_length())
-    nexts = [jnp.where(t.next >= 0, t.next + o, -1) for t, o in zip(tables, starts, strict=True)]
-    masks = [t.mask for t in tables]
-    if size > total:
-        nexts.append(jnp.full((size - total, own.next.shape[1]), -1, jnp.int32))
-        masks.append(jnp.zeros((size - total, own.mask.shape[1]), jnp.int32))
-    host = any(t.host for t in tables)
-    table = constraints.TokenTable(jnp.concatenate(masks), jnp.concatenate(nexts), host=host)
+    table, starts = constraints.join(tables)
 
     def start(t) -> int:
         return next(o for u, o in zip(tables, starts, strict=True) if u is t)
