@@ -132,14 +132,31 @@ def test_a_schema_pattern_takes_what_llguidance_takes(tok):
 @pytest.mark.parametrize(
     "schema",
     [
+        {"type": ["string", "null"], "maxLength": 3},
+        {"type": ["integer", "boolean"], "minimum": 0},  # the bound is the integer's
+        {"type": ["integer", "number"]},
+        {"oneOf": [{"type": "string", "minLength": 2}, {"type": "null"}]},  # disjoint: an anyOf
+    ],
+    ids=["string-null", "integer-boolean", "integer-number", "oneOf"],
+)
+def test_type_lists_and_one_of_take_llguidances_values(tok, schema):
+    regex = jr.pattern(json.dumps(schema))
+    texts = ["1", "-0", "1.5", "true", "null", '""', '"a"', '"abc"', '"abcd"', "[]", "{}"]
+    want = _takes(tok, schema, texts)
+    assert want and {t for t in texts if re.fullmatch(regex, t)} == want
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
         {"type": "object", "properties": {"a": {"type": "integer"}}},  # open: other properties
         {"type": "string", "format": "date"},
         {"type": "string", "pattern": "[a-z]+"},  # a search
         {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
         {"type": "number", "minimum": 0},
         {"type": "integer", "multipleOf": 2},
-        {"oneOf": [{"type": "integer"}, {"type": "boolean"}]},
-        {"type": ["string", "null"]},
+        {"allOf": [{"type": "integer"}, {"minimum": 2}]},
+        {"type": ["string", "null"], "uniqueItems": True},  # a keyword of no listed type
         {"type": "array"},
         {"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}},
         {"$ref": "https://example.com/schema"},

@@ -257,15 +257,17 @@ CLOSED = {  # closed objects of booleans, enums and integers: the device path
     "additionalProperties": False,
 }
 
-VALUES = {  # strings, numbers, bounded integers, a $ref, closed: as llguidance reads them
+VALUES = {  # strings, numbers, bounded integers, a $ref, type lists, oneOf, closed: on the device
     "type": "object",
     "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 4},
         "id": {"type": "integer", "minimum": -5, "maximum": 120},
         "note": {"$ref": "#/$defs/text"},
         "score": {"type": "number"},
+        "maybe": {"type": ["string", "null"], "maxLength": 2},
+        "pick": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "boolean"}]},
     },
-    "required": ["name", "id"],
+    "required": ["name", "id", "maybe"],
     "additionalProperties": False,
     "$defs": {"text": {"type": "string"}},
 }

@@ -7,8 +7,10 @@ U+001F and U+007F, with the escapes ``\\" \\\\ \\b \\f \\n \\r \\t`` and ``\\u00
 control characters, lengths counted in characters; a number with an exponent sign optional;
 an integer's bounds. Local ``$ref`` s without cycles are inlined first.
 
-A schema this module cannot write exactly (open objects, formats, unanchored patterns, bounded
-numbers, ``oneOf``, ``allOf``, type lists, recursion) gives None: it runs on the host.
+A ``oneOf`` is written as an ``anyOf`` (llguidance refuses one whose schemas overlap), a list
+of types as an ``anyOf`` of one schema per type. A schema this module cannot write exactly
+(open objects, formats, unanchored patterns, bounded numbers, ``allOf``, recursion) gives None:
+it runs on the host.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ ANNOTATIONS = frozenset(
 )  # fmt: skip
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MARK = "tjm{}x"  # a const outlines-core writes as is; each is replaced by a value's regex
+_KEYWORDS = {  # the keywords that apply to each type (for a list of types)
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": (*BOUNDS, "multipleOf"),
+    "integer": (*BOUNDS, "multipleOf"),
+    "object": ("properties", "required", "additionalProperties", "minProperties",
+               "maxProperties", "patternProperties", "propertyNames"),
+    "array": ("items", "minItems", "maxItems", "prefixItems", "uniqueItems", "contains"),
+}  # fmt: skip
 
 
 class Recursive(ValueError):
@@ -109,13 +119,22 @@ def _marked(node: Any, values: list[str]) -> Any:
     keys = set(node) - ANNOTATIONS
     if "enum" in node or "const" in node:
         return node if keys <= {"enum", "const", "type"} else None
-    if "anyOf" in node:
-        subs = node["anyOf"]
-        if keys != {"anyOf"} or not isinstance(subs, list) or not subs:
-            return None
-        marked = [_marked(sub, values) for sub in subs]
-        return None if any(m is None for m in marked) else {"anyOf": marked}
+    for key in ("anyOf", "oneOf"):  # llguidance takes a oneOf only where it is an anyOf
+        if key in node:
+            subs = node[key]
+            if keys != {key} or not isinstance(subs, list) or not subs:
+                return None
+            marked = [_marked(sub, values) for sub in subs]
+            return None if any(m is None for m in marked) else {"anyOf": marked}
     kind = node.get("type")
+    if isinstance(kind, list):  # one schema per type, each with the keywords of its type
+        applies = {k for t in kind for k in _KEYWORDS.get(str(t), ())}
+        if not kind or len(set(map(str, kind))) < len(kind) or keys - {"type", *applies}:
+            return None
+        subs = [
+            {"type": t, **{k: node[k] for k in _KEYWORDS.get(t, ()) if k in node}} for t in kind
+        ]
+        return _marked({"anyOf": subs}, values)
     if kind in ("boolean", "null"):
         return node if keys == {"type"} else None
     if kind == "string":
