@@ -98,6 +98,17 @@ def test_strings_are_llguidances_strings(tok, node):
     assert want  # the candidates hold strings each side of the rule
 
 
+def test_dates_are_llguidances_dates(tok):
+    node = {"type": "string", "format": "date"}
+    days = [f"{m:02d}-{d:02d}" for m in range(14) for d in range(33)]
+    texts = [f'"{y}-{md}"' for y in ("2024", "2023", "0000") for md in days]
+    texts += ['"2024-1-01"', '"10000-01-01"', '"+2024-01-01"', '"2024-01-01T00:00"', "2024-01-01"]
+    want = _takes(tok, node, texts)
+    assert len(want) == 3 * 366  # every year's days, February's 29th too
+    node = jr.pattern(json.dumps(node))
+    assert {t for t in texts if re.fullmatch(node, t)} == want
+
+
 def test_numbers_are_llguidances_numbers(tok):
     texts = "1 -0 01 1. 1.0 1e5 1E+5 1e-05 -1.5e3 0.0e0 1.50 .5 - 1e 1.5E-0 -01.0 0e+0 +1 1.5.5"
     texts = texts.split() + ["123456789012345"]
@@ -150,7 +161,8 @@ def test_type_lists_and_one_of_take_llguidances_values(tok, schema):
     "schema",
     [
         {"type": "object", "properties": {"a": {"type": "integer"}}},  # open: other properties
-        {"type": "string", "format": "date"},
+        {"type": "string", "format": "date-time"},
+        {"type": "string", "format": "date", "maxLength": 10},
         {"type": "string", "pattern": "[a-z]+"},  # a search
         {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
         {"type": "number", "minimum": 0},
@@ -164,6 +176,7 @@ def test_type_lists_and_one_of_take_llguidances_values(tok, schema):
     ids=[
         "open",
         "format",
+        "date-length",
         "search",
         "pattern-length",
         "number-bound",

@@ -265,6 +265,7 @@ VALUES = {  # strings, numbers, bounded integers, a $ref, type lists, oneOf, clo
         "note": {"$ref": "#/$defs/text"},
         "score": {"type": "number"},
         "maybe": {"type": ["string", "null"], "maxLength": 2},
+        "day": {"type": "string", "format": "date"},
         "pick": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "boolean"}]},
     },
     "required": ["name", "id", "maybe"],
@@ -353,8 +354,9 @@ def test_which_constraints_take_the_device_path(monkeypatch):
     assert not device(cs.Constraint("json_schema", json.dumps(closed), whitespace=True))
     closed["properties"]["name"] = {"type": "string", "pattern": "^[a-c]{1,4}$"}  # anchored
     assert device(cs.Constraint("json_schema", json.dumps(closed)))
-    search, date = {"type": "string", "pattern": "[a-c]{1,4}"}, {"type": "string", "format": "date"}
-    for host in [search, date, {"type": "number", "maximum": 2}]:  # and a bounded number
+    search = {"type": "string", "pattern": "[a-c]{1,4}"}
+    email = {"type": "string", "format": "email"}
+    for host in [search, email, {"type": "number", "maximum": 2}]:  # and a bounded number
         closed["properties"]["name"] = host
         assert not device(cs.Constraint("json_schema", json.dumps(closed)))
     recursive = {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}

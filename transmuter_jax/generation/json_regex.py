@@ -4,13 +4,13 @@ outlines-core compiles the schema's structure (closed objects, arrays, enums, co
 booleans, nulls); the values it reads otherwise than llguidance 1.9 are put in as llguidance
 takes them (docs/structured-output.md): a string of any characters but ``"``, ``\\``, U+0000 to
 U+001F and U+007F, with the escapes ``\\" \\\\ \\b \\f \\n \\r \\t`` and ``\\u00XX`` of those
-control characters, lengths counted in characters; a number with an exponent sign optional;
-an integer's bounds. Local ``$ref`` s without cycles are inlined first.
+control characters, lengths counted in characters; a date (``format: date``); a number with
+an exponent sign optional; an integer's bounds. Local ``$ref`` s without cycles are inlined first.
 
 A ``oneOf`` is written as an ``anyOf`` (llguidance refuses one whose schemas overlap), a list
 of types as an ``anyOf`` of one schema per type. A schema this module cannot write exactly
-(open objects, formats, unanchored patterns, bounded numbers, ``allOf``, recursion) gives None:
-it runs on the host.
+(open objects, formats but date, unanchored patterns, bounded numbers, ``allOf``, recursion)
+gives None: it runs on the host.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from typing import Any
 
 CHAR = r'(?:[^"\\\x00-\x1F\x7F]|\\["\\bfnrt]|\\u00(?:[01][0-9a-fA-F]|7[fF]))'
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+DATE = (  # format "date": llguidance checks each month's days (February's up to 29)
+    r'"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])'
+    r'|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|[12][0-9]))"'
+)
 ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
      "readOnly", "writeOnly"}
@@ -140,6 +144,8 @@ def _marked(node: Any, values: list[str]) -> Any:
     if kind == "string":
         if keys <= {"type", "minLength", "maxLength"}:
             return _value(values, _string(node))
+        if keys == {"type", "format"} and node["format"] == "date":
+            return _value(values, DATE)
         return node if keys == {"type", "pattern"} and _anchored(node["pattern"]) else None
     if kind == "number":
         return _value(values, NUMBER) if keys == {"type"} else None
