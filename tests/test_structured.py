@@ -366,8 +366,12 @@ def test_which_constraints_take_the_device_path(monkeypatch):
     monkeypatch.setattr(cs, "TABLE_LIMIT", 64 * VOCAB)  # a table of 64 states at most
     big = cs.Constraint("regex", "[a-z]{1,80}")  # its 81 states: a host row
     assert not device(big)
-    with pytest.raises(cs.NotExact, match="too large"):
+    with pytest.raises(cs.NotExact, match="too many states"):
         cs.token_table(big, TOKENIZER, VOCAB, EOS)
+    for hostile in ["[a-z]{1,100000}", "(a{0,300}){0,300}", "(x[0-9]{9}){1,99}"]:  # no index built
+        assert not device(cs.Constraint("regex", hostile))
+    estimates = [cs._estimated_states(p) for p in ["ab", "a{3}b", r"(a{0,9}){0,9}", r"\p{L}{2}"]]
+    assert estimates == [2, 4, 81, 2]  # (a{0,9}){0,9}: 9 x 9
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from .errors import GenerationError
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 LOWEST = float(np.finfo(np.float32).min)  # as processors.LOWEST: removed tokens' score
 TABLE_LIMIT = 1 << 26  # most states x vocab entries a table is built of (256 MiB on the host)
+ESTIMATE_LIMIT = 16  # a pattern's text may suggest this many times TABLE_LIMIT's states
 KEEP_MATCHERS = 1024  # matchers a HostMatcher keeps, by (prompt, new tokens)
 
 
@@ -442,8 +443,16 @@ def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, .
     sentinel = 1 << 30  # a token id past every vocabulary
     texts[SENTINEL.encode()] = [sentinel]
     start_matcher = compile_matcher(constraint, path, vocab, eos)  # llguidance's check first
+    pattern = f"(?:{pattern_of(constraint)}){SENTINEL}"
+    too_large = NotExact(f"the {constraint.kind} has too many states for a device table")
+    if _estimated_states(pattern) * vocab > ESTIMATE_LIMIT * TABLE_LIMIT:
+        raise too_large  # before an index whose size grows with states x vocab
     try:
-        index = Index(f"(?:{pattern_of(constraint)}){SENTINEL}", Vocabulary(eos[0], texts))
+        if len(Index(pattern, _bytes_vocabulary(eos[0])).get_transitions()) * vocab > TABLE_LIMIT:
+            raise too_large  # its states, counted over single bytes: at least the index's
+        index = Index(pattern, Vocabulary(eos[0], texts))
+    except NotExact:
+        raise
     except Exception as error:  # noqa: BLE001 - llguidance takes it, outlines-core does not
         raise NotExact(f"outlines-core cannot index it: {error}") from None
     transitions = index.get_transitions()
@@ -453,9 +462,7 @@ def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, .
     )
     names = {name: i for i, name in enumerate(n for n in seen if n not in finals)}
     if len(names) * vocab > TABLE_LIMIT:
-        raise NotExact(
-            f"the {constraint.kind} has {len(names)} states: too large for a device table"
-        )
+        raise too_large
     dense = np.full(max(max(names), *finals) + 1, -1, np.int64)
     dense[list(names)] = list(names.values())
     table = np.full((len(names), vocab), -1, np.int32)
@@ -491,6 +498,68 @@ def _columns(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         _, first, classes = np.unique(alike, return_index=True, return_inverse=True)
         classes = classes.reshape(-1).astype(np.int32)
     return first, classes
+
+
+@functools.lru_cache(maxsize=4)
+def _bytes_vocabulary(eos: int) -> Any:
+    """outlines-core's Vocabulary of the 255 single bytes but NUL, and the sentinel."""
+    from outlines_core import Vocabulary
+
+    texts = {bytes([b]): [(1 << 29) + b] for b in range(1, 256)}  # ids past any vocabulary
+    texts[SENTINEL.encode()] = [1 << 30]
+    return Vocabulary(eos, texts)
+
+
+def _estimated_states(pattern: str) -> int:
+    """A rough bound of the states of ``pattern``'s automaton, read from its text: atoms count
+    one, a group the sum of its parts, a counted repeat multiplies what it repeats by its
+    largest count (``(a{0,9}){0,9}``: 81). It keeps a hostile pattern from building an index
+    first; the table's real states are counted after."""
+    frames, i = [[0, 0]], 0  # per open group: [its total, the size of its last atom]
+    while i < len(pattern):
+        c = pattern[i]
+        atom = 1
+        if c == "\\":
+            i += 1
+            if i + 1 < len(pattern) and pattern[i] in "pPxu" and pattern[i + 1] == "{":
+                i = pattern.find("}", i) if "}" in pattern[i:] else len(pattern) - 1
+        elif c == "[":
+            depth, i = 1, i + 1
+            if i < len(pattern) and pattern[i] == "^":
+                i += 1
+            if i < len(pattern) and pattern[i] == "]":
+                i += 1
+            while i < len(pattern) and depth:
+                if pattern[i] == "\\":
+                    i += 1
+                elif pattern[i] == "[":
+                    depth += 1
+                elif pattern[i] == "]":
+                    depth -= 1
+                i += 1
+            i -= 1
+        elif c == "(":
+            frames.append([0, 0])
+            i += 1
+            continue
+        elif c == ")" and len(frames) > 1:
+            atom = frames.pop()[0]
+        elif c == "{":
+            close = pattern.find("}", i)
+            counts = pattern[i + 1 : close].split(",") if close > 0 else []
+            if counts and all(n.strip().isdigit() or not n.strip() for n in counts):
+                largest = max([int(n) for n in counts if n.strip()] or [1])
+                frames[-1][0] += frames[-1][1] * (max(largest, 1) - 1)
+                frames[-1][1] *= max(largest, 1)
+                i = close + 1
+                continue
+        elif c in "*+?|":
+            i += 1
+            continue
+        frames[-1][0] += atom
+        frames[-1][1] = atom
+        i += 1
+    return sum(f[0] for f in frames)
 
 
 def _words_after(start: Any, tokens: list[int], vocab: int) -> np.ndarray:
