@@ -140,6 +140,33 @@ def test_what_jax_export_cannot_store_runs_as_plain_jit(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("lowered/*.jaxexport"))) == 1
 
 
+def test_warm_stores_a_program_without_running_it(tmp_path, monkeypatch):
+    import jax
+    import numpy as np
+
+    from transmuter_jax.runtime import compile_cache, stored
+
+    monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))
+    before = dict(stored.counts)
+    calls = []
+
+    def double(x):
+        calls.append(1)  # traced, never run on the host
+        return x * 2
+
+    spec = jax.ShapeDtypeStruct((3,), np.float32)
+    first = stored.AutoStoredJit(double, ("double",))
+    first.warm(spec)
+    assert stored.counts["exported"] == before["exported"] + 1
+    traced = len(calls)
+    np.testing.assert_array_equal(np.asarray(first(np.arange(3.0, dtype=np.float32))), [0, 2, 4])
+    assert len(calls) == traced  # the call ran the warmed program
+    again = stored.AutoStoredJit(double, ("double",))  # a new process: read from disk
+    again.warm(spec)
+    assert stored.counts["read"] == before["read"] + 1
+    np.testing.assert_array_equal(np.asarray(again(np.ones(3, np.float32))), [2, 2, 2])
+
+
 def test_only_this_threads_programs_inside_a_scope_are_kept(tmp_path, monkeypatch):
     import threading
 

@@ -165,6 +165,17 @@ class StoredJit:
             _tell("done", time.perf_counter() - start)
         return result
 
+    def warm(self, signature: Hashable, *specs) -> None:
+        """Reads or compiles the program of ``specs`` (``jax.ShapeDtypeStruct`` s shaped as a
+        call's arguments) without running it: a later call of that signature starts at once."""
+        if signature in self._programs:
+            return
+        with compile_cache.scope():
+            program = self._program(specs)
+            program.lower(*specs).compile()
+        self._programs[signature] = program
+        release_heap()
+
     @property
     def function(self) -> Callable:
         """The function it compiles (to call inside another traced program)."""
@@ -233,6 +244,10 @@ class AutoStoredJit(StoredJit):
 
     def __call__(self, *args):
         return super().__call__(signature(args), *args)
+
+    def warm(self, *specs) -> None:  # type: ignore[override]
+        """As :meth:`StoredJit.warm`, the signature read from ``specs``."""
+        super().warm(signature(specs), *specs)
 
 
 @functools.cache
