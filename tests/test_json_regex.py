@@ -192,6 +192,24 @@ def test_schemas_it_cannot_write_exactly_give_none(schema):
     assert jr.pattern(json.dumps(schema)) is None
 
 
+def test_huge_or_deep_schemas_are_refused_quickly():
+    ref = lambda i: {"$ref": f"#/$defs/d{i}"}  # noqa: E731
+    defs = {f"d{i}": {"anyOf": [ref(i + 1), ref(i + 1)]} for i in range(59)}
+    defs["d59"] = {"type": "integer"}  # each level names the next twice: 2**59 once inlined
+    dag = {"$defs": defs, "$ref": "#/$defs/d0"}
+    with pytest.raises(jr.Recursive, match="inlined"):
+        jr.inline(dag)
+    assert jr.pattern(json.dumps(dag)) is None
+    deep: dict = {"type": "integer"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(jr.Recursive, match="deeply"):
+        jr.inline(deep)
+    assert jr.pattern(json.dumps({"type": "integer", "maximum": 1e300})) is None
+    small = {"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n"}  # a root $ref beside $defs
+    assert jr.inline(small) == {"type": "integer"}
+
+
 def test_refs_are_inlined_and_cycles_refused():
     schema = {"$defs": {"a": {"type": "integer"}, "b": {"$ref": "#/$defs/a"}},
               "type": "array", "items": {"$ref": "#/$defs/b"}}  # fmt: skip

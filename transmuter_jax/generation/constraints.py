@@ -73,7 +73,7 @@ class Constraint:
             return False
         try:
             return not _open(json_regex.inline(json.loads(self.text)))
-        except json_regex.Recursive:
+        except (json_regex.Recursive, RecursionError):
             return False
 
 

@@ -30,6 +30,8 @@ ANNOTATIONS = frozenset(
      "readOnly", "writeOnly"}
 )  # fmt: skip
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_NODES = 20_000  # schemas once $refs are inlined (a DAG of $refs may double at each level)
+MAX_BOUND = 2**53  # integer bounds beyond this are left to llguidance (host rows)
 MARK = "tjm{}x"  # a const outlines-core writes as is; each is replaced by a value's regex
 _KEYWORDS = {  # the keywords that apply to each type (for a list of types)
     "string": ("minLength", "maxLength", "pattern", "format"),
@@ -50,7 +52,8 @@ def inline(schema: Any) -> Any:
     the schema it names, and ``$defs`` / ``definitions`` dropped.
 
     Raises:
-        Recursive: for a cycle of references or one this function cannot follow.
+        Recursive: for a cycle of references, one this function cannot follow, or a schema
+            nested too deeply or too large once inlined.
     """
 
     def target(ref: Any) -> Any:
@@ -64,7 +67,12 @@ def inline(schema: Any) -> Any:
             node = node[part]
         return node
 
+    made = [0]
+
     def walk(node: Any, seen: tuple[str, ...]) -> Any:
+        made[0] += 1
+        if made[0] > MAX_NODES:
+            raise Recursive(f"over {MAX_NODES} schemas once its $refs are inlined")
         if isinstance(node, list):
             return [walk(n, seen) for n in node]
         if not isinstance(node, dict):
@@ -73,7 +81,7 @@ def inline(schema: Any) -> Any:
             ref = node["$ref"]
             if ref in seen:
                 raise Recursive(f"a recursive $ref: {ref!r:.60}")
-            if set(node) - ANNOTATIONS - {"$ref"}:
+            if set(node) - ANNOTATIONS - {"$ref", "$defs", "definitions"}:
                 raise Recursive("a $ref beside other keywords")
             return walk(target(ref), (*seen, ref))
         out = {}
@@ -89,7 +97,10 @@ def inline(schema: Any) -> Any:
                 out[key] = walk(value, seen)
         return out
 
-    return walk(schema, ())
+    try:
+        return walk(schema, ())
+    except RecursionError:
+        raise Recursive("nested too deeply") from None
 
 
 def pattern(text: str) -> str | None:
@@ -98,10 +109,13 @@ def pattern(text: str) -> str | None:
     it exactly."""
     try:
         schema = inline(json.loads(text))
-    except Recursive:
+    except (Recursive, RecursionError):
         return None
     values: list[str] = []
-    marked = _marked(schema, values)
+    try:
+        marked = _marked(schema, values)
+    except RecursionError:
+        return None
     if marked is None or any(MARK.format(i) in text for i in range(len(values))):
         return None
     from outlines_core.json_schema import build_regex_from_schema
@@ -219,7 +233,7 @@ def _bound(node: dict, key: str) -> float | None:
     value = node.get(key)
     if value is None:
         return None
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if type(value) not in (int, float) or not math.isfinite(value) or abs(value) > MAX_BOUND:
         raise ValueError(key)
     return value
 
