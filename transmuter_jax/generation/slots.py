@@ -1165,9 +1165,10 @@ def _tokens(out, request: Request, slots: Sequence[int], i: int, ran: Any) -> li
 
 
 @functools.cache
-def _insert_function(jit: str):
+def _insert_function(jit: str, stored: bool):
     """The program that puts one request's rows into the slots' rows at ``slot`` (donated),
-    stored on disk: it compiles in about a second, on the way to a new process's first token."""
+    stored on disk unless the slots are on a mesh (stored programs keep no shardings): it
+    compiles in about a second, on the way to a new process's first token."""
 
     def insert(rows: Rows_, one: Rows_, slot):
         return jax.tree.map(
@@ -1176,7 +1177,7 @@ def _insert_function(jit: str):
             one,
         )
 
-    return AutoStoredJit(insert, ("slots.insert", 1), donate_argnums=(0,))
+    return AutoStoredJit(insert, ("slots.insert", 1) if stored else None, donate_argnums=(0,))
 
 
 def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotState:
@@ -1217,7 +1218,7 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
         if given > target or (given < target and engine.cache_mode.padded):
             one = dataclasses.replace(one, cache=_resized_cache(engine, one.cache, target))
     _release(state, slot)
-    put_in = _insert_function(jit_key(engine.jit_options))
+    put_in = _insert_function(jit_key(engine.jit_options), engine.placement is None)
     rows = put_in(state.rows, one, jnp.int32(slot))
     if own_given:
         state = dataclasses.replace(state, given=put_in(state.given, own_given, jnp.int32(slot)))
@@ -1378,7 +1379,7 @@ def warm_moves(engine: Engine, state: SlotState, prefixes: Sequence[Prefix]) -> 
         for b in sizes:
             if a != b:
                 _resize_program(engine, b).lower(slots_at[a].cache).compile()
-    insert_ = _insert_function(jit_key(engine.jit_options))
+    insert_ = _insert_function(jit_key(engine.jit_options), engine.placement is None)
     slot = jax.ShapeDtypeStruct((), jnp.int32)
     for prefix in prefixes:
         given = _rows_of(engine, prefix.rows.cache, state.capacity)
