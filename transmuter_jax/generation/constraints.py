@@ -478,7 +478,7 @@ def _host_table(constraint: Constraint, path: str, vocab: int, eos: tuple[int, .
         if sentinel in moves:
             table[row, eos_ids] = row
     masks = _as_llguidance(table, start_matcher, vocab, eos)
-    _check_walks(table, start_matcher, vocab, eos)
+    _check_walks(table, masks, start_matcher, vocab, eos)
     first, classes = _columns(table)
     return HostTable(np.ascontiguousarray(table[:, first]), classes, masks)
 
@@ -489,7 +489,8 @@ def _columns(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     digest = np.zeros(table.shape[1], np.uint64)
     with np.errstate(over="ignore"):
         for row in table:
-            digest = digest * np.uint64(1_000_003) + row.astype(np.uint64)
+            np.multiply(digest, np.uint64(1_000_003), out=digest)
+            np.add(digest, row.astype(np.uint64), out=digest)
     _, first, classes = np.unique(digest, return_index=True, return_inverse=True)
     classes = classes.reshape(-1).astype(np.int32)
     if not np.array_equal(table[:, first][:, classes], table):  # a hash collision: exact way
@@ -563,19 +564,18 @@ def _estimated_states(pattern: str) -> int:
 
 
 def _words_after(start: Any, tokens: list[int], vocab: int) -> np.ndarray:
-    """[ceil(vocab / 32)] int32 llguidance's bitmask after ``tokens``, no bit past ``vocab``."""
+    """:func:`_words` of ``start`` after ``tokens``."""
     matcher = start.deep_copy()
     matcher.consume_tokens(tokens)
+    return _words(matcher, vocab)
+
+
+def _words(matcher: Any, vocab: int) -> np.ndarray:
+    """[ceil(vocab / 32)] int32 llguidance's bitmask, no bit past ``vocab``."""
     words = bitmask(matcher, vocab)
     if vocab % 32:
         words[-1] &= np.int32((1 << (vocab % 32)) - 1)
     return words
-
-
-def _unpacked(matcher: Any, vocab: int) -> np.ndarray:
-    """[vocab] bool the tokens ``matcher`` allows next (on the host)."""
-    bits = np.unpackbits(bitmask(matcher, vocab).view(np.uint8), bitorder="little")
-    return bits[:vocab].astype(bool)
 
 
 def _as_llguidance(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]) -> np.ndarray:
@@ -603,7 +603,9 @@ def _as_llguidance(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ..
     return masks
 
 
-def _check_walks(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]) -> None:
+def _check_walks(
+    table: np.ndarray, masks: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]
+) -> None:
     """Raises NotExact unless the table's masks equal llguidance's along random walks."""
     rng = np.random.default_rng(0)
     ordinary = np.ones(vocab, bool)
@@ -611,10 +613,9 @@ def _check_walks(table: np.ndarray, start: Any, vocab: int, eos: tuple[int, ...]
     for _ in range(CHECK_WALKS):
         matcher, state = start.deep_copy(), 0
         for _ in range(CHECK_STEPS):
-            want = _unpacked(matcher, vocab)
-            if not np.array_equal(want, table[state] >= 0):
+            if not np.array_equal(_words(matcher, vocab), masks[state]):
                 raise NotExact("the table differs from llguidance on a walk")
-            ok = np.flatnonzero(want & ordinary)
+            ok = np.flatnonzero((table[state] >= 0) & ordinary)
             if not len(ok):
                 break
             token = int(ok[rng.integers(len(ok))])
