@@ -69,12 +69,16 @@ class Constraint:
         recursive $refs or open objects and arrays)."""
         if self.kind in ("regex", "choice"):
             return True
-        if self.kind != "json_schema":
-            return False
-        try:
-            return not _open(json_regex.inline(json.loads(self.text)))
-        except (json_regex.Recursive, RecursionError):
-            return False
+        return self.kind == "json_schema" and _finite_schema(self.text)
+
+
+@functools.lru_cache(maxsize=64)
+def _finite_schema(text: str) -> bool:
+    """:attr:`Constraint.finite` of a schema (cached: every request's constraint asks)."""
+    try:
+        return not _open(json_regex.inline(json.loads(text)))
+    except (json_regex.Recursive, RecursionError):
+        return False
 
 
 def _open(schema: Any) -> bool:
