@@ -837,18 +837,23 @@ def test_matmul_nbits_block32_follows_onnxruntime(rng, monkeypatch, zero_points,
         _nbits_session(k, n, b, scales, zp).SerializeToString(),
         providers=["CPUExecutionProvider"],
     )
-    packed = kernels.nbits_pack(b)
+    blocks = -(-k // 32)
+    packed = (
+        kernels.nbits_pack(b),
+        kernels.nbits_pack_scales(scales, n, blocks),
+        None if zp is None else kernels.nbits_pack_zero_points(zp, n, blocks),
+    )
     ref = lambda x, b, s, z: int8_product(x, b, s, z, k, n, 32)
     for m in (1, 4, 5, 64):
         x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
         theirs = session.run(["y"], {"a": x})[0]
         for portable in ("0", "1"):
             monkeypatch.setenv(kernels.PORTABLE_ENV, portable)
-            for weights, is_packed in ((b, False), (packed, True)):
+            for weights, is_packed in (((b, scales, zp), False), (packed, True)):
                 fn = lambda x, w, s, z, p=is_packed: kernels.matmul_nbits(
                     x, w, s, z, n=n, block_size=32, reference=ref, int8=True, packed=p
                 )
-                ours = np.asarray(jax.jit(fn)(x, weights, scales, zp))
+                ours = np.asarray(jax.jit(fn)(x, *weights))
                 if _mlas_vnni_cpu():
                     np.testing.assert_array_equal(ours, theirs)
                 else:

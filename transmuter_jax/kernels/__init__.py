@@ -425,8 +425,9 @@ def matmul_nbits(
 
     ``int8``: quantize ``x`` to int8 per row and block, as onnxruntime does for accuracy_level 4
     (the steps of :func:`transmuter_jax.onnx.ops.quant.int8_product`).
-    ``packed``: ``b`` is in the layout of :func:`nbits_pack` (int8, block size 32, integer zero
-    points or none); ``reference`` then receives it unpacked (:func:`nbits_unpack`).
+    ``packed``: ``b``, ``scales`` and ``zero_points`` are in the layouts of :func:`nbits_pack`,
+    :func:`nbits_pack_scales` and :func:`nbits_pack_zero_points` (int8, block size 32, integer
+    zero points or none); ``reference`` then receives them as stored (:func:`nbits_unpack_all`).
     ``reference(x, b, scales, zero_points)`` is the same computation in pure JAX, used for
     gradients and for vmap over the weights. Call only when :func:`nbits_supported` says so.
     """
@@ -450,8 +451,10 @@ def matmul_nbits(
         )
 
     def ref(x, b, scales, zp, *live):  # every row: the others' are never read
-        b = nbits_unpack(b) if packed else b
-        return reference(x, b, scales, None if zp.size == 0 else zp)
+        zp = None if zp.size == 0 else zp
+        if packed:
+            b, scales, zp = nbits_unpack_all(b, scales, zp, n)
+        return reference(x, b, scales, zp)
 
     fn = _wrapped(kernel, ref, folds=live is None)  # vmap over x: the blocks would move
     more = () if live is None else (live,)
@@ -525,6 +528,57 @@ def nbits_pack(b: np.ndarray) -> np.ndarray:
     nibbles = stored[:, _nbits_order(blocks)].reshape(n, blocks * 16, 2)
     packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
     return np.ascontiguousarray(packed.reshape(n, blocks, 16), dtype=np.uint8)
+
+
+NBITS_TILE = 16  # columns per tile of packed scales and zero points, as nbits_block32.h's kB32Tile
+
+
+def nbits_pack_scales(scales: np.ndarray, n: int, blocks: int) -> np.ndarray:
+    """MatMulNBits scales (``[N, blocks]`` or flat, float32) in the layout the kernel reads with
+    packed weights: ``[ceil(N / 16), blocks, 16]``, block ``b`` of column ``c`` at
+    ``[c // 16, b, c % 16]``, zero past N."""
+    scales = np.asarray(scales, np.float32).reshape(n, blocks)
+    tiles = -(-n // NBITS_TILE)
+    padded = np.zeros((tiles * NBITS_TILE, blocks), np.float32)
+    padded[:n] = scales
+    return np.ascontiguousarray(padded.reshape(tiles, NBITS_TILE, blocks).transpose(0, 2, 1))
+
+
+def nbits_unpack_scales(tiles: jax.Array, n: int) -> jax.Array:
+    """The scales ``[N, blocks]`` of :func:`nbits_pack_scales`' layout (jax.numpy)."""
+    tiles = jnp.asarray(tiles)
+    count, blocks, _ = tiles.shape
+    return jnp.transpose(tiles, (0, 2, 1)).reshape(count * NBITS_TILE, blocks)[:n]
+
+
+def nbits_pack_zero_points(zero_points: np.ndarray, n: int, blocks: int) -> np.ndarray:
+    """MatMulNBits 4-bit zero points (``uint8 [N, ceil(blocks / 2)]`` or flat, low nibble first)
+    as one byte each in the tiles of :func:`nbits_pack_scales`: ``uint8 [ceil(N / 16), blocks,
+    16]``."""
+    zp = np.asarray(zero_points, np.uint8).reshape(n, -(-blocks // 2))
+    values = np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks]
+    tiles = -(-n // NBITS_TILE)
+    padded = np.zeros((tiles * NBITS_TILE, blocks), np.uint8)
+    padded[:n] = values
+    return np.ascontiguousarray(padded.reshape(tiles, NBITS_TILE, blocks).transpose(0, 2, 1))
+
+
+def nbits_unpack_zero_points(tiles: jax.Array, n: int) -> jax.Array:
+    """The 4-bit zero points ``uint8 [N, ceil(blocks / 2)]`` (low nibble first) of
+    :func:`nbits_pack_zero_points`' layout (jax.numpy)."""
+    values = nbits_unpack_scales(tiles, n).astype(jnp.uint8)  # [N, blocks]
+    blocks = values.shape[1]
+    if blocks % 2:
+        values = jnp.pad(values, ((0, 0), (0, 1)))
+    pairs = values.reshape(n, -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
+
+
+def nbits_unpack_all(b, scales, zero_points, n: int):
+    """Weights, scales and zero points (or None) of the packed layouts as stored, for the pure
+    JAX path."""
+    zp = None if zero_points is None else nbits_unpack_zero_points(zero_points, n)
+    return nbits_unpack(b), nbits_unpack_scales(scales, n), zp
 
 
 def nbits_unpack(packed: jax.Array) -> jax.Array:

@@ -8,8 +8,9 @@ packed array under the initializer's name, and the Transpose nodes go: the weigh
 
 The 4-bit weights of MatMulNBits nodes that quantize their input to int8 (accuracy_level 4,
 blocks of 32, integer zero points or none) are rearranged into the layout the int4 kernel reads
-(:func:`transmuter_jax.kernels.nbits_pack`, same shape and size), and those nodes become
-PackedMatMulNBits.
+(:func:`transmuter_jax.kernels.nbits_pack`, same shape and size), their float32 scales and zero
+points into tiles of 16 columns (``nbits_pack_scales``, ``nbits_pack_zero_points``), and those
+nodes become PackedMatMulNBits: only where every reader of those initializers is such a node.
 
 :func:`mark_tokens` then marks the products whose left operand depends on the graph's token
 inputs (``tokens=1``): their rows are a step's tokens, whose padding a decoder step may skip
@@ -74,6 +75,39 @@ class NBitsPacking:
     def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of the packed array: the stored one."""
         return tuple(shape)
+
+
+@dataclass(frozen=True)
+class NBitsScalesPacking:
+    """MatMulNBits scales (float32, ``n`` columns of ``blocks``) in tiles of 16 columns."""
+
+    name: str
+    n: int
+    blocks: int
+    dtype = np.float32
+
+    def pack(self, array: np.ndarray) -> np.ndarray:
+        from ..kernels import nbits_pack_scales
+
+        return nbits_pack_scales(array, self.n, self.blocks)
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the tiles: [ceil(n / 16), blocks, 16]."""
+        from ..kernels import NBITS_TILE
+
+        return (-(-self.n // NBITS_TILE), self.blocks, NBITS_TILE)
+
+
+@dataclass(frozen=True)
+class NBitsZeroPointsPacking(NBitsScalesPacking):
+    """MatMulNBits 4-bit zero points as one byte each, in the tiles of the scales."""
+
+    dtype = np.uint8
+
+    def pack(self, array: np.ndarray) -> np.ndarray:
+        from ..kernels import nbits_pack_zero_points
+
+        return nbits_pack_zero_points(array, self.n, self.blocks)
 
 
 @dataclass(frozen=True)
@@ -211,46 +245,78 @@ def plan(graph: GraphProto, minimum: int | None = None) -> dict[str, Packing]:
     return plans
 
 
-def _int8_nbits(node: NodeProto, name: str, uint8_initializers: set[str]) -> bool:
-    """Whether ``node`` is a MatMulNBits reading ``name`` as its weight (only there) that the int4
-    kernel runs with int8 input on weights in its own layout."""
+def _int8_nbits(node: NodeProto, initializers: dict[str, TensorProto]) -> bool:
+    """Whether ``node`` is a MatMulNBits that the int4 kernel runs with int8 input on weights,
+    scales and zero points in its own layouts: all three initializers of the expected types."""
     inputs = list(node.input) + [""] * (5 - len(node.input))
+    b, scales, zp = (initializers.get(name) for name in inputs[1:4])
+    k, n = _attr(node, "K", 0), _attr(node, "N", 0)
+    blocks = -(-k // 32)
     return (
         node.op_type == "MatMulNBits"
         and node.domain == MS
-        and inputs[1] == name
-        and name not in inputs[:1] + inputs[2:]
         and _attr(node, "bits", 4) == 4
         and _attr(node, "block_size", 0) == 32
         and not _attr(node, "weight_prepacked", 0)
         and switch.int8_activations(_attr(node, "accuracy_level", 0))
-        and (not inputs[3] or inputs[3] in uint8_initializers)
+        and n > 0
+        and b is not None
+        and b.data_type == TensorProto.UINT8
+        and tuple(b.dims) == (n, blocks, 16)
+        and scales is not None
+        and scales.data_type == TensorProto.FLOAT
+        and int(np.prod(scales.dims)) == n * blocks
+        and (not inputs[3] or (zp is not None and zp.data_type == TensorProto.UINT8))
+        and (zp is None or int(np.prod(zp.dims)) == n * -(-blocks // 2))
         and not inputs[4]
+        and len(set(inputs[1:4]) - {""}) == (3 if inputs[3] else 2)
+        and inputs[0] not in inputs[1:4]
     )
 
 
-def plan_nbits(graph: GraphProto) -> dict[str, NBitsPacking]:
-    """The MatMulNBits weights of ``graph`` to rearrange for the int4 kernel, by name."""
+def plan_nbits(graph: GraphProto) -> dict[str, NBitsPacking | NBitsScalesPacking]:
+    """The MatMulNBits weights, scales and zero points of ``graph`` to rearrange for the int4
+    kernel, by name: those of the nodes whose every such initializer is read only by such nodes,
+    in the same place."""
     consumers = _consumers(graph)
     fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
     for node in graph.node:
         for sub in subgraphs(node):
             fixed |= outer_names(sub)
-    uint8 = {t.name for t in graph.initializer if t.data_type == TensorProto.UINT8}
-    plans = {}
-    for tensor in graph.initializer:
-        dims = tuple(tensor.dims)
-        if tensor.data_type != TensorProto.UINT8 or len(dims) != 3 or dims[2] != 16:
-            continue
-        uses = consumers.get(tensor.name, ())
-        if tensor.name in fixed or not uses:
-            continue
-        if all(_int8_nbits(node, tensor.name, uint8) for node in uses):
-            plans[tensor.name] = NBitsPacking(tensor.name)
+    initializers = {t.name: t for t in graph.initializer}
+    nodes = [n for n in graph.node if _int8_nbits(n, initializers)]
+    while True:  # drop nodes sharing an initializer with a reader that is not packed alike
+        kept = {id(n) for n in nodes}
+        roles = {n.input[i]: i for n in nodes for i in (1, 2, 3) if i < len(n.input)}
+        left = [
+            n
+            for n in nodes
+            if all(
+                name not in fixed
+                and all(
+                    id(user) in kept and list(user.input).index(name) == i
+                    for user in consumers.get(name, ())
+                )
+                and roles[name] == i
+                for i, name in enumerate(n.input[1:4], start=1)
+                if name
+            )
+        ]
+        if len(left) == len(nodes):
+            break
+        nodes = left
+    plans: dict[str, NBitsPacking | NBitsScalesPacking] = {}
+    for node in nodes:
+        n, blocks = _attr(node, "N", 0), -(-_attr(node, "K", 0) // 32)
+        inputs = list(node.input) + [""] * 4
+        plans[inputs[1]] = NBitsPacking(inputs[1])
+        plans[inputs[2]] = NBitsScalesPacking(inputs[2], n, blocks)
+        if inputs[3]:
+            plans[inputs[3]] = NBitsZeroPointsPacking(inputs[3], n, blocks)
     return plans
 
 
-def rewrite_nbits(graph: GraphProto, plans: dict[str, NBitsPacking]) -> None:
+def rewrite_nbits(graph: GraphProto, plans: dict[str, NBitsPacking | NBitsScalesPacking]) -> None:
     """MatMulNBits nodes reading a rearranged weight become PackedMatMulNBits (in place)."""
     if not plans:
         return

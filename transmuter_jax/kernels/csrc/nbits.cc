@@ -290,77 +290,133 @@ struct B32Job {
   const NbitsJob* job;
   B32Rows xs;
   bool portable, packed;
-  int64_t cols_per_chunk;
+  int64_t cols_per_chunk;  // a multiple of kB32Tile
 };
+
+// Weights as stored, scales [N, blocks], zero points packed two to a byte.
+static void b32_stored_slice(const B32Job& w, int64_t s0, int64_t s1, uint8_t* values,
+                             float* z) {
+  const NbitsJob& job = *w.job;
+  const int64_t blocks = job.blocks, row_bytes = job.groups * 16, m = job.m, cols = s1 - s0;
+  const int64_t tail = job.n - job.n % 4;  // columns from here fold in the other order
+  for (int64_t col = s0; col < s1; ++col) {
+    const float* sw = job.scales + col * blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float zp = job.zp_kind == kPacked ? zero_point(job, col, b) : 8.0f;
+      z[b * cols + (col - s0)] = -(sw[b] * zp);
+    }
+  }
+  for (int64_t col = s0; col < s1; ++col) {
+    const uint8_t* bytes = job.b + col * row_bytes;
+    const float* sw = job.scales + col * blocks;
+    float* y = job.y + col;
+    const bool last = col >= tail;
+#ifdef TJ_B32_AVX2
+    if (!w.portable && m == 1 && col + 4 <= std::min(s1, tail)) {
+      // one row: 4 columns at a time, unpacked in registers, the row's values loaded once
+      const float* sws[4] = {sw, sw + blocks, sw + 2 * blocks, sw + 3 * blocks};
+      const B32Weights<kB32Stored> ws[4] = {
+          {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
+      b32_row4<kB32Stored, false>(w.xs, 0, ws, sws, y);
+      col += 3;
+      continue;
+    }
+    if (!w.portable) {
+      b32_values(bytes, blocks, false, values);
+      using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Values>, const float*, bool,
+                          float*, int64_t);
+      static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32Values, 1>,
+                                      b32_main<2, kB32Values, 1>, b32_main<3, kB32Values, 1>,
+                                      b32_main<4, kB32Values, 1>};
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r0);
+        kRows[rows](w.xs, r0, B32Weights<kB32Values>{values}, sw, last, y + r0 * job.n, job.n);
+      }
+      continue;
+    }
+#endif
+    b32_values(bytes, blocks, false, values);
+    for (int64_t r = 0; r < m; ++r) {
+      y[r * job.n] = b32_main_portable(w.xs.q.data() + r * blocks * kB32,
+                                       w.xs.scale.data() + r * blocks, values, sw, 1, blocks,
+                                       last);
+    }
+  }
+  b32_zero_term(w.xs.blksum.data(), m, blocks, z, cols, job.y + s0, job.n, w.portable);
+}
+
+// Weights packed (kernels.nbits_pack), scales and zero points in tiles of kB32Tile columns
+// (kernels.nbits_pack_scales); s0 a multiple of kB32Tile.
+static void b32_packed_slice(const B32Job& w, int64_t s0, int64_t s1, uint8_t* values) {
+  const NbitsJob& job = *w.job;
+  const int64_t blocks = job.blocks, row_bytes = job.groups * 16, m = job.m;
+  const int64_t tail = job.n - job.n % 4;  // columns from here fold in the other order
+  for (int64_t col = s0; col < s1; ++col) {
+    const uint8_t* bytes = job.b + col * row_bytes;
+    // block b of this column's scales at sw[b * kB32Tile]
+    const float* sw = job.scales + (col / kB32Tile) * blocks * kB32Tile + col % kB32Tile;
+    float* y = job.y + col;
+    const bool last = col >= tail;
+#ifdef TJ_B32_AVX2
+    if (!w.portable && m == 1 && col % 4 == 0 && col + 4 <= std::min(s1, tail)) {
+      // one row: 4 columns of a tile at a time, the row's values loaded once for the 4
+      const float* sws[4] = {sw, nullptr, nullptr, nullptr};
+      const B32Weights<kB32Packed> ws[4] = {
+          {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
+      b32_row4<kB32Packed, true>(w.xs, 0, ws, sws, y);
+      col += 3;
+      continue;
+    }
+    if (!w.portable && m <= 4) {  // few rows: unpacked in registers
+      using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Packed>, const float*, bool,
+                          float*, int64_t);
+      static constexpr Fn kRows[5] = {
+          nullptr, b32_main<1, kB32Packed, kB32Tile>, b32_main<2, kB32Packed, kB32Tile>,
+          b32_main<3, kB32Packed, kB32Tile>, b32_main<4, kB32Packed, kB32Tile>};
+      kRows[m](w.xs, 0, B32Weights<kB32Packed>{bytes}, sw, last, y, job.n);
+      continue;
+    }
+    if (!w.portable) {
+      b32_values(bytes, blocks, true, values);
+      using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Values>, const float*, bool,
+                          float*, int64_t);
+      static constexpr Fn kRows[5] = {
+          nullptr, b32_main<1, kB32Values, kB32Tile>, b32_main<2, kB32Values, kB32Tile>,
+          b32_main<3, kB32Values, kB32Tile>, b32_main<4, kB32Values, kB32Tile>};
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r0);
+        kRows[rows](w.xs, r0, B32Weights<kB32Values>{values}, sw, last, y + r0 * job.n, job.n);
+      }
+      continue;
+    }
+#endif
+    b32_values(bytes, blocks, true, values);
+    for (int64_t r = 0; r < m; ++r) {
+      y[r * job.n] = b32_main_portable(w.xs.q.data() + r * blocks * kB32,
+                                       w.xs.scale.data() + r * blocks, values, sw, kB32Tile,
+                                       blocks, last);
+    }
+  }
+  const uint8_t* zp = job.zp_kind == kPacked ? static_cast<const uint8_t*>(job.zp) : nullptr;
+  b32_zero_tiles(w.xs.blksum.data(), m, blocks, job.scales, zp, s0, s1, job.y, job.n,
+                 w.portable);
+}
 
 static void b32_chunk(void* ctx, int64_t chunk) {
   const B32Job& w = *static_cast<const B32Job*>(ctx);
   const NbitsJob& job = *w.job;
-  const int64_t blocks = job.blocks, row_bytes = job.groups * 16, m = job.m;
   const int64_t n0 = chunk * w.cols_per_chunk, n1 = std::min(job.n, n0 + w.cols_per_chunk);
-  const int64_t tail = job.n - job.n % 4;  // columns from here fold in the other order
   thread_local std::vector<uint8_t> values;
   thread_local std::vector<float> z;
-  values.resize(static_cast<size_t>(blocks * kB32));
-  z.resize(static_cast<size_t>(blocks * kB32Slice));
+  values.resize(static_cast<size_t>(job.blocks * kB32));
+  if (!w.packed) z.resize(static_cast<size_t>(job.blocks * kB32Slice));
   for (int64_t s0 = n0; s0 < n1; s0 += kB32Slice) {
-    const int64_t s1 = std::min(n1, s0 + kB32Slice), cols = s1 - s0;
-    for (int64_t col = s0; col < s1; ++col) {
-      const float* sw = job.scales + col * blocks;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float zp = job.zp_kind == kPacked ? zero_point(job, col, b) : 8.0f;
-        z[b * cols + (col - s0)] = -(sw[b] * zp);
-      }
+    const int64_t s1 = std::min(n1, s0 + kB32Slice);
+    if (w.packed) {
+      b32_packed_slice(w, s0, s1, values.data());
+    } else {
+      b32_stored_slice(w, s0, s1, values.data(), z.data());
     }
-    for (int64_t col = s0; col < s1; ++col) {
-      const uint8_t* bytes = job.b + col * row_bytes;
-      const float* sw = job.scales + col * blocks;
-      float* y = job.y + col;
-      const bool last = col >= tail;
-#ifdef TJ_B32_AVX2
-      if (!w.portable && !w.packed && m == 1 && col + 4 <= std::min(s1, tail)) {
-        // one row, weights as stored: 4 columns at a time, unpacked in registers, the row's
-        // values loaded once for the 4 (packed weights: one column at a time was faster)
-        const float* sws[4] = {sw, sw + blocks, sw + 2 * blocks, sw + 3 * blocks};
-        const B32Weights<kB32Stored> ws[4] = {
-            {bytes}, {bytes + row_bytes}, {bytes + 2 * row_bytes}, {bytes + 3 * row_bytes}};
-        b32_row4<kB32Stored>(w.xs, 0, ws, sws, y);
-        col += 3;
-        continue;
-      }
-      if (!w.portable) {
-        if (w.packed && m <= 4) {  // few rows: unpacked in registers
-          using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Packed>, const float*,
-                              bool, float*, int64_t);
-          static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32Packed>,
-                                          b32_main<2, kB32Packed>, b32_main<3, kB32Packed>,
-                                          b32_main<4, kB32Packed>};
-          kRows[m](w.xs, 0, B32Weights<kB32Packed>{bytes}, sw, last, y, job.n);
-          continue;
-        }
-        b32_values(bytes, blocks, w.packed, values.data());
-        using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Values>, const float*, bool,
-                            float*, int64_t);
-        static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32Values>,
-                                        b32_main<2, kB32Values>, b32_main<3, kB32Values>,
-                                        b32_main<4, kB32Values>};
-        for (int64_t r0 = 0; r0 < m; r0 += 4) {
-          const int64_t rows = std::min<int64_t>(4, m - r0);
-          kRows[rows](w.xs, r0, B32Weights<kB32Values>{values.data()}, sw, last,
-                      y + r0 * job.n, job.n);
-        }
-        continue;
-      }
-#endif
-      b32_values(bytes, blocks, w.packed, values.data());
-      for (int64_t r = 0; r < m; ++r) {
-        y[r * job.n] = b32_main_portable(w.xs.q.data() + r * blocks * kB32,
-                                         w.xs.scale.data() + r * blocks, values.data(), sw,
-                                         blocks, last);
-      }
-    }
-    b32_zero_term(w.xs.blksum.data(), m, blocks, z.data(), cols, job.y + s0, job.n,
-                  w.portable);
   }
 }
 
@@ -466,7 +522,8 @@ static ffi::Error nbits_product(const NbitsWeights& weights, const float* xin, f
         "tj_matmul_nbits: packed weights need int8, block_size 32 and integer zero points");
   }
   if (block32) {
-    const int64_t cols = 4 * std::max<int64_t>(1, (n + 4 * target - 1) / (4 * target));
+    const int64_t cols =
+        kB32Tile * std::max<int64_t>(1, (n + kB32Tile * target - 1) / (kB32Tile * target));
     B32Job w{&job, {}, portable, packed, cols};
     b32_quantize(xin, m, k, &w.xs);
     pool.run((n + cols - 1) / cols, b32_chunk, &w);
@@ -523,14 +580,17 @@ static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   ZeroPoints kind = kNone;
   if (zp.element_count() > 0) {
     kind = zp.element_type() == ffi::DataType::U8 ? kPacked : kFloat;
-    const int64_t want = kind == kPacked ? n * ((blocks + 1) / 2) : n * blocks;
+    // packed weights: one zero point a byte, in tiles of kB32Tile columns as the scales
+    const int64_t tiled = (n + kB32Tile - 1) / kB32Tile * kB32Tile * blocks;
+    const int64_t want = packed ? tiled : kind == kPacked ? n * ((blocks + 1) / 2) : n * blocks;
     if ((kind == kFloat && zp.element_type() != ffi::DataType::F32) ||
         static_cast<int64_t>(zp.element_count()) != want) {
       return ffi::Error::InvalidArgument("tj_matmul_nbits: bad zero points");
     }
   }
   if (padded % kGroup != 0 || static_cast<int64_t>(b.element_count()) != n * padded / 2 ||
-      static_cast<int64_t>(scales.element_count()) != n * blocks ||
+      static_cast<int64_t>(scales.element_count()) !=
+          (packed ? (n + kB32Tile - 1) / kB32Tile * kB32Tile : n) * blocks ||
       product(yd, 0, yd.size() - 1) != m) {
     return ffi::Error::InvalidArgument("tj_matmul_nbits: shapes do not match K, N, block_size");
   }

@@ -23,7 +23,9 @@
 // prepacked at load (kernels.nbits_pack): per column, each whole group of 4 blocks as 64 bytes,
 // byte t holding value t of the group (low nibble) and value 64 + t (high nibble); each block
 // left over as 16 bytes, byte t holding values t and 16 + t. Unpacking that layout is a mask and
-// a shift per 64 bytes, giving the values in order.
+// a shift per 64 bytes, giving the values in order. With packed weights the scales (and zero
+// points, one byte each) come in tiles of kB32Tile columns: [ceil(N / 16), blocks, 16], so the
+// zero-point term of 16 columns is one vector operation per block.
 #pragma once
 
 #include <algorithm>
@@ -51,6 +53,7 @@
 namespace tj {
 
 constexpr int64_t kB32 = 32;
+constexpr int64_t kB32Tile = 16;  // columns per tile of packed scales and zero points
 
 // X quantized per row and block of 32, positions in order, zero past K.
 struct B32Rows {
@@ -145,9 +148,9 @@ inline float b32_fold(const float* a, bool tail) {
 }
 
 // main (above) of one row and one column: q [blocks, 32], scales sx [blocks], values w in order,
-// weight scales sw [blocks].
+// weight scales sw[b * ss] for block b.
 inline float b32_main_portable(const int8_t* q, const float* sx, const uint8_t* w,
-                               const float* sw, int64_t blocks, bool tail) {
+                               const float* sw, int64_t ss, int64_t blocks, bool tail) {
   float lanes[16] = {};
   const int64_t groups = blocks / 4;
   for (int64_t g = 0; g < groups; ++g) {
@@ -157,7 +160,7 @@ inline float b32_main_portable(const int8_t* q, const float* sx, const uint8_t* 
       for (int t = 0; t < 32; ++t) four[t / 4] += q[b * 32 + t] * w[b * 32 + t];
       const int32_t part[4] = {four[0] + four[2], four[1] + four[3], four[4] + four[6],
                                four[5] + four[7]};
-      const float s = sw[b] * sx[b];
+      const float s = sw[b * ss] * sx[b];
       for (int p = 0; p < 4; ++p) {
         float& lane = lanes[kB32Lane[i][p]];
         lane = std::fma(static_cast<float>(part[p]), s, lane);
@@ -167,7 +170,7 @@ inline float b32_main_portable(const int8_t* q, const float* sx, const uint8_t* 
   float a[8];
   for (int i = 0; i < 8; ++i) a[i] = lanes[i] + lanes[i + 8];
   for (int64_t b = groups * 4; b < blocks; ++b) {
-    const float s = sx[b] * sw[b];
+    const float s = sx[b] * sw[b * ss];
     for (int i = 0; i < 8; ++i) {
       int32_t d = 0;
       for (int t = 0; t < 4; ++t) d += q[b * 32 + 4 * i + t] * w[b * 32 + 4 * i + t];
@@ -257,8 +260,19 @@ struct B32Weights {
 #endif
 };
 
-// main (above) for R rows from r0 and one column; y[r * ldy] = main.
-template <int R, B32Source Source>
+// The weight scales of blocks 4g .. 4g + 3 of one column, sw[b * SS] for block b.
+template <int SS>
+inline __m128 b32_scales(const float* sw, int64_t g) {
+  if constexpr (SS == 1) {
+    return _mm_loadu_ps(sw + 4 * g);
+  } else {
+    const float* p = sw + 4 * g * SS;
+    return _mm_setr_ps(p[0], p[SS], p[2 * SS], p[3 * SS]);
+  }
+}
+
+// main (above) for R rows from r0 and one column (weight scales sw[b * SS]); y[r * ldy] = main.
+template <int R, B32Source Source, int SS>
 inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const float* sw,
                      bool tail, float* y, int64_t ldy) {
   const int64_t blocks = xs.blocks, groups = blocks / 4;
@@ -272,7 +286,7 @@ inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const 
   for (int64_t g = 0; g < groups; ++g) {
     __m512i lo, hi;  // blocks 4g, 4g + 1 and 4g + 2, 4g + 3
     w.group512(g, &lo, &hi);
-    const __m128 swg = _mm_loadu_ps(sw + 4 * g);
+    const __m128 swg = b32_scales<SS>(sw, g);
     for (int r = 0; r < R; ++r) {
       const int8_t* q = q0 + (r * blocks + 4 * g) * kB32;
       const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
@@ -296,7 +310,7 @@ inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const 
   for (int64_t g = 0; g < groups; ++g) {
     __m256i wb[4];
     w.group(g, wb);
-    const __m128 swg = _mm_loadu_ps(sw + 4 * g);
+    const __m128 swg = b32_scales<SS>(sw, g);
     for (int r = 0; r < R; ++r) {
       const int8_t* q = q0 + (r * blocks + 4 * g) * kB32;
       const __m256i zero = _mm256_setzero_si256();
@@ -323,7 +337,7 @@ inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const 
     for (int r = 0; r < R; ++r) {
       const __m256i d =
           b32_dot(_mm256_setzero_si256(), wv, b32_load(q0 + (r * blocks + b) * kB32));
-      a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx0[r * blocks + b] * sw[b]),
+      a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx0[r * blocks + b] * sw[b * SS]),
                              a[r]);
     }
   }
@@ -349,9 +363,30 @@ inline void b32_fold4(const __m256 a[4], float* y) {
   _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1)));
 }
 
-// main (above) for one row r and 4 columns (weights w[c], scales sw[c]), none of them among the
-// last N % 4 columns: y[c] = main of column c. The row's values are loaded once for the 4.
-template <B32Source Source>
+// The weight scales of blocks 4g .. 4g + 3 of 4 columns, out[c] for column c: as stored
+// (sw[c] + 4g), or in a tile of 16 columns (Tiled: block b of column c at sw[0][b * 16 + c]).
+template <bool Tiled>
+inline void b32_scales4(const float* const sw[4], int64_t g, __m128 out[4]) {
+  if constexpr (Tiled) {
+    const float* p = sw[0] + 4 * g * kB32Tile;
+    __m128 b0 = _mm_loadu_ps(p), b1 = _mm_loadu_ps(p + kB32Tile);
+    __m128 b2 = _mm_loadu_ps(p + 2 * kB32Tile), b3 = _mm_loadu_ps(p + 3 * kB32Tile);
+    _MM_TRANSPOSE4_PS(b0, b1, b2, b3);
+    out[0] = b0, out[1] = b1, out[2] = b2, out[3] = b3;
+  } else {
+    for (int c = 0; c < 4; ++c) out[c] = _mm_loadu_ps(sw[c] + 4 * g);
+  }
+}
+
+template <bool Tiled>
+inline float b32_scale4(const float* const sw[4], int c, int64_t b) {
+  return Tiled ? sw[0][b * kB32Tile + c] : sw[c][b];
+}
+
+// main (above) for one row r and 4 columns (weights w[c], scales as b32_scales4 reads them), none
+// of them among the last N % 4 columns: y[c] = main of column c. The row's values are loaded
+// once for the 4.
+template <B32Source Source, bool Tiled>
 inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4],
                      const float* const sw[4], float* y) {
   const int64_t blocks = xs.blocks, groups = blocks / 4;
@@ -366,6 +401,8 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
     const __m512i qa = _mm512_loadu_si512(q + 4 * g * kB32);
     const __m512i qb = _mm512_loadu_si512(q + 4 * g * kB32 + 64);
     const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
+    __m128 swg[4];
+    b32_scales4<Tiled>(sw, g, swg);
     for (int c = 0; c < 4; ++c) {
       __m512i lo, hi;
       w[c].group512(g, &lo, &hi);
@@ -373,7 +410,7 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
       const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
       const __m512i parts =
           _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
-      const __m128 s4 = _mm_mul_ps(_mm_loadu_ps(sw[c] + 4 * g), sxg);
+      const __m128 s4 = _mm_mul_ps(swg[c], sxg);
       const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s4));
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[c]);
     }
@@ -391,6 +428,8 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
     const __m256i q0 = b32_load(qg), q1 = b32_load(qg + 32);
     const __m256i q2 = b32_load(qg + 64), q3 = b32_load(qg + 96);
     const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
+    __m128 swg[4];
+    b32_scales4<Tiled>(sw, g, swg);
     for (int c = 0; c < 4; ++c) {
       __m256i wb[4];
       w[c].group(g, wb);
@@ -401,7 +440,7 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
           _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
       const __m256i p13 =
           _mm256_add_epi32(_mm256_unpacklo_epi64(d1, d3), _mm256_unpackhi_epi64(d1, d3));
-      const __m256 s = _mm256_castps128_ps256(_mm_mul_ps(_mm_loadu_ps(sw[c] + 4 * g), sxg));
+      const __m256 s = _mm256_castps128_ps256(_mm_mul_ps(swg[c], sxg));
       lo_acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p02),
                                   _mm256_permutevar8x32_ps(s, pattern_lo), lo_acc[c]);
       hi_acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p13),
@@ -414,7 +453,7 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
     const __m256i qv = b32_load(q + b * kB32);
     for (int c = 0; c < 4; ++c) {
       const __m256i d = b32_dot(_mm256_setzero_si256(), w[c].block(b), qv);
-      a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx[b] * sw[c][b]), a[c]);
+      a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx[b] * b32_scale4<Tiled>(sw, c, b)), a[c]);
     }
   }
   b32_fold4(a, y);
@@ -444,6 +483,68 @@ inline void b32_zero_term(const float* t, int64_t m, int64_t blocks, const float
       float acc = 0.0f;
       for (int64_t b = 0; b < blocks; ++b) acc = std::fma(tr[b], z[b * cols + c], acc);
       yr[c] = yr[c] + acc;
+    }
+  }
+}
+
+// y[r, c] += the zero-point term c (above) for rows [0, m) and columns [c0, c1), c0 a multiple
+// of kB32Tile: t [m, blocks] the rows' t_b; scales [ceil(N / 16), blocks, 16] and zero points
+// (one byte each, same layout; nullptr: 8) in tiles of 16 columns.
+inline void b32_zero_tiles(const float* t, int64_t m, int64_t blocks, const float* scales,
+                           const uint8_t* zp, int64_t c0, int64_t c1, float* y, int64_t ldy,
+                           bool portable) {
+  for (int64_t c = c0; c < c1; c += kB32Tile) {
+    const int64_t cols = std::min(kB32Tile, c1 - c);
+    const float* s = scales + (c / kB32Tile) * blocks * kB32Tile;
+    const uint8_t* z = zp == nullptr ? nullptr : zp + (c / kB32Tile) * blocks * kB32Tile;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* tr = t + r * blocks;
+      float* yr = y + r * ldy + c;
+#ifdef TJ_B32_512
+      if (!portable) {  // fnmadd(t, s * z, acc) is fma(t, -(s * z), acc): negation is exact
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+          const __m512 zv =
+              z == nullptr
+                  ? _mm512_set1_ps(8.0f)
+                  : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(z + b * kB32Tile))));
+          const __m512 sz = _mm512_mul_ps(_mm512_loadu_ps(s + b * kB32Tile), zv);
+          acc = _mm512_fnmadd_ps(_mm512_set1_ps(tr[b]), sz, acc);
+        }
+        const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+        _mm512_mask_storeu_ps(yr, keep, _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yr), acc));
+        continue;
+      }
+#elif defined(TJ_B32_AVX2)
+      if (!portable) {
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < blocks; ++b) {
+          const __m256 tb = _mm256_set1_ps(tr[b]);
+          for (int h = 0; h < 2; ++h) {
+            const int64_t at = b * kB32Tile + 8 * h;
+            const __m256 zv =
+                z == nullptr ? _mm256_set1_ps(8.0f)
+                             : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + at))));
+            acc[h] = _mm256_fnmadd_ps(tb, _mm256_mul_ps(_mm256_loadu_ps(s + at), zv), acc[h]);
+          }
+        }
+        float sums[kB32Tile];
+        _mm256_storeu_ps(sums, acc[0]);
+        _mm256_storeu_ps(sums + 8, acc[1]);
+        for (int64_t i = 0; i < cols; ++i) yr[i] = yr[i] + sums[i];
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < cols; ++i) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const float zb = z == nullptr ? 8.0f : static_cast<float>(z[b * kB32Tile + i]);
+          acc = std::fma(tr[b], -(s[b * kB32Tile + i] * zb), acc);
+        }
+        yr[i] = yr[i] + acc;
+      }
     }
   }
 }

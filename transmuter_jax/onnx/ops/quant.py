@@ -198,8 +198,9 @@ def PackedMatMulNBits(
     accuracy_level=0,
     weight_prepacked=0,
 ):
-    """MatMulNBits whose weight was rearranged at load for the int4 kernel
-    (:func:`transmuter_jax.kernels.nbits_pack`; see :mod:`transmuter_jax.onnx.prepack`)."""
+    """MatMulNBits whose weight, scales and zero points were rearranged at load for the int4
+    kernel (:func:`transmuter_jax.kernels.nbits_pack` and ``nbits_pack_scales``; see
+    :mod:`transmuter_jax.onnx.prepack`)."""
     return _matmul_nbits(
         a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, True
     )
@@ -245,8 +246,10 @@ def _matmul_nbits(
             int8=int8,
             packed=packed,
         )
-    else:  # the layout as stored (the switches changed since the weight was packed)
-        y = reference(x, kernels.nbits_unpack(b) if packed else b, scales, zero_points)
+    else:  # the layouts as stored (the switches changed since the weight was packed)
+        if packed:
+            b, scales, zero_points = kernels.nbits_unpack_all(b, scales, zero_points, N)
+        y = reference(x, b, scales, zero_points)
     if bias is not None:
         y = y + jnp.asarray(bias).astype(jnp.float32)
     return y.astype(a.dtype)
