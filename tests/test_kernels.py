@@ -824,6 +824,27 @@ def test_nbits_pack_round_trips(rng, blocks):
         np.testing.assert_array_equal(packed[0, :4].reshape(64) >> 4, values[64:])
 
 
+@pytest.mark.parametrize(("n", "blocks"), [(1, 1), (5, 3), (16, 18), (37, 4), (49, 7)])
+def test_nbits_scales_and_zero_points_tiles_round_trip(rng, n, blocks):
+    """Scales and 4-bit zero points of packed weights in tiles of 16 columns: block b of column c
+    sits at [c // 16, b, c % 16], zero past N, and unpacking gives the stored arrays back."""
+    scales = rng.random((n, blocks), dtype=np.float32)
+    tiles = kernels.nbits_pack_scales(scales.reshape(-1), n, blocks)  # flat, as ONNX allows
+    assert tiles.shape == (-(-n // 16), blocks, 16) and tiles.dtype == np.float32
+    c = rng.integers(0, n, 8)
+    b = rng.integers(0, blocks, 8)
+    np.testing.assert_array_equal(tiles[c // 16, b, c % 16], scales[c, b])
+    assert not tiles.reshape(-1, blocks, 16).transpose(0, 2, 1).reshape(-1, blocks)[n:].any()
+    np.testing.assert_array_equal(np.asarray(kernels.nbits_unpack_scales(tiles, n)), scales)
+    zp = rng.integers(0, 256, (n, -(-blocks // 2)), dtype=np.uint8)
+    if blocks % 2:
+        zp[:, -1] &= 15  # the unused high nibble: not kept
+    zt = kernels.nbits_pack_zero_points(zp, n, blocks)
+    assert zt.shape == tiles.shape and zt.dtype == np.uint8
+    np.testing.assert_array_equal(zt[c // 16, b, c % 16], (zp[c, b // 2] >> (4 * (b % 2))) & 15)
+    np.testing.assert_array_equal(np.asarray(kernels.nbits_unpack_zero_points(zt, n)), zp)
+
+
 @needs_kernels
 @pytest.mark.parametrize("zero_points", [None, "packed"])
 @pytest.mark.parametrize(("k", "n"), [(576, 576), (1536, 70), (96, 21), (608, 33)])
@@ -1372,3 +1393,93 @@ def test_a_product_of_another_k_is_refused_at_trace_time():
         jax.jit(lambda x: kernels.matmul(x, packed, 40))(np.ones((2, 1), np.float32))
     got = jax.jit(lambda x: kernels.matmul(x, packed, 40))(np.ones((2, 12), np.float32))
     np.testing.assert_array_equal(np.asarray(got), np.full((2, 40), 12.0, np.float32))
+
+
+def _tied_nbits_model(k, n, b, scales, zp, *, other_reader=False):
+    """An int4 output product whose weight is also the embedding table (through a Reshape and
+    GatherBlockQuantized, as onnxruntime-genai's builder ties them); ``other_reader``: the scales
+    are read by one more node, which no packing serves."""
+    blocks = -(-k // 32)
+    qz = ["zp"] if zp is not None else []
+    nodes = [
+        helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(
+            np.array([n, blocks * 16], np.int64))),
+        helper.make_node("Reshape", ["b", "shape"], ["table"]),
+        helper.make_node("GatherBlockQuantized", ["table", "ids", "scales", *qz], ["e"],
+                         domain="com.microsoft", bits=4, block_size=32, gather_axis=0,
+                         quantize_axis=1),
+        helper.make_node("MatMulNBits", ["a", "b", "scales", *qz], ["y"], domain="com.microsoft",
+                         K=k, N=n, bits=4, block_size=32, accuracy_level=4),
+    ]  # fmt: skip
+    outputs = [
+        helper.make_tensor_value_info("e", TensorProto.FLOAT, None),
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+    ]
+    if other_reader:
+        nodes.append(helper.make_node("Identity", ["scales"], ["s"]))
+        outputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, None))
+    inits = [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "scales")]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "zp"))
+    graph = helper.make_graph(
+        nodes,
+        "tied",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3]),
+        ],
+        outputs,
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 10
+    return model
+
+
+@needs_kernels
+@pytest.mark.parametrize("zero_points", [None, "packed"])
+@pytest.mark.parametrize(("k", "n"), [(576, 40), (96, 19)])
+def test_int4_tied_embedding_prepacked_at_load(rng, tmp_path, zero_points, k, n):
+    """An embedding tied to an int4 product (a Reshape of its weight read by GatherBlockQuantized)
+    no longer keeps the weight as stored: the gather reads the kernel's layouts and puts back only
+    its rows. Both outputs equal onnxruntime's (the gather exactly, negative indices too)."""
+    b, scales, zp = _nbits(rng, k, n, 32, zero_points)
+    proto = _tied_nbits_model(k, n, b, scales, zp)
+    path = tmp_path / "tied.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _packed_ops(model) == {"PackedMatMulNBits", "PackedGatherBlockQuantized"}
+    assert _count_ops(model.graph.proto, "Reshape") == 0
+    np.testing.assert_array_equal(np.asarray(model.params["b"]), kernels.nbits_pack(b))
+    x = (rng.standard_normal((3, k)) * 2).astype(np.float32)
+    ids = np.array([[0, n - 1, 5], [-1, -n, 7]], np.int64)
+    want = _ort(proto, {"a": x, "ids": ids})
+    got = model({"a": x, "ids": ids})
+    np.testing.assert_array_equal(np.asarray(got["e"]), want["e"])
+    if _mlas_vnni_cpu():
+        np.testing.assert_array_equal(np.asarray(got["y"]), want["y"])
+    else:
+        _close(np.asarray(got["y"]), want["y"].astype(np.float64), k)
+    with kernels.off():
+        plain = tj.load(path)({"a": x, "ids": np.array([[n, -n - 1, 2], [1, 2, 3]], np.int64)})
+    out_of_range = model({"a": x, "ids": np.array([[n, -n - 1, 2], [1, 2, 3]], np.int64)})
+    np.testing.assert_array_equal(np.asarray(out_of_range["e"]), np.asarray(plain["e"]))
+
+
+@needs_kernels
+def test_int4_shared_scales_with_another_reader_stay_as_stored(rng, tmp_path):
+    """Scales read by a node no packing serves keep the weight, scales and gather as stored."""
+    k, n = 96, 24
+    b, scales, zp = _nbits(rng, k, n, 32, None)
+    proto = _tied_nbits_model(k, n, b, scales, zp, other_reader=True)
+    path = tmp_path / "shared.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _packed_ops(model) == set()
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    ids = np.array([[0, 1, 2], [3, 4, 5]], np.int64)
+    got, want = model({"a": x, "ids": ids}), _ort(proto, {"a": x, "ids": ids})
+    np.testing.assert_array_equal(np.asarray(got["s"]), scales)
+    np.testing.assert_array_equal(np.asarray(got["e"]), want["e"])

@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import GraphProto, NodeProto, TensorProto, helper
+from onnx import GraphProto, NodeProto, TensorProto, helper, numpy_helper
 
 from ..runtime import switch
 from .registry import DEFAULT_DOMAINS
@@ -274,10 +274,61 @@ def _int8_nbits(node: NodeProto, initializers: dict[str, TensorProto]) -> bool:
     )
 
 
+def _constant(graph: GraphProto, name: str) -> np.ndarray | None:
+    """The value of ``name`` when an initializer or a Constant node of ``graph`` gives it."""
+    for tensor in graph.initializer:
+        if tensor.name == name:
+            return numpy_helper.to_array(tensor)
+    for node in graph.node:
+        if node.op_type == "Constant" and list(node.output) == [name]:
+            value = _attr(node, "value", None)
+            return None if value is None else numpy_helper.to_array(value)
+    return None
+
+
+def _tied_gathers(
+    graph: GraphProto, node: NodeProto, consumers: dict[str, list[NodeProto]], fixed: set[str]
+) -> list[NodeProto] | None:
+    """The readers of a MatMulNBits weight beside ``node`` when they are only Reshapes of it to
+    ``[N, K / 2]`` read only by GatherBlockQuantized rows of the same scales and zero points (an
+    embedding tied to the output product, as the onnxruntime-genai builder writes it): those
+    Reshapes and gathers, else None."""
+    inputs = list(node.input) + [""] * 4
+    n, blocks = _attr(node, "N", 0), -(-_attr(node, "K", 0) // 32)
+    found = []
+    for reshape in consumers.get(inputs[1], ()):
+        if reshape is node:
+            continue
+        if reshape.op_type != "Reshape" or reshape.domain not in DEFAULT_DOMAINS:
+            return None
+        shape = _constant(graph, reshape.input[1]) if len(reshape.input) > 1 else None
+        if shape is None or [int(d) for d in shape.reshape(-1)] != [n, blocks * 16]:
+            return None
+        if reshape.output[0] in fixed or list(reshape.input).index(inputs[1]) != 0:
+            return None
+        for gather in consumers.get(reshape.output[0], ()):
+            args = list(gather.input) + [""] * 4
+            if (
+                gather.op_type != "GatherBlockQuantized"
+                or gather.domain != MS
+                or args[0] != reshape.output[0]
+                or reshape.output[0] in args[1:]
+                or args[2:4] != inputs[2:4]
+                or _attr(gather, "bits", 4) != 4
+                or _attr(gather, "block_size", 128) != 32
+                or _attr(gather, "gather_axis", 0) % 2 != 0
+                or _attr(gather, "quantize_axis", 1) % 2 != 1
+            ):
+                return None
+            found.append(gather)
+        found.append(reshape)
+    return found
+
+
 def plan_nbits(graph: GraphProto) -> dict[str, NBitsPacking | NBitsScalesPacking]:
     """The MatMulNBits weights, scales and zero points of ``graph`` to rearrange for the int4
-    kernel, by name: those of the nodes whose every such initializer is read only by such nodes,
-    in the same place."""
+    kernel, by name: those of the nodes whose every such initializer is read only by such nodes
+    in the same place, or by the gathers of an embedding tied to them (:func:`_tied_gathers`)."""
     consumers = _consumers(graph)
     fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
     for node in graph.node:
@@ -285,8 +336,9 @@ def plan_nbits(graph: GraphProto) -> dict[str, NBitsPacking | NBitsScalesPacking
             fixed |= outer_names(sub)
     initializers = {t.name: t for t in graph.initializer}
     nodes = [n for n in graph.node if _int8_nbits(n, initializers)]
+    tied = {id(n): _tied_gathers(graph, n, consumers, fixed) or [] for n in nodes}
     while True:  # drop nodes sharing an initializer with a reader that is not packed alike
-        kept = {id(n) for n in nodes}
+        kept = {id(n) for n in nodes} | {id(g) for n in nodes for g in tied[id(n)]}
         roles = {n.input[i]: i for n in nodes for i in (1, 2, 3) if i < len(n.input)}
         left = [
             n
@@ -294,7 +346,11 @@ def plan_nbits(graph: GraphProto) -> dict[str, NBitsPacking | NBitsScalesPacking
             if all(
                 name not in fixed
                 and all(
-                    id(user) in kept and list(user.input).index(name) == i
+                    id(user) in kept
+                    and (
+                        user.op_type in ("Reshape", "GatherBlockQuantized")
+                        or list(user.input).index(name) == i
+                    )
                     for user in consumers.get(name, ())
                 )
                 and roles[name] == i
@@ -317,13 +373,30 @@ def plan_nbits(graph: GraphProto) -> dict[str, NBitsPacking | NBitsScalesPacking
 
 
 def rewrite_nbits(graph: GraphProto, plans: dict[str, NBitsPacking | NBitsScalesPacking]) -> None:
-    """MatMulNBits nodes reading a rearranged weight become PackedMatMulNBits (in place)."""
+    """MatMulNBits nodes reading a rearranged weight become PackedMatMulNBits, and the gathers of
+    an embedding tied to one (through a Reshape of the weight) PackedGatherBlockQuantized reading
+    it directly (in place)."""
     if not plans:
         return
+    reshapes = {
+        node.output[0]: node
+        for node in graph.node
+        if node.op_type == "Reshape" and isinstance(plans.get(node.input[0]), NBitsPacking)
+    }
     for node in graph.node:
         if node.op_type == "MatMulNBits" and node.domain == MS and node.input[1] in plans:
             node.op_type = "PackedMatMulNBits"
             node.domain = DOMAIN
+        elif node.op_type == "GatherBlockQuantized" and node.input[0] in reshapes:
+            weight = reshapes[node.input[0]].input[0]
+            scales = plans[node.input[2]]
+            node.input[0] = weight
+            node.op_type = "PackedGatherBlockQuantized"
+            node.domain = DOMAIN
+            node.attribute.append(helper.make_attribute("n", scales.n))
+    kept = [n for n in graph.node if not (n.op_type == "Reshape" and n.output[0] in reshapes)]
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def rewrite(graph: GraphProto, plans: dict[str, Packing]) -> None:

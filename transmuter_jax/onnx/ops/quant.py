@@ -398,6 +398,41 @@ def GatherBlockQuantized(
     return jnp.where(keep, out, 0).astype(scales.dtype)
 
 
+@op("PackedGatherBlockQuantized", domain=PACKED, fold=False)
+def PackedGatherBlockQuantized(
+    data, indices, scales, zero_points=None, *, n, bits=4, block_size=32, gather_axis=0,
+    quantize_axis=1,
+):  # fmt: skip
+    """GatherBlockQuantized of rows of an embedding tied to a MatMulNBits weight that was
+    rearranged at load (:mod:`transmuter_jax.onnx.prepack`): ``data`` is that weight ``[N,
+    blocks, 16]`` in :func:`transmuter_jax.kernels.nbits_pack`'s layout, ``scales`` and
+    ``zero_points`` in tiles of 16 columns. Only the gathered rows are put back as stored."""
+    idx = jnp.asarray(indices).astype(jnp.int32)
+    inside = (idx >= -n) & (idx < n)
+    idx = jnp.where(inside, jnp.where(idx < 0, idx + n, idx), 0)
+    flat = idx.reshape(-1)
+    rows = kernels.nbits_unpack(jnp.take(jnp.asarray(data), flat, axis=0))  # [M, blocks, 16]
+    tile, lane = flat // kernels.NBITS_TILE, flat % kernels.NBITS_TILE
+    row_scales = jnp.asarray(scales)[tile, :, lane]  # [M, blocks]
+    zp = None
+    if zero_points is not None:
+        values = jnp.asarray(zero_points)[tile, :, lane]  # [M, blocks], one a byte
+        zp = jnp.pad(values, ((0, 0), (0, values.shape[1] % 2))).reshape(len(flat), -1, 2)
+        zp = (zp[..., 0] | (zp[..., 1] << 4)).astype(jnp.uint8)
+    out = GatherBlockQuantized(
+        rows.reshape(len(flat), -1),
+        jnp.arange(len(flat), dtype=jnp.int32),
+        row_scales,
+        zp,
+        bits=bits,
+        block_size=block_size,
+        gather_axis=0,
+        quantize_axis=1,
+    )
+    out = jnp.where(inside.reshape(-1, 1), out, 0)
+    return out.reshape(*idx.shape, out.shape[-1])
+
+
 def _dequant_blocks(values, scales, zp, axis, block_size):
     """(values - zp) * scales with one scale (and zero point) per block_size values along axis."""
     size = values.shape[axis]
