@@ -7,10 +7,10 @@ The default model's int4 product shapes (K, N; block size 32, accuracy_level 4: 
 activations, no zero points) with random weights, at 1, 8 and 64 rows. onnxruntime runs a
 one-node ONNX model (MatMulNBits) with as many intra-op threads as this process has cores;
 transmuter_jax runs ``kernels.matmul_nbits`` jitted, on the weights rearranged as the model loads
-them (``kernels.nbits_pack``; ``--stored``: as stored). Both are timed per call (median of
-``--repeats`` calls after a warm-up), in the same run, and the ratio is onnxruntime's time over
-ours (above 1: we are faster). Also prints the CPU's vector extensions, the weight read rate and
-the fraction of outputs equal to onnxruntime's bit for bit.
+them (``kernels.nbits_pack``, ``nbits_pack_scales``; ``--stored``: as stored). Both are timed per
+call (median of ``--repeats`` calls after a warm-up), in the same run, and the ratio is
+onnxruntime's time over ours (above 1: we are faster). Also prints the CPU's vector extensions,
+the weight read rate and the fraction of outputs equal to onnxruntime's bit for bit.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def main() -> None:
             )
         )
         bj = jax.device_put(kernels.nbits_pack(b) if packed else b)
-        sj = jax.device_put(scales)
+        blocks = -(-k // BLOCK)
+        sj = jax.device_put(kernels.nbits_pack_scales(scales, n, blocks) if packed else scales)
         for m in args.rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
             xj = jax.device_put(x)
