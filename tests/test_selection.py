@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from generation_cases import case, context
@@ -152,3 +154,22 @@ def test_log_probabilities_are_the_log_softmax_at_the_token(workdir):
     assert [t for t, _ in out] == greedy["tokens"][0][:5]
     assert all(lp <= 0 for _, lp in out)
     np.testing.assert_allclose([e["logprob"][0] for e in seen], [lp for _, lp in out])
+
+
+def test_argmax_is_jnp_argmax():
+    """The selection's argmax (two plain reductions) picks what jnp.argmax picks: the first
+    maximum, the first NaN where a row has one, over ties, infinities and signed zeros."""
+    from transmuter_jax.generation.select import argmax
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(-3, 4, (64, 37)).astype(np.float32)  # many ties
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
+    picks = rng.random(rows.shape) < 0.15
+    rows[picks] = rng.choice(special, picks.sum())
+    rows[0] = -np.inf
+    rows[1] = np.nan
+    rows[2, :2] = [-0.0, 0.0]
+    rows[2, 2:] = -1.0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(rows)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1)))

@@ -116,6 +116,16 @@ def warp(scores: jax.Array, options: Options) -> jax.Array:
     return cutoffs(scores, options, keep)
 
 
+def argmax(scores: jax.Array) -> jax.Array:
+    """``jnp.argmax(scores, axis=-1)`` as int32 (the first maximum; the first NaN where there is
+    one), as two plain reductions: XLA:CPU runs argmax's (value, index) reduce one element at a
+    time (150 us over a 49,152-token vocabulary, against about 30 us)."""
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    hit = (scores == top) | (jnp.isnan(scores) & jnp.isnan(top))
+    iota = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    return jnp.min(jnp.where(hit, iota, scores.shape[-1]), axis=-1).astype(jnp.int32)
+
+
 def cutoffs(scores: jax.Array, options: Options, keep: int = 1) -> jax.Array:
     """The warpers after min-p, in transformers' order: typical-p, epsilon and eta cutoffs
     (each off unless ``options`` set it), keeping the ``keep`` best tokens of each row."""
@@ -179,7 +189,7 @@ def selection(
 
             tokens = jax.vmap(draw)(scores, seeds, steps).astype(jnp.int32)
         else:
-            tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+            tokens = argmax(scores)
         if not logprobs:
             return tokens
         total = jax.nn.logsumexp(scores, axis=-1)  # [B]

@@ -34,7 +34,7 @@ from .errors import GenerationError
 from .options import MAX_DRAFT, MAX_NGRAM, NGRAM_DEFAULT
 from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
 from .programs import jit_key, program
-from .select import cutoffs
+from .select import argmax, cutoffs
 from .slot_inputs import axes as _axes
 from .steps import LIVE
 from .stops import StopStrings
@@ -415,7 +415,7 @@ def _scored(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
 
     none = lambda s: jnp.zeros(s.shape[0], jnp.int32)  # noqa: E731 - greedy rows only
     drawn = jax.lax.cond(sampling, drawn, none, scores)
-    tokens = jnp.where(rows.sample, drawn, jnp.argmax(scores, axis=-1).astype(jnp.int32))
+    tokens = jnp.where(rows.sample, drawn, argmax(scores))
     total = jax.nn.logsumexp(scores, axis=-1)
     chosen = jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - total
     if k:

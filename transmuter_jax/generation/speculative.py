@@ -34,7 +34,7 @@ from .decode import end_of_row
 from .errors import GenerationError
 from .processors import Rows
 from .programs import program
-from .select import cutoffs
+from .select import argmax, cutoffs
 from .steps import LIVE
 
 if TYPE_CHECKING:
@@ -337,7 +337,7 @@ def _draft_function(engine: Engine, capacity: int, width: int):
                 )
             logits, cache = step(params, {}, cache, feed, at, jnp.zeros(batch, jnp.int32))
             logits = jnp.asarray(logits, jnp.float32)
-            chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            chosen = argmax(logits)
 
             def drawn(qs):
                 warped = cutoffs(slots._warp(logits, rows), options)

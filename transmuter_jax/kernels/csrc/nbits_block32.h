@@ -73,6 +73,65 @@ inline void b32_quantize(const float* x, int64_t m, int64_t k, B32Rows* out) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + r * k + b * kB32;
       const int64_t len = std::min(kB32, k - b * kB32);
+#ifdef TJ_B32_512
+      if (len == kB32) {  // the same steps lane by lane (NaN: ignored by the maximum, kept after)
+        const __m512 sign = _mm512_set1_ps(-0.0f);
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
+        __m512 top = _mm512_max_ps(a0, _mm512_setzero_ps());  // NaN lanes: 0
+        top = _mm512_max_ps(a1, top);
+        const float amax = _mm512_reduce_max_ps(top);
+        const float s = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        const __m512 lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+        auto quantize = [&](__m512 x) {
+          const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(x, inv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          return _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+        };
+        const __m512i q0 = quantize(v0), q1 = quantize(v1);
+        int8_t* q = out->q.data() + (r * blocks + b) * kB32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+        const __m512i wide = _mm512_add_epi32(_mm512_srai_epi32(_mm512_slli_epi32(q0, 24), 24),
+                                              _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24));
+        out->scale[r * blocks + b] = s;
+        out->blksum[r * blocks + b] = s * static_cast<float>(_mm512_reduce_add_epi32(wide));
+        continue;
+      }
+#elif defined(TJ_B32_AVX2)
+      if (len == kB32) {  // as above, 8 lanes at a time
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 vs[4], top = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          vs[i] = _mm256_loadu_ps(v + 8 * i);
+          top = _mm256_max_ps(_mm256_andnot_ps(sign, vs[i]), top);  // NaN lanes: kept out
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, top);
+        float amax = 0.0f;
+        for (float lane : lanes) amax = std::max(amax, lane);
+        const float s = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+        int8_t* q = out->q.data() + (r * blocks + b) * kB32;
+        alignas(32) int32_t ints[kB32];
+        for (int i = 0; i < 4; ++i) {
+          const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(vs[i], inv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(ints + 8 * i),
+                             _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, rounded))));
+        }
+        int32_t sum = 0;
+        for (int i = 0; i < kB32; ++i) {
+          q[i] = static_cast<int8_t>(ints[i]);  // the low byte, as the scalar cast
+          sum += q[i];
+        }
+        out->scale[r * blocks + b] = s;
+        out->blksum[r * blocks + b] = s * static_cast<float>(sum);
+        continue;
+      }
+#endif
       float amax = 0.0f;
       for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float s = amax / 127.0f;
