@@ -1483,3 +1483,28 @@ def test_int4_shared_scales_with_another_reader_stay_as_stored(rng, tmp_path):
     got, want = model({"a": x, "ids": ids}), _ort(proto, {"a": x, "ids": ids})
     np.testing.assert_array_equal(np.asarray(got["s"]), scales)
     np.testing.assert_array_equal(np.asarray(got["e"]), want["e"])
+
+
+@needs_kernels
+def test_matmul_nbits_block32_simd_equals_portable_on_hostile_rows(rng, monkeypatch):
+    """Rows with NaN, infinities, zeros and tiny values: the SIMD code (its int8 quantization of
+    the input included) gives the portable code's bits, row by row."""
+    k, n = 160, 24
+    b, scales, zp = _nbits(rng, k, n, 32, None)
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    x[0, 3] = np.nan
+    x[1, 40] = np.inf
+    x[2, 70] = -np.inf
+    x[3, :32] = 0.0
+    x[4, 100] = 1e-40
+    x[5, 150] = np.nan
+    ref = lambda x, b, s, z: int8_product(x, b, s, z, k, n, 32)
+    got = {}
+    for portable in ("0", "1"):
+        monkeypatch.setenv(kernels.PORTABLE_ENV, portable)  # read when traced: a new function
+        fn = lambda x, b, s: kernels.matmul_nbits(
+            x, b, s, None, n=n, block_size=32, reference=ref, int8=True
+        )
+        got[portable] = np.asarray(jax.jit(fn)(x, b, scales))
+    np.testing.assert_array_equal(got["0"], got["1"])
+    assert np.isfinite(got["0"][3]).all()

@@ -525,7 +525,7 @@ static ffi::Error nbits_product(const NbitsWeights& weights, const float* xin, f
     const int64_t cols =
         kB32Tile * std::max<int64_t>(1, (n + kB32Tile * target - 1) / (kB32Tile * target));
     B32Job w{&job, {}, portable, packed, cols};
-    b32_quantize(xin, m, k, &w.xs);
+    b32_quantize(xin, m, k, portable, &w.xs);
     pool.run((n + cols - 1) / cols, b32_chunk, &w);
     return ffi::Error::Success();
   }

@@ -63,7 +63,7 @@ struct B32Rows {
   std::vector<float> blksum;  // [rows, blocks]: scale * sum(q)
 };
 
-inline void b32_quantize(const float* x, int64_t m, int64_t k, B32Rows* out) {
+inline void b32_quantize(const float* x, int64_t m, int64_t k, bool portable, B32Rows* out) {
   const int64_t blocks = (k + kB32 - 1) / kB32;
   out->blocks = blocks;
   out->q.assign(static_cast<size_t>(m * blocks * kB32), 0);
@@ -74,7 +74,7 @@ inline void b32_quantize(const float* x, int64_t m, int64_t k, B32Rows* out) {
       const float* v = x + r * k + b * kB32;
       const int64_t len = std::min(kB32, k - b * kB32);
 #ifdef TJ_B32_512
-      if (len == kB32) {  // the same steps lane by lane (NaN: ignored by the maximum, kept after)
+      if (len == kB32 && !portable) {  // the same steps in lanes (NaN: out of the maximum)
         const __m512 sign = _mm512_set1_ps(-0.0f);
         const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
         const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
@@ -100,7 +100,7 @@ inline void b32_quantize(const float* x, int64_t m, int64_t k, B32Rows* out) {
         continue;
       }
 #elif defined(TJ_B32_AVX2)
-      if (len == kB32) {  // as above, 8 lanes at a time
+      if (len == kB32 && !portable) {  // as above, 8 lanes at a time
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 vs[4], top = _mm256_setzero_ps();
         for (int i = 0; i < 4; ++i) {
