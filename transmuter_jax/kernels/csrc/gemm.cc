@@ -35,6 +35,7 @@ constexpr int kPairRows = std::min(6, (kRegisters - 2 * kVecs - 1) / (2 * kVecs)
 constexpr int64_t kRowGroup = 96;                // rows of X per chunk when M is large
 constexpr int64_t kDepth = 256;                  // values of K per block when M > kRows
 constexpr int64_t kPanelDepth = 192;             // the most values of K per block of a panel
+constexpr int64_t kAhead = 64;                   // rows of a panel prefetched ahead in one pass
 // Where a pass of the pair kernel holds fewer accumulators than one of the panel kernel (AVX2:
 // 8 against 12), a product of at least kManyRows rows (compute-bound) runs on single panels; the
 // pair kernel, whose loads stream the weights faster, keeps the products of fewer rows (a
@@ -194,6 +195,16 @@ static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
   // of 256 fills the L1 sets its lines map to, with X's rows beside it).
   const int64_t blocks = (job.k + kPanelDepth - 1) / kPanelDepth;
   const int64_t depth = passes > 1 ? (job.k + blocks - 1) / blocks : job.k;
+  if (passes == 1) {
+    // One pass (a decode step's rows): the panel is read once, from memory; the hardware's
+    // prefetch alone falls behind (at 8 rows the weights streamed at half the rate), so each
+    // value of K prefetches the panel's row kAhead ahead (8 KB). 8 rows: 0.79x -> 1.22x
+    // onnxruntime's MatMul over 30 layers of the default model's products; 1 row 0.9 -> 1.0x.
+    const int64_t ahead = std::min<int64_t>(kAhead, job.k);
+    kMicro[m](x, job.k, panel, job.k, y, job.n, cols, false, panel + ahead * kStrip, 1,
+              job.k - ahead);
+    return;
+  }
   for (int64_t k0 = 0; k0 < job.k; k0 += depth) {
     const int64_t kc = std::min(depth, job.k - k0);
     const int64_t next = std::min(depth, job.k - k0 - kc);  // rows of the next block
