@@ -151,6 +151,7 @@ def rows(
         bias_ids=np.full((batch, slots.BIAS_WIDTH), -1, np.int32),
         bias_values=np.zeros((batch, slots.BIAS_WIDTH), np.float32),
         min_new=full(0, np.int32),
+        logprob=full(bool(engine.options.logprobs or engine.options.top_logprobs), bool),
         constraint=full(-1, np.int32) if constraint is None else constraint,
         drafts=drafting.empty(batch),
         delta=delta,

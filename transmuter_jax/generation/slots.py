@@ -182,7 +182,9 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     float64), top_p_on, min_p, repetition, presence: the warpers' and penalties' values.
     cache: the cache arrays by input name [B, heads, rows, head_size]. frequency: OpenAI's
     frequency penalty. bias_ids, bias_values [B, BIAS_WIDTH]: logit_bias (ids -1 after them).
-    min_new: eos ids are masked before this many new tokens. constraint: the state in the
+    min_new: eos ids are masked before this many new tokens. logprob: the slot's request wants
+    log-probabilities (its token's or top ones: else the step skips the log-sum-exp over the
+    vocabulary when no slot wants them). constraint: the state in the
     slots' constraint table (-1: no constraint). drafts: speculative decoding's per-slot state
     (:class:`.drafts.Drafts`). delta (or None: 0): a new token's position minus its index in
     the row (M-RoPE positions). encoder [B, E] (or None): the encoder's input ids, -1 after
@@ -211,6 +213,7 @@ class Rows_:  # noqa: N801 - the per-slot device arrays (a pytree)
     bias_ids: jax.Array
     bias_values: jax.Array
     min_new: jax.Array
+    logprob: jax.Array
     constraint: jax.Array
     drafts: drafting.Drafts
     delta: jax.Array | None = None
@@ -352,12 +355,15 @@ def _choose(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
     """Each slot's token, log-probability and top k, from logits [B, V] (the processors, then
     the per-slot penalties, the constraint's mask and the warpers, as transformers orders
     them)."""
-    return _scored(spec, masks, k, logits, rows, views, table)[:4]
+    return _scored(spec, masks, k, logits, rows, views, table, need_total=False)[:4]
 
 
-def _scored(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -> tuple:
+def _scored(
+    spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None, need_total: bool = True
+) -> tuple:
     """:func:`_choose`'s (token, log-probability, top ids, top values), then the final scores
-    [B, V] the token was drawn from and their logsumexp [B] (speculative sampling's p)."""
+    [B, V] the token was drawn from and their logsumexp [B] (speculative sampling's p; without
+    ``need_total``, computed only when a slot wants log-probabilities, else NaN)."""
     options = spec.options
     scores = jnp.asarray(logits, jnp.float32)
     vocab = scores.shape[-1]
@@ -416,7 +422,13 @@ def _scored(spec, masks, k: int, logits, rows: Rows_, views: Rows, table=None) -
     none = lambda s: jnp.zeros(s.shape[0], jnp.int32)  # noqa: E731 - greedy rows only
     drawn = jax.lax.cond(sampling, drawn, none, scores)
     tokens = jnp.where(rows.sample, drawn, argmax(scores))
-    total = jax.nn.logsumexp(scores, axis=-1)
+    if need_total:  # speculative sampling's p
+        total = jax.nn.logsumexp(scores, axis=-1)
+    else:  # NaN where no slot wants log-probabilities (the host reports NaN then)
+        nan = lambda s: jnp.full(s.shape[:1], jnp.nan, jnp.float32)  # noqa: E731
+        total = jax.lax.cond(
+            jnp.any(rows.logprob), lambda s: jax.nn.logsumexp(s, axis=-1), nan, scores
+        )
     chosen = jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - total
     if k:
         values, ids = jax.lax.top_k(scores, k)
@@ -851,6 +863,7 @@ def _empty(engine: Engine, batch: int, capacity: int, held: int | None = None) -
         bias_ids=full(-1, np.int32, (batch, BIAS_WIDTH)),
         bias_values=full(0.0, np.float32, (batch, BIAS_WIDTH)),
         min_new=i(0),
+        logprob=full(False, bool),
         constraint=i(-1),
         drafts=drafting.empty(batch, cache=_assistant_cache(engine, batch, capacity), host=True),
         delta=i(0) if _axes(engine) == 3 else None,
@@ -1073,6 +1086,7 @@ def _request_rows(
         bias_ids=bias_ids,
         bias_values=bias_values,
         min_new=one(int(request.min_new_tokens), np.int32),
+        logprob=one(bool(request.logprobs or request.top_logprobs), bool),
         constraint=one(_start_state(engine, request, r, table), np.int32),
         drafts=drafting.empty(
             1,
