@@ -817,11 +817,14 @@ def test_nbits_pack_round_trips(rng, blocks):
     np.testing.assert_array_equal(np.asarray(kernels.nbits_unpack(packed)), b)
     if blocks >= 4:
         assert (packed != b).any()
-    # value t of a group of 4 blocks is the low nibble of byte t, value 64 + t the high one
+    # byte 4o + i of a group of 4 blocks holds the two runs of part o: values 16j + 4(t % 2) + i
+    # (+ 64 for t >= 2, with o = 4j + t) and 8 further, low nibble first
     if blocks >= 4:
         values = np.stack([b[0, :4] & 15, b[0, :4] >> 4], -1).reshape(128)
-        np.testing.assert_array_equal(packed[0, :4].reshape(64) & 15, values[:64])
-        np.testing.assert_array_equal(packed[0, :4].reshape(64) >> 4, values[64:])
+        first = np.array([64 * (o % 4 >= 2) + 16 * (o // 4) + 4 * (o % 2) for o in range(16)])
+        first = (first[:, None] + np.arange(4)).reshape(64)
+        np.testing.assert_array_equal(packed[0, :4].reshape(64) & 15, values[first])
+        np.testing.assert_array_equal(packed[0, :4].reshape(64) >> 4, values[first + 8])
 
 
 @pytest.mark.parametrize(("n", "blocks"), [(1, 1), (5, 3), (16, 18), (37, 4), (49, 7)])

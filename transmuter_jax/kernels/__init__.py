@@ -491,6 +491,21 @@ def rms_norm(
     return _wrapped(kernel, reference)(x, gamma)
 
 
+def _nbits_parts() -> tuple[np.ndarray, np.ndarray]:
+    """Which values of a group of 128 (4 blocks) byte 4 * o + i of the packed group holds: value
+    ``first[4 * o + i]`` (low nibble) and ``second[4 * o + i]`` (high nibble). Lane o of the
+    kernel's accumulator sums the 8 values of its part (nbits_block32.h): lane 4j + t takes
+    values 16j + 4t' .. + 3 and 16j + 4t' + 8 .. + 3 of the group's first half (t = 0, 1: t' = t)
+    or of its second half (t = 2, 3: 64 + ..., t' = t - 2)."""
+    first, second = [], []
+    for o in range(16):
+        j, t = divmod(o, 4)
+        base = (64 if t >= 2 else 0) + 16 * j + 4 * (t % 2)
+        first += [base + i for i in range(4)]
+        second += [base + 8 + i for i in range(4)]
+    return np.array(first), np.array(second)
+
+
 def _nbits_order(blocks: int) -> np.ndarray:
     """For the packed layout of one column (:func:`nbits_pack`), which stored byte and nibble
     each packed nibble holds: index ``2 * byte + high`` of the stored column, for the packed
@@ -498,10 +513,10 @@ def _nbits_order(blocks: int) -> np.ndarray:
     values = np.arange(blocks * 32).reshape(-1)  # value i sits at stored nibble i
     low, high = [], []
     groups = blocks // 4
+    first, second = _nbits_parts()
     for g in range(groups):
-        group = values[g * 128 : (g + 1) * 128]
-        low.append(group[:64])
-        high.append(group[64:])
+        low.append(g * 128 + first)
+        high.append(g * 128 + second)
     for b in range(groups * 4, blocks):
         block = values[b * 32 : (b + 1) * 32]
         low.append(block[:16])
@@ -516,9 +531,10 @@ def nbits_pack(b: np.ndarray) -> np.ndarray:
     """MatMulNBits weights ``uint8 [N, blocks, 16]`` (4 bits, block size 32, as stored: byte j of a
     block holds values 2j and 2j + 1) in the kernel's layout, same shape.
 
-    Per column, each whole group of 4 blocks becomes 64 bytes, byte t holding value t of the
-    group (low nibble) and value 64 + t (high nibble); each block left over becomes 16 bytes,
-    byte t holding values t and 16 + t. The kernel unpacks it with a mask and a shift, in order.
+    Per column, each whole group of 4 blocks becomes 64 bytes whose low nibbles and high nibbles
+    are the two halves of each of the kernel's 16 parts (:func:`_nbits_parts`), so a mask, a
+    shift and two chained integer dot products give each part's sum; each block left over
+    becomes 16 bytes, byte t holding values t and 16 + t.
     """
     b = np.asarray(b, np.uint8)
     n, blocks, half = b.shape

@@ -29,7 +29,7 @@ from ..runtime import compile_cache
 ENV = "TRANSMUTER_JAX_PACKED_STORE"
 MAX_BYTES = 4 << 30
 # Bump when a packed layout changes (kernels.pack, kernels.nbits_pack, nbits_pack_scales).
-LAYOUT = "strips32-nbits4x32-v1-tiles16"
+LAYOUT = "strips32-nbits4x32-v2-parts-tiles16"
 
 
 class Packed(Protocol):

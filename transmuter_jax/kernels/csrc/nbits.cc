@@ -378,19 +378,21 @@ static void b32_packed_slice(const B32Job& w, int64_t s0, int64_t s1, uint8_t* v
     }
     if (!w.portable) {
       b32_values(bytes, blocks, true, values);
-      using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Values>, const float*, bool,
-                          float*, int64_t);
-      static constexpr Fn kRows[5] = {
-          nullptr, b32_main<1, kB32Values, kB32Tile>, b32_main<2, kB32Values, kB32Tile>,
-          b32_main<3, kB32Values, kB32Tile>, b32_main<4, kB32Values, kB32Tile>};
+      using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32PackedValues>, const float*,
+                          bool, float*, int64_t);
+      static constexpr Fn kRows[5] = {nullptr, b32_main<1, kB32PackedValues, kB32Tile>,
+                                      b32_main<2, kB32PackedValues, kB32Tile>,
+                                      b32_main<3, kB32PackedValues, kB32Tile>,
+                                      b32_main<4, kB32PackedValues, kB32Tile>};
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int64_t rows = std::min<int64_t>(4, m - r0);
-        kRows[rows](w.xs, r0, B32Weights<kB32Values>{values}, sw, last, y + r0 * job.n, job.n);
+        kRows[rows](w.xs, r0, B32Weights<kB32PackedValues>{values}, sw, last, y + r0 * job.n,
+                    job.n);
       }
       continue;
     }
 #endif
-    b32_values(bytes, blocks, true, values);
+    b32_values_ordered(bytes, blocks, values);
     for (int64_t r = 0; r < m; ++r) {
       y[r * job.n] = b32_main_portable(w.xs.q.data() + r * blocks * kB32,
                                        w.xs.scale.data() + r * blocks, values, sw, kB32Tile,

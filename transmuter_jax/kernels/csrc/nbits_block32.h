@@ -20,10 +20,12 @@
 // same bits.
 //
 // Weights come either as stored (ONNX: byte j of a block holds values 2j and 2j + 1) or
-// prepacked at load (kernels.nbits_pack): per column, each whole group of 4 blocks as 64 bytes,
-// byte t holding value t of the group (low nibble) and value 64 + t (high nibble); each block
-// left over as 16 bytes, byte t holding values t and 16 + t. Unpacking that layout is a mask and
-// a shift per 64 bytes, giving the values in order. With packed weights the scales (and zero
+// prepacked at load (kernels.nbits_pack): per column, each whole group of 4 blocks as 64 bytes
+// in the packed order (b32_first): byte 4o + i holds the i-th value of part o's first run of 4
+// (low nibble) and of its second run (high nibble), so a mask and a shift give two vectors whose
+// lane o, dotted with the row's values in the same order (B32Rows::qp) and chained, is part o's
+// sum, with no pairing of lanes; each block left over as 16 bytes, byte t holding values t and
+// 16 + t. The integer sums are the same in any order. With packed weights the scales (and zero
 // points, one byte each) come in tiles of kB32Tile columns: [ceil(N / 16), blocks, 16], so the
 // zero-point term of 16 columns is one vector operation per block.
 #pragma once
@@ -31,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -61,7 +64,16 @@ struct B32Rows {
   std::vector<int8_t> q;      // [rows, blocks, 32]
   std::vector<float> scale;   // [rows, blocks]
   std::vector<float> blksum;  // [rows, blocks]: scale * sum(q)
+  std::vector<int8_t> qp;     // [rows, blocks / 4, 128]: each whole group in the packed order
 };
+
+// The packed order of a group of 4 blocks (kernels._nbits_parts): byte 4o + i of its first 64
+// holds value kB32First[4o + i], of its second 64 value kB32First[4o + i] + 8. Lane o of main's
+// accumulator sums part o, the two runs of 4 (t = o % 4, j = o / 4: values 16j + 4(t % 2) + i of
+// the group's first half for t < 2, of its second half otherwise, and 8 further).
+constexpr int b32_first(int k) {
+  return ((k / 4) % 4 >= 2 ? 64 : 0) + 16 * (k / 16) + 4 * ((k / 4) % 2) + k % 4;
+}
 
 inline void b32_quantize(const float* x, int64_t m, int64_t k, bool portable, B32Rows* out) {
   const int64_t blocks = (k + kB32 - 1) / kB32;
@@ -147,14 +159,27 @@ inline void b32_quantize(const float* x, int64_t m, int64_t k, bool portable, B3
       out->blksum[r * blocks + b] = s * static_cast<float>(sum);
     }
   }
+  const int64_t groups = blocks / 4;
+  out->qp.resize(static_cast<size_t>(m * groups * 128));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* q = out->q.data() + r * blocks * kB32 + g * 128;
+      int8_t* o = out->qp.data() + (r * groups + g) * 128;
+      for (int k = 0; k < 64; k += 4) {  // runs of 4
+        std::memcpy(o + k, q + b32_first(k), 4);
+        std::memcpy(o + 64 + k, q + b32_first(k) + 8, 4);
+      }
+    }
+  }
 }
 
-// The values of one column in order (32 bytes per block), from the stored or the packed layout.
+// The values of one column (32 bytes per block), from the stored layout in order, from the packed
+// layout with each whole group in the packed order (b32_first; b32_values_ordered: in order).
 inline void b32_values(const uint8_t* col, int64_t blocks, bool packed, uint8_t* w) {
   const int64_t groups = packed ? blocks / 4 : 0;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = col + g * 64;
-    uint8_t* o = w + g * 128;
+    uint8_t* o = w + g * 128;  // the low nibbles, then the high ones: the packed order
     int64_t t = 0;
 #if defined(__SSE2__)
     const __m128i low = _mm_set1_epi8(15);
@@ -195,6 +220,19 @@ inline void b32_values(const uint8_t* col, int64_t blocks, bool packed, uint8_t*
       }
     }
 #endif
+  }
+}
+
+// b32_values of packed weights with every value in order (the portable code reads them so).
+inline void b32_values_ordered(const uint8_t* col, int64_t blocks, uint8_t* w) {
+  b32_values(col, blocks, true, w);
+  uint8_t group[128];
+  for (int64_t g = 0; g < blocks / 4; ++g) {
+    std::memcpy(group, w + g * 128, 128);
+    for (int k = 0; k < 64; k += 4) {  // runs of 4 back in order
+      std::memcpy(w + g * 128 + b32_first(k), group + k, 4);
+      std::memcpy(w + g * 128 + b32_first(k) + 8, group + 64 + k, 4);
+    }
   }
 }
 
@@ -259,7 +297,13 @@ inline __m256i b32_load(const void* p) {
 
 // Where a column's weights come from: the packed layout, values in order (32 bytes a block), or
 // the stored layout (byte j of a block holding values 2j and 2j + 1).
-enum B32Source { kB32Packed, kB32Values, kB32Stored };
+// kB32PackedValues: b32_values of packed weights (whole groups in the packed order).
+enum B32Source { kB32Packed, kB32Values, kB32Stored, kB32PackedValues };
+
+// Whether a source's whole groups come in the packed order (lane o of the dot products: part o).
+constexpr bool b32_packed_order(B32Source source) {
+  return source == kB32Packed || source == kB32PackedValues;
+}
 
 // Values 0-15 and 16-31 of the stored block at p, in order.
 inline __m256i b32_stored_block(const uint8_t* p) {
@@ -269,7 +313,8 @@ inline __m256i b32_stored_block(const uint8_t* p) {
   return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
 }
 
-// The weights of group g (blocks 4g .. 4g + 3, in order) and of a block left over.
+// The weights of group g (blocks 4g .. 4g + 3: in order, or for the packed order the low
+// nibbles' two halves then the high nibbles') and of a block left over (in order).
 template <B32Source Source>
 struct B32Weights {
   const uint8_t* p;
@@ -330,6 +375,50 @@ inline __m128 b32_scales(const float* sw, int64_t g) {
   }
 }
 
+#ifdef TJ_B32_512
+// The 16 parts' integer sums of row `row` and group g (lane o: part o), from the group's weights
+// lo and hi (group512). Packed: two chained dot products with the row's values in the packed
+// order; else two dot products and the runs of 4 paired.
+template <B32Source Source>
+inline __m512i b32_parts512(const B32Rows& xs, int64_t row, int64_t g, __m512i lo, __m512i hi) {
+  if constexpr (b32_packed_order(Source)) {
+    const int8_t* qp = xs.qp.data() + (row * (xs.blocks / 4) + g) * 128;
+    const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(qp));
+    return _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(qp + 64));
+  } else {
+    const int8_t* q = xs.q.data() + (row * xs.blocks + 4 * g) * kB32;
+    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+    const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
+  }
+}
+#endif
+
+// The same in two halves (parts 0-7 and 8-15) from group()'s 4 vectors, and q4 the row's 4
+// vectors of the group: in the packed order for packed weights, else in order.
+template <B32Source Source>
+inline void b32_parts256(const __m256i wb[4], const __m256i q4[4], __m256i* p02, __m256i* p13) {
+  const __m256i zero = _mm256_setzero_si256();
+  if constexpr (b32_packed_order(Source)) {  // wb: lo's halves, then hi's; q4 likewise
+    *p02 = b32_dot(b32_dot(zero, wb[0], q4[0]), wb[2], q4[2]);
+    *p13 = b32_dot(b32_dot(zero, wb[1], q4[1]), wb[3], q4[3]);
+  } else {
+    const __m256i d0 = b32_dot(zero, wb[0], q4[0]), d1 = b32_dot(zero, wb[1], q4[1]);
+    const __m256i d2 = b32_dot(zero, wb[2], q4[2]), d3 = b32_dot(zero, wb[3], q4[3]);
+    *p02 = _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
+    *p13 = _mm256_add_epi32(_mm256_unpacklo_epi64(d1, d3), _mm256_unpackhi_epi64(d1, d3));
+  }
+}
+
+// Row `row`'s 4 vectors of group g, as b32_parts256 reads them.
+template <B32Source Source>
+inline void b32_row_group(const B32Rows& xs, int64_t row, int64_t g, __m256i q4[4]) {
+  const int8_t* q = b32_packed_order(Source)
+                       ? xs.qp.data() + (row * (xs.blocks / 4) + g) * 128
+                       : xs.q.data() + (row * xs.blocks + 4 * g) * kB32;
+  for (int i = 0; i < 4; ++i) q4[i] = b32_load(q + 32 * i);
+}
+
 // main (above) for R rows from r0 and one column (weight scales sw[b * SS]); y[r * ldy] = main.
 template <int R, B32Source Source, int SS>
 inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const float* sw,
@@ -347,12 +436,7 @@ inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const 
     w.group512(g, &lo, &hi);
     const __m128 swg = b32_scales<SS>(sw, g);
     for (int r = 0; r < R; ++r) {
-      const int8_t* q = q0 + (r * blocks + 4 * g) * kB32;
-      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-      const __m512i d1 =
-          _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
-      const __m512i parts =
-          _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
+      const __m512i parts = b32_parts512<Source>(xs, r0 + r, g, lo, hi);
       const __m128 s = _mm_mul_ps(swg, _mm_loadu_ps(sx0 + r * blocks + 4 * g));
       const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[r]);
@@ -371,16 +455,9 @@ inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const 
     w.group(g, wb);
     const __m128 swg = b32_scales<SS>(sw, g);
     for (int r = 0; r < R; ++r) {
-      const int8_t* q = q0 + (r * blocks + 4 * g) * kB32;
-      const __m256i zero = _mm256_setzero_si256();
-      const __m256i d0 = b32_dot(zero, wb[0], b32_load(q));
-      const __m256i d1 = b32_dot(zero, wb[1], b32_load(q + 32));
-      const __m256i d2 = b32_dot(zero, wb[2], b32_load(q + 64));
-      const __m256i d3 = b32_dot(zero, wb[3], b32_load(q + 96));
-      const __m256i p02 =
-          _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
-      const __m256i p13 =
-          _mm256_add_epi32(_mm256_unpacklo_epi64(d1, d3), _mm256_unpackhi_epi64(d1, d3));
+      __m256i q4[4], p02, p13;
+      b32_row_group<Source>(xs, r0 + r, g, q4);
+      b32_parts256<Source>(wb, q4, &p02, &p13);
       const __m128 s4 = _mm_mul_ps(swg, _mm_loadu_ps(sx0 + r * blocks + 4 * g));
       const __m256 s = _mm256_castps128_ps256(s4);
       lo_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p02),
@@ -457,18 +534,24 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
   for (int c = 0; c < 4; ++c) acc[c] = _mm512_setzero_ps();
   const __m512i pattern = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512i qa = _mm512_loadu_si512(q + 4 * g * kB32);
-    const __m512i qb = _mm512_loadu_si512(q + 4 * g * kB32 + 64);
+    const int8_t* qg =
+        b32_packed_order(Source) ? xs.qp.data() + (r * groups + g) * 128 : q + 4 * g * kB32;
+    const __m512i qa = _mm512_loadu_si512(qg);
+    const __m512i qb = _mm512_loadu_si512(qg + 64);
     const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
     __m128 swg[4];
     b32_scales4<Tiled>(sw, g, swg);
     for (int c = 0; c < 4; ++c) {
       __m512i lo, hi;
       w[c].group512(g, &lo, &hi);
-      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa);
-      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
-      const __m512i parts =
-          _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
+      __m512i parts;
+      if constexpr (b32_packed_order(Source)) {  // chained: lane o sums part o
+        parts = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa), hi, qb);
+      } else {
+        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa);
+        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
+        parts = _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
+      }
       const __m128 s4 = _mm_mul_ps(swg[c], sxg);
       const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s4));
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[c]);
@@ -483,22 +566,16 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
   const __m256i pattern_lo = _mm256_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2);
   const __m256i pattern_hi = _mm256_setr_epi32(1, 1, 3, 3, 1, 1, 3, 3);
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* qg = q + 4 * g * kB32;
-    const __m256i q0 = b32_load(qg), q1 = b32_load(qg + 32);
-    const __m256i q2 = b32_load(qg + 64), q3 = b32_load(qg + 96);
+    __m256i q4[4];
+    b32_row_group<Source>(xs, r, g, q4);
     const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
     __m128 swg[4];
     b32_scales4<Tiled>(sw, g, swg);
     for (int c = 0; c < 4; ++c) {
       __m256i wb[4];
       w[c].group(g, wb);
-      const __m256i zero = _mm256_setzero_si256();
-      const __m256i d0 = b32_dot(zero, wb[0], q0), d1 = b32_dot(zero, wb[1], q1);
-      const __m256i d2 = b32_dot(zero, wb[2], q2), d3 = b32_dot(zero, wb[3], q3);
-      const __m256i p02 =
-          _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
-      const __m256i p13 =
-          _mm256_add_epi32(_mm256_unpacklo_epi64(d1, d3), _mm256_unpackhi_epi64(d1, d3));
+      __m256i p02, p13;
+      b32_parts256<Source>(wb, q4, &p02, &p13);
       const __m256 s = _mm256_castps128_ps256(_mm_mul_ps(swg[c], sxg));
       lo_acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p02),
                                   _mm256_permutevar8x32_ps(s, pattern_lo), lo_acc[c]);
