@@ -68,7 +68,7 @@ struct B32Rows {
 };
 
 // The packed order of a group of 4 blocks (kernels._nbits_parts): byte 4o + i of its first 64
-// holds value kB32First[4o + i], of its second 64 value kB32First[4o + i] + 8. Lane o of main's
+// holds value b32_first(4o + i), of its second 64 value b32_first(4o + i) + 8. Lane o of main's
 // accumulator sums part o, the two runs of 4 (t = o % 4, j = o / 4: values 16j + 4(t % 2) + i of
 // the group's first half for t < 2, of its second half otherwise, and 8 further).
 constexpr int b32_first(int k) {
@@ -379,16 +379,14 @@ inline __m128 b32_scales(const float* sw, int64_t g) {
 // The 16 parts' integer sums of row `row` and group g (lane o: part o), from the group's weights
 // lo and hi (group512). Packed: two chained dot products with the row's values in the packed
 // order; else two dot products and the runs of 4 paired.
+// qa, qb: the row's two vectors of the group (b32_row_group512).
 template <B32Source Source>
-inline __m512i b32_parts512(const B32Rows& xs, int64_t row, int64_t g, __m512i lo, __m512i hi) {
+inline __m512i b32_parts512(__m512i lo, __m512i hi, __m512i qa, __m512i qb) {
+  const __m512i zero = _mm512_setzero_si512();
   if constexpr (b32_packed_order(Source)) {
-    const int8_t* qp = xs.qp.data() + (row * (xs.blocks / 4) + g) * 128;
-    const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(qp));
-    return _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(qp + 64));
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, qa), hi, qb);
   } else {
-    const int8_t* q = xs.q.data() + (row * xs.blocks + 4 * g) * kB32;
-    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-    const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(q + 64));
+    const __m512i d0 = _mm512_dpbusd_epi32(zero, lo, qa), d1 = _mm512_dpbusd_epi32(zero, hi, qb);
     return _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
   }
 }
@@ -410,12 +408,17 @@ inline void b32_parts256(const __m256i wb[4], const __m256i q4[4], __m256i* p02,
   }
 }
 
-// Row `row`'s 4 vectors of group g, as b32_parts256 reads them.
+// Row `row`'s 128 values of group g: in the packed order for such sources, else in order.
+template <B32Source Source>
+inline const int8_t* b32_row_values(const B32Rows& xs, int64_t row, int64_t g) {
+  return b32_packed_order(Source) ? xs.qp.data() + (row * (xs.blocks / 4) + g) * 128
+                                  : xs.q.data() + (row * xs.blocks + 4 * g) * kB32;
+}
+
+// Those values as b32_parts256 reads them.
 template <B32Source Source>
 inline void b32_row_group(const B32Rows& xs, int64_t row, int64_t g, __m256i q4[4]) {
-  const int8_t* q = b32_packed_order(Source)
-                       ? xs.qp.data() + (row * (xs.blocks / 4) + g) * 128
-                       : xs.q.data() + (row * xs.blocks + 4 * g) * kB32;
+  const int8_t* q = b32_row_values<Source>(xs, row, g);
   for (int i = 0; i < 4; ++i) q4[i] = b32_load(q + 32 * i);
 }
 
@@ -436,7 +439,9 @@ inline void b32_main(const B32Rows& xs, int64_t r0, B32Weights<Source> w, const 
     w.group512(g, &lo, &hi);
     const __m128 swg = b32_scales<SS>(sw, g);
     for (int r = 0; r < R; ++r) {
-      const __m512i parts = b32_parts512<Source>(xs, r0 + r, g, lo, hi);
+      const int8_t* q = b32_row_values<Source>(xs, r0 + r, g);
+      const __m512i parts =
+          b32_parts512<Source>(lo, hi, _mm512_loadu_si512(q), _mm512_loadu_si512(q + 64));
       const __m128 s = _mm_mul_ps(swg, _mm_loadu_ps(sx0 + r * blocks + 4 * g));
       const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[r]);
@@ -534,8 +539,7 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
   for (int c = 0; c < 4; ++c) acc[c] = _mm512_setzero_ps();
   const __m512i pattern = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* qg =
-        b32_packed_order(Source) ? xs.qp.data() + (r * groups + g) * 128 : q + 4 * g * kB32;
+    const int8_t* qg = b32_row_values<Source>(xs, r, g);
     const __m512i qa = _mm512_loadu_si512(qg);
     const __m512i qb = _mm512_loadu_si512(qg + 64);
     const __m128 sxg = _mm_loadu_ps(sx + 4 * g);
@@ -544,14 +548,7 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
     for (int c = 0; c < 4; ++c) {
       __m512i lo, hi;
       w[c].group512(g, &lo, &hi);
-      __m512i parts;
-      if constexpr (b32_packed_order(Source)) {  // chained: lane o sums part o
-        parts = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa), hi, qb);
-      } else {
-        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qa);
-        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, qb);
-        parts = _mm512_add_epi32(_mm512_unpacklo_epi64(d0, d1), _mm512_unpackhi_epi64(d0, d1));
-      }
+      const __m512i parts = b32_parts512<Source>(lo, hi, qa, qb);
       const __m128 s4 = _mm_mul_ps(swg[c], sxg);
       const __m512 scale = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(s4));
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[c]);
