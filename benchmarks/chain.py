@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -82,18 +80,6 @@ def graph(kind: str, layers: int, lm_head: bool, rng):
     return model
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds per call of ``fn`` after a warm-up."""
-    for _ in range(max(3, repeats // 5)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="int4,fp32", help="int4, fp32 or both")
@@ -109,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import onnx
     import onnxruntime as ort
-    from nbits import cpu_features
+    from nbits import cpu_features, timed
 
     import transmuter_jax as tj
 

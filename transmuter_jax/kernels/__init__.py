@@ -553,10 +553,15 @@ def nbits_pack_scales(scales: np.ndarray, n: int, blocks: int) -> np.ndarray:
     """MatMulNBits scales (``[N, blocks]`` or flat, float32) in the layout the kernel reads with
     packed weights: ``[ceil(N / 16), blocks, 16]``, block ``b`` of column ``c`` at
     ``[c // 16, b, c % 16]``, zero past N."""
-    scales = np.asarray(scales, np.float32).reshape(n, blocks)
+    return _tiled(np.asarray(scales, np.float32).reshape(n, blocks))
+
+
+def _tiled(values: np.ndarray) -> np.ndarray:
+    """``values [N, blocks]`` as ``[ceil(N / 16), blocks, 16]``, zero past N."""
+    n, blocks = values.shape
     tiles = -(-n // NBITS_TILE)
-    padded = np.zeros((tiles * NBITS_TILE, blocks), np.float32)
-    padded[:n] = scales
+    padded = np.zeros((tiles * NBITS_TILE, blocks), values.dtype)
+    padded[:n] = values
     return np.ascontiguousarray(padded.reshape(tiles, NBITS_TILE, blocks).transpose(0, 2, 1))
 
 
@@ -572,11 +577,7 @@ def nbits_pack_zero_points(zero_points: np.ndarray, n: int, blocks: int) -> np.n
     as one byte each in the tiles of :func:`nbits_pack_scales`: ``uint8 [ceil(N / 16), blocks,
     16]``."""
     zp = np.asarray(zero_points, np.uint8).reshape(n, -(-blocks // 2))
-    values = np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks]
-    tiles = -(-n // NBITS_TILE)
-    padded = np.zeros((tiles * NBITS_TILE, blocks), np.uint8)
-    padded[:n] = values
-    return np.ascontiguousarray(padded.reshape(tiles, NBITS_TILE, blocks).transpose(0, 2, 1))
+    return _tiled(np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks])
 
 
 def nbits_unpack_zero_points(tiles: jax.Array, n: int) -> jax.Array:
