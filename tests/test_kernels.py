@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -25,7 +26,7 @@ from onnx_cases import check_op
 import transmuter_jax as tj
 from transmuter_jax import kernels
 from transmuter_jax.kernels import build
-from transmuter_jax.onnx import prepack
+from transmuter_jax.onnx import fuse, prepack
 from transmuter_jax.onnx.ops.quant import INT8_ENV, _nbits_weight, int8_product
 from transmuter_jax.testing import example_inputs
 
@@ -332,6 +333,8 @@ def _attention_case(rng, b, s, n, nk, h, cached):
         (2, 1, 4, 2, 32, 37, True, 7),
         (2, 20, 4, 2, 32, 50, True, 0),  # a prompt's later chunk, a verify step
         (2, 5, 6, 3, 16, 9, False, 0),
+        (2, 150, 6, 6, 64, 0, False, 0),  # an encoder's: key blocks, rows past the groups
+        (1, 131, 4, 2, 32, 20, True, 0),
     ],
 )
 def test_attention_kernel_equals_the_reference_and_each_row_alone(
@@ -1218,6 +1221,99 @@ def test_attention_products_over_transposed_operands_are_fused(rng, tmp_path):
     for name, value in want.items():
         np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[name], alone[name], rtol=1e-5, atol=1e-6)
+
+
+def _softmax_attention_model(h: int) -> onnx.ModelProto:
+    """Attention without a mask, as exporters write it: an encoder's self-attention (q and k
+    transposed and scaled, values transposed: the kernel), scores divided by a scale before the
+    softmax (the kernel), cross-attention over more keys than queries (the ops' path); not
+    fused: a softmax over another axis, probabilities that are also an output."""
+    node = helper.make_node
+    f32 = TensorProto.FLOAT
+
+    def const(name, value):
+        return node("Constant", [], [name], value=numpy_helper.from_array(
+            np.array(value, np.float32), name + "_value"))  # fmt: skip
+
+    inputs = [
+        helper.make_tensor_value_info("x4", f32, [2, 37, 3, h]),  # [B, S, N, H] q, k and v
+        helper.make_tensor_value_info("q", f32, [2, 3, 21, h]),  # [B, N, S, H]
+        helper.make_tensor_value_info("kt", f32, [2, 3, h, 21]),
+        helper.make_tensor_value_info("v", f32, [2, 3, 21, h]),
+        helper.make_tensor_value_info("cross", f32, [2, 3, 50, h]),  # [B, N, T, H]
+    ]
+    nodes = [
+        const("c1", 0.7),
+        const("c2", 0.45),
+        const("d", 2.5),
+        node("Transpose", ["x4"], ["qt"], perm=[0, 2, 1, 3]),
+        node("Mul", ["qt", "c1"], ["qs"]),
+        node("Transpose", ["x4"], ["ktr"], perm=[0, 2, 3, 1]),
+        node("Mul", ["ktr", "c2"], ["ks"]),
+        node("MatMul", ["qs", "ks"], ["s1"]),
+        node("Softmax", ["s1"], ["p1"], axis=-1),
+        node("Transpose", ["x4"], ["vt"], perm=[0, 2, 1, 3]),
+        node("MatMul", ["p1", "vt"], ["encoder"]),  # fused: the kernel
+        node("MatMul", ["q", "kt"], ["s2"]),
+        node("Div", ["s2", "d"], ["s2d"]),
+        node("Softmax", ["s2d"], ["p2"], axis=-1),
+        node("MatMul", ["p2", "v"], ["divided"]),  # fused: the kernel
+        node("Transpose", ["cross"], ["ct"], perm=[0, 1, 3, 2]),
+        node("MatMul", ["q", "ct"], ["s3"]),
+        node("Softmax", ["s3"], ["p3"], axis=-1),
+        node("MatMul", ["p3", "cross"], ["crossed"]),  # fused: 21 queries, 50 keys
+        node("MatMul", ["q", "kt"], ["s4"]),
+        node("Softmax", ["s4"], ["p4"], axis=2),
+        node("MatMul", ["p4", "v"], ["other_axis"]),  # not fused
+        node("MatMul", ["q", "kt"], ["s5"]),
+        node("Softmax", ["s5"], ["p5"], axis=-1),
+        node("MatMul", ["p5", "v"], ["shown"]),  # not fused: p5 is an output
+    ]
+    names = ["encoder", "divided", "crossed", "other_axis", "shown", "p5"]
+    outputs = [helper.make_tensor_value_info(n, f32, None) for n in names]
+    graph = helper.make_graph(nodes, "softmax_attention", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_kernels
+def test_attention_without_a_mask_is_fused_into_the_kernel(rng, tmp_path, monkeypatch):
+    """MatMul(Softmax(scores), values) without a mask is one SoftmaxAttention: self-attention
+    runs the attention kernel, other shapes the ops; both give onnxruntime's results and the
+    ops' own, one by one."""
+    h = 2 * kernels.build.vector_lanes()
+    proto = _softmax_attention_model(h)
+    path = tmp_path / "softmax_attention.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _count_ops(model.graph.proto, "SoftmaxAttention") == 3
+    assert _count_ops(model.graph.proto, "Softmax") == 2
+    with kernels.off():
+        plain = tj.load(path)
+    assert _count_ops(plain.graph.proto, "SoftmaxAttention") == 0
+    calls = []
+    attention = kernels.attention
+
+    def counted(*args, **kwargs):
+        out = attention(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "attention", counted)
+    feeds = {i.name: (rng.standard_normal(
+        [d.dim_value for d in i.type.tensor_type.shape.dim]) * 2).astype(np.float32)
+        for i in proto.graph.input}  # fmt: skip
+    got, want = model(feeds), _ort(proto, feeds)
+    assert calls == [True, True]  # the two self-attentions; cross-attention takes the ops' path
+    with kernels.off():
+        alone = plain(feeds)
+    split = copy.deepcopy(model.graph.proto)  # the ops put back (a padded cache's rewrite)
+    assert fuse.split_softmax_attention(split) == 3
+    assert _count_ops(split, "SoftmaxAttention") == 0 and _count_ops(split, "Softmax") == 5
+    apart = model.with_graph(split)(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[name], alone[name], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(apart[name], alone[name], rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels

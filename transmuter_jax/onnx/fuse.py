@@ -9,6 +9,13 @@
   cache's keys ``K^T`` (times the scale, as Whisper's exports write it) without the transposed
   copy of the whole cache that XLA:CPU makes for its dot every step
   (:func:`transmuter_jax.kernels.matmul_nt`), or one ``dot_general`` of the arrays as they are.
+- ``MatMul(Softmax(S [* c or / c], axis=-1), v)``, S a MatMul or a fused ``TransposedMatMul``, v
+  possibly transposed, ``c`` a constant scalar (attention without a mask, as encoders write it),
+  becomes ``SoftmaxAttention(a, b, v, S's scale, c, perm_a, perm_b, perm_b_v, divide)``:
+  self-attention runs as one pass of the attention kernel over blocks of queries, where XLA:CPU
+  writes and reads the whole [heads, queries, keys] array of scores three times
+  (:func:`transmuter_jax.kernels.attention`);
+  other shapes compute S as its op would.
 
 A pattern is fused only where its inner values are read by the pattern alone: no other node, no
 nested graph and no graph output reads them (a Transpose that others read stays for them). The
@@ -100,6 +107,125 @@ def _gate(outer: NodeProto, producer, reads, removed) -> tuple[str, str, list] |
             if _plain(sigmoid, "Sigmoid", 1) and sigmoid.input[0] == gate:
                 return gate, up, [inner, sigmoid]
     return None
+
+
+def softmax_attention(graph: GraphProto, scalar: Callable[[str], bool], opset: int) -> int:
+    """Fuses every ``MatMul(Softmax(S [* c or / c]), v)`` of ``graph`` and its nested graphs over
+    the last axis, S a MatMul or a TransposedMatMul (``scalar`` says whether a value is a
+    constant scalar; ``opset`` is the default domain's, which sets Softmax's default axis), into
+    a ``SoftmaxAttention`` (in place; after :func:`transposed_products`); returns how many were
+    fused."""
+    count = sum(
+        softmax_attention(sub, scalar, opset) for node in graph.node for sub in subgraphs(node)
+    )
+    reads, producer = _reads(graph), _producers(graph)
+    removed: set[int] = set()
+    fused: dict[int, NodeProto] = {}
+    for node in graph.node:
+        perms = {attr.name: list(attr.ints) for attr in node.attribute}
+        if not _product(node) or len(node.input) != 2 or "perm_a" in perms:
+            continue  # v @ probabilities as they are (v possibly transposed)
+        found = _attention(node.input[0], producer, reads, removed, scalar, opset)
+        if found is None:
+            continue
+        scores, scale, divide, inner = found
+        removed.update(id(n) for n in inner)
+        a, b, *within = scores.input
+        perms = {f"{attr.name}_v": list(attr.ints) for attr in node.attribute}  # perm_b_v
+        perms.update({attr.name: list(attr.ints) for attr in scores.attribute})
+        fused[id(node)] = helper.make_node(
+            "SoftmaxAttention",
+            [a, b, node.input[1], within[0] if within else "", scale],
+            list(node.output),
+            name=node.name,
+            domain=DOMAIN,
+            divide=divide,
+            **perms,
+        )
+    _replace(graph, fused, removed)
+    return count + len(fused)
+
+
+def split_softmax_attention(graph: GraphProto) -> int:
+    """Puts back the ops of every ``SoftmaxAttention`` of ``graph`` and its nested graphs (in
+    place; a fused scores product stays a ``TransposedMatMul``), for an analysis that follows the
+    ops one by one (:func:`transmuter_jax.onnx.rewrite.pad_past` masks the Softmax); returns how
+    many were split."""
+    count = sum(split_softmax_attention(sub) for node in graph.node for sub in subgraphs(node))
+    nodes: list[NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "SoftmaxAttention" or node.domain != DOMAIN:
+            nodes.append(node)
+            continue
+        count += 1
+        a, b, v, within, scale = list(node.input) + [""] * (5 - len(node.input))
+        attrs = {attr.name: list(attr.ints) for attr in node.attribute if attr.ints}
+        divide = next((attr.i for attr in node.attribute if attr.name == "divide"), 0)
+        out = node.output[0]
+        scores, probs = f"{out}/scores", f"{out}/probs"
+        perms = {k: attrs[k] for k in ("perm_a", "perm_b") if k in attrs}
+        if perms or within:
+            inputs = [a, b, within] if within else [a, b]
+            nodes.append(
+                helper.make_node("TransposedMatMul", inputs, [scores], domain=DOMAIN, **perms)
+            )
+        else:
+            nodes.append(helper.make_node("MatMul", [a, b], [scores]))
+        if scale:
+            scaled = f"{out}/scaled"
+            nodes.append(helper.make_node("Div" if divide else "Mul", [scores, scale], [scaled]))
+            scores = scaled
+        nodes.append(helper.make_node("Softmax", [scores], [probs], axis=-1, name=node.name))
+        if "perm_b_v" in attrs:
+            nodes.append(
+                helper.make_node(
+                    "TransposedMatMul", [probs, v], [out], domain=DOMAIN, perm_b=attrs["perm_b_v"]
+                )
+            )
+        else:
+            nodes.append(helper.make_node("MatMul", [probs, v], [out]))
+    if count:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return count
+
+
+def _attention(probs: str, producer, reads, removed, scalar, opset) -> tuple | None:
+    """(the scores' product node, c or "", divide, the nodes only the product reads) when
+    ``probs`` is ``Softmax(S [* c or / c])`` over the last axis, S a MatMul or TransposedMatMul."""
+    softmax = producer.get(probs)
+    if softmax is None or reads[probs] != 1 or softmax.op_type != "Softmax":
+        return None
+    if softmax.domain not in DEFAULT_DOMAINS or len(softmax.input) != 1:
+        return None
+    axes = [a.i for a in softmax.attribute if a.name == "axis"]
+    if (axes or [-1 if opset >= 13 else 1]) != [-1] or len(softmax.attribute) > len(axes):
+        return None  # another axis, or one known only with the rank
+    scores = softmax.input[0]
+    inner = producer.get(scores)
+    if inner is None or reads[scores] != 1:
+        return None
+    nodes, scale, divide = [softmax], "", 0
+    if _plain(inner, "Mul", 2) or _plain(inner, "Div", 2):
+        pairs = [inner.input] if inner.op_type == "Div" else [inner.input, inner.input[::-1]]
+        for product, c in pairs:
+            source = producer.get(product)
+            if source is not None and _product(source) and reads[product] == 1 and scalar(c):
+                nodes.append(inner)
+                scale, divide, inner = c, int(inner.op_type == "Div"), source
+                break
+        else:
+            return None
+    if not _product(inner) or any(id(n) in removed for n in [*nodes, inner]):
+        return None
+    return inner, scale, divide, [*nodes, inner]
+
+
+def _product(node: NodeProto) -> bool:
+    """Whether ``node`` is a plain MatMul or a fused TransposedMatMul."""
+    return _plain(node, "MatMul", 2) or (
+        node.op_type == "TransposedMatMul" and node.domain == DOMAIN
+    )
 
 
 def transposed_products(graph: GraphProto, scalar: Callable[[str], bool]) -> int:

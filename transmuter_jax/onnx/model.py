@@ -272,8 +272,10 @@ class Model:
         prepack.rewrite_nbits(graph, nbits)
         prepack.mark_tokens(graph)
         if kernels.enabled() and not host:  # XLA:CPU's (see onnx.fuse)
+            scalar = fuse.scalars(graph, constants)
             fuse.silu_mul(graph)
-            fuse.transposed_products(graph, fuse.scalars(graph, constants))
+            fuse.transposed_products(graph, scalar)
+            fuse.softmax_attention(graph, scalar, opsets.get("", 1))
 
         initialized = set(constants) | set(params)
         self.inputs = [_value_info(i) for i in graph.input if i.name not in initialized]

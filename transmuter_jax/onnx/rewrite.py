@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from onnx import GraphProto, NodeProto, TensorProto, helper
 
+from . import fuse
 from .model import Model, ValueInfo
 from .registry import canonical_domain
 from .trace import Graph, is_static, run_nodes, static_dependencies
@@ -488,6 +489,9 @@ def pad_past(
     """
     if not past:
         raise NotPaddable("the decoder has no self-attention cache")
+    proto = copy.deepcopy(model.graph.proto)
+    if fuse.split_softmax_attention(proto):  # the Softmax that a padding mask goes before
+        model = model.with_graph(proto)
     try:
         first, second = (probe(model, inputs(n)) for n in PROBES)
         plan = _analyse(model, first, second, past, PROBES[1] - PROBES[0])

@@ -12,10 +12,13 @@
 // Two passes over the pool. First, for each key head of each batch row, its valid keys in
 // transposed panels ([H, 16 or 32 keys] each, contiguous: a vector of keys per load) and, with a
 // cache, their values in order.
-// Then a chunk is one key head of one batch row and a block of query rows: kQ rows of a head at
-// once against the keys they see (scores), the softmax of each row (exp below), and the weighted
-// sum of the values, two rows at once. Causal blocks late in the step see more keys: they are
-// handed out first.
+// Then a chunk is one key head of one batch row and a block of query rows. For each head of the
+// group: the scores of the block's rows against the keys they see, one panel of keys at a time
+// for every group of kQ rows (the panel stays in L1 between them); e_j = exp(s_j - top) of each
+// row (exp below) and their sum; the sums of e_j v_j, kValueRows rows at once, over blocks of
+// kValueKeys keys (a block's values stay in L1 across the rows; each row's sums go on from one
+// block to the next in the order of the keys), divided by the row's sum of e_j at the end.
+// Causal blocks late in the step see more keys: they are handed out first.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -27,9 +30,14 @@
 namespace tj {
 
 constexpr int64_t kQueryBlock = 16;  // query rows of a chunk
-constexpr int kQ = 4;                // query rows against one pass over the keys
-constexpr int kKeyVecs = 2;          // vectors of keys per pass (kQ * kKeyVecs accumulators)
+// Query rows against one pass over a panel of keys (kQ * kKeyVecs accumulators), and rows of a
+// pass over a block of values (kValueRows * 4 accumulators): more with 32 registers.
+constexpr int kQ = kRegisters >= 32 ? 8 : 4;
+constexpr int kKeyVecs = 2;  // vectors of keys per pass
+constexpr int kValueRows = kRegisters >= 32 ? 4 : 2;
 constexpr int64_t kPanelKeys = kKeyVecs * kGemmLanes;  // keys of a transposed panel
+constexpr int64_t kValueKeys = 64;   // keys of a block of values (64 x H floats)
+constexpr int64_t kGroups = kQueryBlock / kQ;  // groups of kQ rows in a chunk
 
 struct AttentionJob {
   const float* q;
@@ -120,15 +128,26 @@ static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t h,
   }
 }
 
-// The scores of [lo, hi) of one row into their softmax (zeros elsewhere in [j0, j1)): the
-// largest score, e_j = exp(s_j - top) a vector at a time, their sum (lane by lane, then the
-// lanes in order), e_j / sum.
-static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
+// The scores of [lo, hi) of one row into e_j = exp(s_j - top), top the largest (zeros elsewhere
+// in [j0, j1)); returns their sum (lane by lane, then the lanes in order), 0 with no keys. The
+// row's weighted sum of values is divided by it once (not each e_j).
+static float softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
   std::fill(row + j0, row + lo, 0.0f);
   std::fill(row + hi, row + j1, 0.0f);
-  if (hi <= lo) return;
+  if (hi <= lo) return 0.0f;
   float top = row[lo];
-  for (int64_t j = lo + 1; j < hi; ++j) top = std::max(top, row[j]);
+  int64_t m = lo;
+  if (hi - lo >= kGemmLanes) {  // the largest a vector at a time (max is exact in any order)
+    gv tops = gload(row + lo);
+    for (m = lo + kGemmLanes; m + kGemmLanes <= hi; m += kGemmLanes) {
+      const gv x = gload(row + m);
+      tops = tops > x ? tops : x;
+    }
+    float lanes[kGemmLanes];
+    gstore(lanes, tops);
+    for (int t = 0; t < kGemmLanes; ++t) top = std::max(top, lanes[t]);
+  }
+  for (; m < hi; ++m) top = std::max(top, row[m]);
   const gv shift = gsplat(top);
   gv sums = {};
   int64_t j = lo;
@@ -150,16 +169,20 @@ static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t 
   gstore(lanes, sums);
   float sum = 0.0f;
   for (int t = 0; t < kGemmLanes; ++t) sum += lanes[t];
-  const gv total = gsplat(sum);
-  for (j = lo; j + kGemmLanes <= hi; j += kGemmLanes) gstore(row + j, gload(row + j) / total);
-  for (; j < hi; ++j) row[j] = row[j] / sum;
+  return sum;
 }
 
-// out[r][c0 : c0 + V lanes] = sum_j p[r][j] v[j][c0 : ...] over [j0, j1), R rows at once.
+// out[r][c0 : c0 + V lanes] = sum_j p[r][j] v[j][c0 : ...] over [j0, j1), R rows at once,
+// added on to out's sums unless `first`.
 template <int R, int V>
 static void values_pass(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t j0,
-                        int64_t j1, int64_t c0, float* out, int64_t ldo) {
+                        int64_t j1, int64_t c0, float* out, int64_t ldo, bool first) {
   gv acc[R][V] = {};
+  if (!first) {
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < V; ++c) acc[r][c] = gload(out + r * ldo + c0 + c * kGemmLanes);
+    }
+  }
   for (int64_t j = j0; j < j1; ++j) {
     gv w[V];
     for (int c = 0; c < V; ++c) w[c] = gload(v + j * ldv + c0 + c * kGemmLanes);
@@ -175,13 +198,40 @@ static void values_pass(const float* p, int64_t lds, const float* v, int64_t ldv
 
 template <int R>
 static void values(const float* p, int64_t lds, const float* v, int64_t h, int64_t j0,
-                   int64_t j1, float* out, int64_t ldo) {
+                   int64_t j1, float* out, int64_t ldo, bool first) {
   int64_t c0 = 0;
   for (; c0 + 4 * kGemmLanes <= h; c0 += 4 * kGemmLanes) {
-    values_pass<R, 4>(p, lds, v, h, j0, j1, c0, out, ldo);
+    values_pass<R, 4>(p, lds, v, h, j0, j1, c0, out, ldo, first);
   }
-  for (; c0 < h; c0 += kGemmLanes) values_pass<R, 1>(p, lds, v, h, j0, j1, c0, out, ldo);
+  for (; c0 < h; c0 += kGemmLanes) values_pass<R, 1>(p, lds, v, h, j0, j1, c0, out, ldo, first);
 }
+
+// The scores of `rows` (1 to R) query rows against the keys [j0, j1) (whole panels).
+template <int R>
+static void scores_rows(int rows, const float* q, int64_t ldq, const float* kt, int64_t h,
+                        int64_t j0, int64_t j1, float scale, float* scores, int64_t lds) {
+  if constexpr (R > 1) {
+    if (rows < R) return scores_rows<R - 1>(rows, q, ldq, kt, h, j0, j1, scale, scores, lds);
+  }
+  scores_pass<R>(q, ldq, kt, h, j0, j1, scale, scores, lds);
+}
+
+// The weighted sums of `rows` (1 to R) rows over the keys [j0, j1) (see values_pass).
+template <int R>
+static void values_rows(int rows, const float* p, int64_t lds, const float* v, int64_t h,
+                        int64_t j0, int64_t j1, float* out, int64_t ldo, bool first) {
+  if constexpr (R > 1) {
+    if (rows < R) return values_rows<R - 1>(rows, p, lds, v, h, j0, j1, out, ldo, first);
+  }
+  values<R>(p, lds, v, h, j0, j1, out, ldo, first);
+}
+
+// A group of kQ query rows of a chunk: its rows, their keys [lo, hi), the keys any of them sees
+// [j0, j1) and the panels over those [p0, p1).
+struct RowGroup {
+  int rows;
+  int64_t lo[kQ], hi[kQ], j0, j1, p0, p1;
+};
 
 static void attention_chunk(void* ctx, int64_t chunk) {
   const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
@@ -193,44 +243,73 @@ static void attention_chunk(void* ctx, int64_t chunk) {
   const int64_t r0 = block * kQueryBlock, r1 = std::min(s, r0 + kQueryBlock);
   const int64_t width = kPanelKeys, ldk = job.ldk;
   thread_local std::vector<float> scores;
-  scores.resize(static_cast<size_t>(kQ * ldk));
+  scores.resize(static_cast<size_t>(kQueryBlock * ldk));
   const float* kt = job.kt + (b * job.kv_heads + g) * h * ldk;
   const float* values_at = job.vs != nullptr ? job.vs + (b * job.kv_heads + g) * ldk * h
                                              : job.v + (b * job.kv_heads + g) * s * h;
   const int64_t ldq = job.heads * h;  // between query rows of one head
+  RowGroup groups[kGroups];
+  int64_t count = 0, first = ldk, last = 0;  // groups; panels any of them reads
+  for (int64_t i = r0; i < r1; i += kQ, ++count) {
+    RowGroup& rg = groups[count];
+    rg.rows = static_cast<int>(std::min<int64_t>(kQ, r1 - i));
+    rg.j0 = ldk, rg.j1 = 0;
+    for (int r = 0; r < rg.rows; ++r) {
+      key_range(job, total, past + i + r, &rg.lo[r], &rg.hi[r]);
+      if (rg.hi[r] > rg.lo[r]) rg.j0 = std::min(rg.j0, rg.lo[r]), rg.j1 = std::max(rg.j1, rg.hi[r]);
+    }
+    rg.p0 = rg.j0 / width * width, rg.p1 = (rg.j1 + width - 1) / width * width;
+    if (rg.j1 > rg.j0) first = std::min(first, rg.p0), last = std::max(last, rg.p1);
+  }
   for (int64_t head = g * group; head < (g + 1) * group; ++head) {
-    for (int64_t i = r0; i < r1; i += kQ) {
-      const int rows = static_cast<int>(std::min<int64_t>(kQ, r1 - i));
-      const float* q = job.q + ((b * s + i) * job.heads + head) * h;
-      float* out = job.out + ((b * s + i) * job.heads + head) * h;
-      int64_t lo[kQ], hi[kQ], j0 = ldk, j1 = 0;
-      for (int r = 0; r < rows; ++r) {
-        key_range(job, total, past + i + r, &lo[r], &hi[r]);
-        if (hi[r] > lo[r]) j0 = std::min(j0, lo[r]), j1 = std::max(j1, hi[r]);
+    const float* q = job.q + ((b * s + r0) * job.heads + head) * h;
+    float* out = job.out + ((b * s + r0) * job.heads + head) * h;
+    for (int64_t j = first; j < last; j += width) {
+      for (int64_t x = 0; x < count; ++x) {
+        const RowGroup& rg = groups[x];
+        if (rg.j1 <= rg.j0 || j < rg.p0 || j >= rg.p1) continue;
+        scores_rows<kQ>(rg.rows, q + x * kQ * ldq, ldq, kt, h, j, j + width, job.scale,
+                    scores.data() + x * kQ * ldk, ldk);
       }
-      if (j1 <= j0) {
-        for (int r = 0; r < rows; ++r) std::fill(out + r * ldq, out + r * ldq + h, 0.0f);
+    }
+    float sums[kQueryBlock];  // each row's sum of e_j
+    for (int64_t x = 0; x < count; ++x) {
+      const RowGroup& rg = groups[x];
+      float* sc = scores.data() + x * kQ * ldk;
+      if (rg.j1 <= rg.j0) {
+        for (int r = 0; r < rg.rows; ++r) {
+          std::fill(out + (x * kQ + r) * ldq, out + (x * kQ + r) * ldq + h, 0.0f);
+        }
         continue;
       }
-      const int64_t p0 = j0 / width * width, p1 = (j1 + width - 1) / width * width;
-      float* sc = scores.data();
-      const float* kv = kt;
-      if (rows == 4) {
-        scores_pass<4>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
-      } else if (rows == 3) {
-        scores_pass<3>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
-      } else if (rows == 2) {
-        scores_pass<2>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
-      } else {
-        scores_pass<1>(q, ldq, kv, h, p0, p1, job.scale, sc, ldk);
+      for (int r = 0; r < rg.rows; ++r) {
+        sums[x * kQ + r] = softmax_row(sc + r * ldk, rg.p0, rg.p1, rg.lo[r], rg.hi[r]);
       }
-      for (int r = 0; r < rows; ++r) softmax_row(scores.data() + r * ldk, p0, p1, lo[r], hi[r]);
-      int r = 0;
-      for (; r + 2 <= rows; r += 2) {
-        values<2>(scores.data() + r * ldk, ldk, values_at, h, j0, j1, out + r * ldq, ldq);
+    }
+    for (int64_t k0 = first; k0 < last; k0 += kValueKeys) {
+      for (int64_t x = 0; x < count; ++x) {
+        const RowGroup& rg = groups[x];
+        const int64_t lo = std::max(rg.j0, k0), hi = std::min(rg.j1, k0 + kValueKeys);
+        if (hi <= lo) continue;
+        const float* sc = scores.data() + x * kQ * ldk;
+        float* o = out + x * kQ * ldq;
+        const bool starts = lo == rg.j0;
+        for (int r = 0; r < rg.rows; r += kValueRows) {
+          values_rows<kValueRows>(std::min(kValueRows, rg.rows - r), sc + r * ldk, ldk, values_at,
+                                  h, lo, hi, o + r * ldq, ldq, starts);
+        }
       }
-      if (r < rows) {
-        values<1>(scores.data() + r * ldk, ldk, values_at, h, j0, j1, out + r * ldq, ldq);
+    }
+    for (int64_t x = 0; x < count; ++x) {
+      if (groups[x].j1 <= groups[x].j0) continue;
+      for (int r = 0; r < groups[x].rows; ++r) {
+        float* o = out + (x * kQ + r) * ldq;
+        const float sum = sums[x * kQ + r];
+        if (sum == 0.0f) continue;  // no keys: its sums are zeros
+        const gv total = gsplat(sum);
+        int64_t c = 0;
+        for (; c + kGemmLanes <= h; c += kGemmLanes) gstore(o + c, gload(o + c) / total);
+        for (; c < h; ++c) o[c] /= sum;
       }
     }
   }

@@ -122,6 +122,59 @@ def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
     return lax.dot_general(a, b, dims, precision=precision())
 
 
+@op("SoftmaxAttention", domain=PACKED, fold=False)
+def SoftmaxAttention(
+    a, b, v, within=None, scale=None, *, divide=0, perm_a=(), perm_b=(), perm_b_v=()
+):
+    """MatMul(Softmax(S [* scale, or / scale with ``divide``], axis=-1), Transpose(v, perm_b_v)),
+    S = TransposedMatMul(a, b, within, perm_a, perm_b) (a MatMul without perms or ``within``;
+    an empty perm: as it is), fused at load (see onnx.fuse). Float32 self-attention (S's operands [B, N, S, H] and [B, N, H, S],
+    v [B, N, S, H]) runs kernels.attention without a mask; others the ops themselves."""
+    m = xp(a, b, v, within, scale)
+    v = m.transpose(v, list(perm_b_v)) if perm_b_v else v
+    c = _scalar(scale)
+    if m is not np and (scale is None or c is not None) and (within is None or _scalar(within)):
+        rank_a, rank_b = np.ndim(a), np.ndim(b)
+        q = jnp.transpose(a, list(perm_a) or range(rank_a))
+        k = jnp.transpose(b, list(perm_b) or range(rank_b))
+        k = k if within is None else k * jnp.asarray(within, k.dtype).reshape(())
+        shapes = [np.shape(x) for x in (q, k, v)]
+        if (
+            all(len(s) == 4 for s in shapes)
+            and all(np.dtype(x.dtype) == np.float32 for x in (q, k, v))
+            and shapes[1] == (*shapes[0][:2], shapes[0][3], shapes[0][2])
+            and shapes[2] == shapes[0]
+        ):
+            total = jnp.full((shapes[0][0],), shapes[0][2], jnp.int32)
+            if c is not None and divide:
+                c = 1.0 / c
+            out = kernels.attention(
+                jnp.transpose(q, (0, 2, 1, 3)),
+                jnp.swapaxes(k, 2, 3),
+                v,
+                total,
+                scale=1.0 if c is None else c,
+                causal=False,
+            )
+            if out is not None:
+                return jnp.transpose(out, (0, 2, 1, 3))
+    if within is None and not perm_a and not perm_b:
+        scores = _matmul(a, b)
+    else:
+        scores = TransposedMatMul(a, b, within, perm_a=perm_a, perm_b=perm_b)
+    if scale is not None:
+        scores = scores / scale if divide else scores * scale
+    return _matmul(_softmax(scores, -1), v)
+
+
+def _scalar(value) -> float | None:
+    """A nonzero static scalar's value as a float, else None."""
+    if value is None or not is_static(value) or np.size(value) != 1:
+        return None
+    c = float(np.asarray(value).reshape(-1)[0])
+    return c if c != 0 else None
+
+
 @op("MatMulInteger", since=10)
 def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
     """(A - a_zero_point) @ (B - b_zero_point) in int32; a 1-D a_zero_point is per row of A."""
