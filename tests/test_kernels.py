@@ -437,6 +437,10 @@ def test_matmul_nt_kernel_equals_the_reference_and_each_row_alone(rng, shape_a, 
         np.testing.assert_array_equal(got[..., i : i + 1, :], one)
     if len(shape_a) > 2:  # a batch row alone
         np.testing.assert_array_equal(got[:1], np.asarray(fn(a[:1], x[:1])))
+    for n in (1, 3, 5, 8, 16, 17, 33, shape_x[-2] - 1):  # keys in vectors, fours, ones alike
+        n = max(1, min(n, shape_x[-2]))
+        np.testing.assert_array_equal(got[..., :n], np.asarray(fn(a, x[..., :n, :])))
+        np.testing.assert_array_equal(got[..., -n:], np.asarray(fn(a, x[..., -n:, :])))
 
 
 @needs_kernels

@@ -60,6 +60,80 @@ static void keys_pass(const NtJob& job, const float* arow, const float* tail, co
   for (int c = 0; c < C; ++c) out[c] = glanes_sum(acc[c]);
 }
 
+#if defined(__AVX512F__) || defined(__AVX__)
+// One lane of each of kGemmLanes accumulators: lane t of the result holds the lanes' sum of
+// acc[t], added as glanes_sum adds them (half the lanes onto the others, again), but for all the
+// accumulators at once: at each level, pairs of vectors whose blocks of 2h lanes hold one
+// accumulator each become one vector whose blocks hold h lanes of each (the low halves and the
+// high halves, side by side, added). Slot s of `acc` must hold the keys' accumulator br(s) (the
+// bit reversal of s), so that the lanes come out in the keys' order.
+template <int H>
+static inline gv pair_level(gv x, gv y) {
+  gvi lo, hi;
+  for (int t = 0; t < kGemmLanes; ++t) {
+    const int block = t / (2 * H) * (2 * H), u = t % (2 * H);
+    lo[t] = u < H ? block + u : kGemmLanes + block + u - H;
+    hi[t] = u < H ? block + H + u : kGemmLanes + block + u;
+  }
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+static inline gv lanes_sums(gv (&acc)[kGemmLanes]) {
+  gv level[kGemmLanes / 2];
+  for (int i = 0; i < kGemmLanes / 2; ++i) {
+    level[i] = pair_level<kGemmLanes / 2>(acc[2 * i], acc[2 * i + 1]);
+  }
+  for (int i = 0; i < kGemmLanes / 4; ++i) {
+    level[i] = pair_level<kGemmLanes / 4>(level[2 * i], level[2 * i + 1]);
+  }
+  for (int i = 0; i < kGemmLanes / 8; ++i) {
+    level[i] = pair_level<kGemmLanes / 8>(level[2 * i], level[2 * i + 1]);
+  }
+  if constexpr (kGemmLanes == 16) level[0] = pair_level<1>(level[0], level[1]);
+  return level[0];
+}
+
+constexpr int bit_reversed(int s) {
+  int r = 0;
+  for (int bit = 1, top = kGemmLanes / 2; bit < kGemmLanes; bit <<= 1, top >>= 1) {
+    if (s & bit) r |= top;
+  }
+  return r;
+}
+
+// Keys [n, n + kGemmLanes) of a batch row against row `arow` of a, as keys_pass computes each.
+static void keys_vector(const NtJob& job, const float* arow, const float* tail,
+                        const float* keys, float* out) {
+  const int64_t k = job.k, whole = k / kGemmLanes * kGemmLanes;
+  gv acc[kGemmLanes] = {};
+  const gv scale = gsplat(job.scale);
+  for (int64_t i = 0; i < whole; i += kGemmLanes) {
+    const gv av = gload(arow + i);
+#pragma GCC unroll 16
+    for (int s = 0; s < kGemmLanes; ++s) {
+      gv xv = gload(keys + bit_reversed(s) * k + i);
+      if (job.scaled) xv = xv * scale;
+      acc[s] += av * xv;
+    }
+  }
+  if (whole < k) {
+    const gv av = gload(tail);
+    for (int s = 0; s < kGemmLanes; ++s) {
+      float padded[kGemmLanes] = {};
+      std::copy(keys + bit_reversed(s) * k + whole, keys + bit_reversed(s) * k + k, padded);
+      gv xv = gload(padded);
+      if (job.scaled) xv = xv * scale;
+      acc[s] += av * xv;
+    }
+  }
+  gstore(out, lanes_sums(acc));
+}
+constexpr bool kKeysVector = true;
+#else
+static void keys_vector(const NtJob&, const float*, const float*, const float*, float*) {}
+constexpr bool kKeysVector = false;
+#endif
+
 static void nt_chunk(void* ctx, int64_t chunk) {
   const NtJob& job = *static_cast<const NtJob*>(ctx);
   const int64_t b = chunk / job.blocks, n0 = (chunk % job.blocks) * kKeys;
@@ -72,6 +146,11 @@ static void nt_chunk(void* ctx, int64_t chunk) {
     std::copy(arow + whole, arow + k, tail);
     float* out = job.out + (b * job.m + r) * job.n;
     int64_t n = n0;
+    if constexpr (kKeysVector) {
+      for (; n + kGemmLanes <= n1; n += kGemmLanes) {
+        keys_vector(job, arow, tail, x + n * k, out + n);
+      }
+    }
     for (; n + kKeysAtOnce <= n1; n += kKeysAtOnce) {
       keys_pass<kKeysAtOnce>(job, arow, tail, x + n * k, out + n);
     }

@@ -111,9 +111,10 @@ def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
         bt = m.transpose(b, pb)
         return _matmul(m.transpose(a, pa), bt if scale is None else bt * scale)
     c = None if scale is None else float(np.asarray(scale).reshape(-1)[0])
-    swapped = list(range(rank_b - 2)) + [rank_b - 1, rank_b - 2]
-    if pa == list(range(rank_a)) and pb == swapped:  # a @ x^T: no copy of x
-        out = kernels.matmul_nt(a, b, c)
+    if pa == list(range(rank_a)):  # a @ x^T, x = b with the axes of pb but its last two swapped
+        keys = [*pb[:-2], pb[-1], pb[-2]]
+        x = b if keys == list(range(rank_b)) else jnp.transpose(b, keys)  # as stored, or the
+        out = kernels.matmul_nt(a, x, c)  # keys' copy an attention's cache output makes too
         if out is not None:
             return out
     if c is not None:  # the graph's Mul, on b as it is (the same values)
