@@ -14,10 +14,10 @@
 // cache, their values in order.
 // Then a chunk is one key head of one batch row and a block of query rows. For each head of the
 // group: the scores of the block's rows against the keys they see, one panel of keys at a time
-// for every group of kQ rows (the panel stays in L1 between them); e_j = exp(s_j - top) of each
-// row (exp below) and their sum; the sums of e_j v_j, kValueRows rows at once, over blocks of
-// kValueKeys keys (a block's values stay in L1 across the rows; each row's sums go on from one
-// block to the next in the order of the keys), divided by the row's sum of e_j at the end.
+// for every group of kQ rows (the panel stays in L1 between them); the softmax of each row (exp
+// below); the weighted sums of the values, kValueRows rows at once, over blocks of kValueKeys
+// keys (a block's values stay in L1 across the rows; each row's sums go on from one block to
+// the next in the order of the keys).
 // Causal blocks late in the step see more keys: they are handed out first.
 #include <algorithm>
 #include <cstdint>
@@ -128,13 +128,13 @@ static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t h,
   }
 }
 
-// The scores of [lo, hi) of one row into e_j = exp(s_j - top), top the largest (zeros elsewhere
-// in [j0, j1)); returns their sum (lane by lane, then the lanes in order), 0 with no keys. The
-// row's weighted sum of values is divided by it once (not each e_j).
-static float softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
+// The scores of [lo, hi) of one row into their softmax (zeros elsewhere in [j0, j1)): the
+// largest score, e_j = exp(s_j - top) a vector at a time, their sum (lane by lane, then the
+// lanes in order), e_j / sum (each divided, as onnxruntime's attention rounds them).
+static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
   std::fill(row + j0, row + lo, 0.0f);
   std::fill(row + hi, row + j1, 0.0f);
-  if (hi <= lo) return 0.0f;
+  if (hi <= lo) return;
   float top = row[lo];
   int64_t m = lo;
   if (hi - lo >= kGemmLanes) {  // the largest a vector at a time (max is exact in any order)
@@ -169,7 +169,9 @@ static float softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t
   gstore(lanes, sums);
   float sum = 0.0f;
   for (int t = 0; t < kGemmLanes; ++t) sum += lanes[t];
-  return sum;
+  const gv total = gsplat(sum);
+  for (j = lo; j + kGemmLanes <= hi; j += kGemmLanes) gstore(row + j, gload(row + j) / total);
+  for (; j < hi; ++j) row[j] = row[j] / sum;
 }
 
 // out[r][c0 : c0 + V lanes] = sum_j p[r][j] v[j][c0 : ...] over [j0, j1), R rows at once,
@@ -272,7 +274,6 @@ static void attention_chunk(void* ctx, int64_t chunk) {
                     scores.data() + x * kQ * ldk, ldk);
       }
     }
-    float sums[kQueryBlock];  // each row's sum of e_j
     for (int64_t x = 0; x < count; ++x) {
       const RowGroup& rg = groups[x];
       float* sc = scores.data() + x * kQ * ldk;
@@ -282,9 +283,7 @@ static void attention_chunk(void* ctx, int64_t chunk) {
         }
         continue;
       }
-      for (int r = 0; r < rg.rows; ++r) {
-        sums[x * kQ + r] = softmax_row(sc + r * ldk, rg.p0, rg.p1, rg.lo[r], rg.hi[r]);
-      }
+      for (int r = 0; r < rg.rows; ++r) softmax_row(sc + r * ldk, rg.p0, rg.p1, rg.lo[r], rg.hi[r]);
     }
     for (int64_t k0 = first; k0 < last; k0 += kValueKeys) {
       for (int64_t x = 0; x < count; ++x) {
@@ -298,18 +297,6 @@ static void attention_chunk(void* ctx, int64_t chunk) {
           values_rows<kValueRows>(std::min(kValueRows, rg.rows - r), sc + r * ldk, ldk, values_at,
                                   h, lo, hi, o + r * ldq, ldq, starts);
         }
-      }
-    }
-    for (int64_t x = 0; x < count; ++x) {
-      if (groups[x].j1 <= groups[x].j0) continue;
-      for (int r = 0; r < groups[x].rows; ++r) {
-        float* o = out + (x * kQ + r) * ldq;
-        const float sum = sums[x * kQ + r];
-        if (sum == 0.0f) continue;  // no keys: its sums are zeros
-        const gv total = gsplat(sum);
-        int64_t c = 0;
-        for (; c + kGemmLanes <= h; c += kGemmLanes) gstore(o + c, gload(o + c) / total);
-        for (; c < h; ++c) o[c] /= sum;
       }
     }
   }
