@@ -251,3 +251,33 @@ def test_genai_encoder_gives_the_cross_cache(pipes):
     assert given["past_key_cross_0"] == "present_key_cross_0"
     assert "encoder_hidden_states" not in given
     assert {i.name: i.dtype for i in genai.decoder.inputs}["input_ids"] == "int32"
+
+
+@pytest.mark.parametrize("layout", ["optimum", "genai"])
+def test_encoder_batches_give_each_input_its_own_rows(pipes, clips, layout):
+    """Seven inputs run as calls of 4, 2 and 1 (layouts.BATCHES): each row of the outputs is
+    the one that input gets encoded alone."""
+    from transmuter_jax.audio import layouts
+
+    pipe = pipes(layout)
+    audio = list(clips.values())
+    audio = [audio[i % len(audio)] * (1 + 0.1 * i) for i in range(7)]
+    features = pipe.input_features(audio, sampling_rate=RATE)
+    calls = []
+    model = pipe.encoder.model
+
+    class Counted:
+        def __call__(self, inputs):
+            calls.append(len(next(iter(inputs.values()))))
+            return model(inputs)
+
+    pipe.encoder.model = Counted()
+    try:
+        together = pipe.encode(features)
+    finally:
+        pipe.encoder.model = model
+    assert calls == [4, 2, 1] and layouts.BATCHES == (4, 2, 1)
+    for i in range(len(audio)):
+        alone = pipe.encode(features[i : i + 1])
+        for name, value in together.items():
+            np.testing.assert_allclose(value[i : i + 1], alone[name], rtol=1e-6, atol=1e-6)

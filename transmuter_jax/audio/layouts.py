@@ -26,6 +26,10 @@ from ..onnx.model import Model, load
 from ..tasks.runner import output_names
 
 HIDDEN = ("last_hidden_state", "hidden_states")  # the encoder's hidden states (optimum, genai)
+BATCHES = (4, 2, 1)
+"""The inputs of one encoder call. Four at once run about 10% faster than one by one (tiny.en,
+2 cores, AVX-512); each row's output is the one it gets alone (bit for bit on that machine;
+within 1e-6 wherever tests/test_speech_to_text.py runs)."""
 
 
 class Encoder:
@@ -42,10 +46,15 @@ class Encoder:
 
     def __call__(self, features: np.ndarray) -> dict[str, np.ndarray]:
         """The decoder's given inputs (one row per input) for ``features`` [B, bins, frames],
-        encoded one input at a time (one compiled shape for every batch)."""
-        rows = [self.model({self.features: row[None]}) for row in features]
+        encoded in calls of :data:`BATCHES` inputs, the largest that fits first (three compiled
+        shapes at most)."""
+        calls, start = [], 0
+        while start < len(features):
+            size = next(b for b in BATCHES if b <= len(features) - start)
+            calls.append(self.model({self.features: features[start : start + size]}))
+            start += size
         return {
-            name: np.concatenate([np.asarray(out[output]) for out in rows])
+            name: np.concatenate([np.asarray(out[output]) for out in calls])
             for name, output in self.given.items()
         }
 
