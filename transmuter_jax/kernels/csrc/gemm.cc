@@ -36,6 +36,7 @@ constexpr int64_t kRowGroup = 96;                // rows of X per chunk when M i
 constexpr int64_t kDepth = 256;                  // values of K per block when M > kRows
 constexpr int64_t kPanelDepth = 192;             // the most values of K per block of a panel
 constexpr int64_t kAhead = 64;                   // rows of a panel prefetched ahead in one pass
+constexpr int64_t kRunsPerThread = 4;            // chunks of consecutive strips a thread (few rows)
 // Where a pass of the pair kernel holds fewer accumulators than one of the panel kernel (AVX2:
 // 8 against 12), a product of at least kManyRows rows (compute-bound) runs on single panels; the
 // pair kernel, whose loads stream the weights faster, keeps the products of fewer rows (a
@@ -174,6 +175,7 @@ struct GemmJob {
   float* y;
   int64_t m, k, n, groups;
   const Rows* rows;  // [groups] the rows of each group
+  int64_t run;       // strips of a chunk of few rows (consecutive: one stream)
 };
 
 // The first value of panel q (panels counted over all strips, kPanels a strip).
@@ -200,9 +202,12 @@ static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
     // prefetch alone falls behind (at 8 rows the weights streamed at half the rate), so each
     // value of K prefetches the panel's row kAhead ahead (8 KB). 8 rows: 0.79x -> 1.22x
     // onnxruntime's MatMul over 30 layers of the default model's products; 1 row 0.9 -> 1.0x.
+    // A whole strip (AVX-512: one panel a strip) prefetches on into the next strip's first
+    // rows, which follow it in memory and which this thread reads next (gemm_chunk's runs); a
+    // prefetch past the last strip is dropped by the CPU.
     const int64_t ahead = std::min<int64_t>(kAhead, job.k);
-    kMicro[m](x, job.k, panel, job.k, y, job.n, cols, false, panel + ahead * kStrip, 1,
-              job.k - ahead);
+    const int64_t fetch = kPanels == 1 ? job.k : job.k - ahead;
+    kMicro[m](x, job.k, panel, job.k, y, job.n, cols, false, panel + ahead * kStrip, 1, fetch);
     return;
   }
   for (int64_t k0 = 0; k0 < job.k; k0 += depth) {
@@ -225,15 +230,18 @@ static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
 // Few rows of X: strip s (its panels) against a group of rows.
 static void gemm_chunk(void* ctx, int64_t chunk) {
   const GemmJob& job = *static_cast<const GemmJob*>(ctx);
-  const int64_t s = chunk / job.groups;
+  const int64_t strips = (job.n + kStrip - 1) / kStrip;
+  const int64_t first = chunk / job.groups * job.run, end = std::min(strips, first + job.run);
   const auto [r0, r1] = job.rows[chunk % job.groups];
-  if (kPanels > 1 && r1 - r0 <= kWideRows) {
-    const int64_t cols = std::min<int64_t>(kStrip, job.n - s * kStrip);
-    kWide[r1 - r0](job.x + r0 * job.k, job.k, job.packed + s * job.k * kStrip, job.k,
-                   job.y + r0 * job.n + s * kStrip, job.n, cols, false, nullptr, 1, 0);
-    return;
+  for (int64_t s = first; s < end; ++s) {
+    if (kPanels > 1 && r1 - r0 <= kWideRows) {
+      const int64_t cols = std::min<int64_t>(kStrip, job.n - s * kStrip);
+      kWide[r1 - r0](job.x + r0 * job.k, job.k, job.packed + s * job.k * kStrip, job.k,
+                     job.y + r0 * job.n + s * kStrip, job.n, cols, false, nullptr, 1, 0);
+      continue;
+    }
+    for (int64_t q = s * kPanels; q < (s + 1) * kPanels; ++q) gemm_panel(job, q, r0, r1);
   }
-  for (int64_t q = s * kPanels; q < (s + 1) * kPanels; ++q) gemm_panel(job, q, r0, r1);
 }
 
 // Many rows of X: panels 2p and 2p + 1 against a group of rows, K in blocks.
@@ -288,11 +296,15 @@ static void gemm_groups(const float* x, const float* packed, float* y, int64_t m
   const int64_t strips = (n + kStrip - 1) / kStrip;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t count = static_cast<int64_t>(groups.size());
-  GemmJob job{x, packed, y, m, k, n, count, groups.data()};
+  Pool& pool = Pool::get();
+  // Few rows: each chunk a run of consecutive strips, kRunsPerThread runs a thread.
+  const int64_t runs = std::min<int64_t>(strips, pool.threads() * kRunsPerThread);
+  const int64_t run = (strips + runs - 1) / runs;
+  GemmJob job{x, packed, y, m, k, n, count, groups.data(), run};
   if (m > kRows && !(kPanelsForMany && m >= kManyRows)) {
-    Pool::get().run((panels + 1) / 2 * count, gemm_pair_chunk, &job);
+    pool.run((panels + 1) / 2 * count, gemm_pair_chunk, &job);
   } else {
-    Pool::get().run(strips * count, gemm_chunk, &job);
+    pool.run((strips + run - 1) / run * count, gemm_chunk, &job);
   }
 }
 
