@@ -31,18 +31,19 @@ struct NtJob {
   bool scaled;
 };
 
-// Keys [n0, n0 + count) of batch row b against row r of a; `tail` the last K % lanes values of
-// a's row, zero-padded.
-template <int C>
-static void keys_pass(const NtJob& job, const float* arow, const float* tail, const float* keys,
-                      float* out) {
+// acc[c] = the per-lane sums over K of a's row `arow` times key row(c) of `keys` (times the
+// scale when scaled: rounded first), a vector at a time; `tail` the last K % lanes values of
+// a's row, zero-padded, against each key's, zero-padded.
+template <int C, typename Row>
+static inline void key_sums(const NtJob& job, const float* arow, const float* tail,
+                            const float* keys, Row row, gv (&acc)[C]) {
   const int64_t k = job.k, whole = k / kGemmLanes * kGemmLanes;
-  gv acc[C] = {};
   const gv scale = gsplat(job.scale);
   for (int64_t i = 0; i < whole; i += kGemmLanes) {
     const gv av = gload(arow + i);
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
-      gv xv = gload(keys + c * k + i);
+      gv xv = gload(keys + row(c) * k + i);
       if (job.scaled) xv = xv * scale;
       acc[c] += av * xv;
     }
@@ -51,12 +52,20 @@ static void keys_pass(const NtJob& job, const float* arow, const float* tail, co
     const gv av = gload(tail);
     for (int c = 0; c < C; ++c) {
       float padded[kGemmLanes] = {};
-      std::copy(keys + c * k + whole, keys + c * k + k, padded);
+      std::copy(keys + row(c) * k + whole, keys + row(c) * k + k, padded);
       gv xv = gload(padded);
       if (job.scaled) xv = xv * scale;
       acc[c] += av * xv;
     }
   }
+}
+
+// Keys [0, C) of `keys` (rows of K values) against row `arow` of a: C outputs.
+template <int C>
+static void keys_pass(const NtJob& job, const float* arow, const float* tail, const float* keys,
+                      float* out) {
+  gv acc[C] = {};
+  key_sums<C>(job, arow, tail, keys, [](int c) { return c; }, acc);
   for (int c = 0; c < C; ++c) out[c] = glanes_sum(acc[c]);
 }
 
@@ -101,31 +110,11 @@ constexpr int bit_reversed(int s) {
   return r;
 }
 
-// Keys [n, n + kGemmLanes) of a batch row against row `arow` of a, as keys_pass computes each.
+// Keys [0, kGemmLanes) of `keys` against row `arow` of a, each as keys_pass computes it.
 static void keys_vector(const NtJob& job, const float* arow, const float* tail,
                         const float* keys, float* out) {
-  const int64_t k = job.k, whole = k / kGemmLanes * kGemmLanes;
   gv acc[kGemmLanes] = {};
-  const gv scale = gsplat(job.scale);
-  for (int64_t i = 0; i < whole; i += kGemmLanes) {
-    const gv av = gload(arow + i);
-#pragma GCC unroll 16
-    for (int s = 0; s < kGemmLanes; ++s) {
-      gv xv = gload(keys + bit_reversed(s) * k + i);
-      if (job.scaled) xv = xv * scale;
-      acc[s] += av * xv;
-    }
-  }
-  if (whole < k) {
-    const gv av = gload(tail);
-    for (int s = 0; s < kGemmLanes; ++s) {
-      float padded[kGemmLanes] = {};
-      std::copy(keys + bit_reversed(s) * k + whole, keys + bit_reversed(s) * k + k, padded);
-      gv xv = gload(padded);
-      if (job.scaled) xv = xv * scale;
-      acc[s] += av * xv;
-    }
-  }
+  key_sums<kGemmLanes>(job, arow, tail, keys, [](int s) { return bit_reversed(s); }, acc);
   gstore(out, lanes_sums(acc));
 }
 constexpr bool kKeysVector = true;

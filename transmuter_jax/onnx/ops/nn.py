@@ -129,8 +129,9 @@ def SoftmaxAttention(
 ):
     """MatMul(Softmax(S [* scale, or / scale with ``divide``], axis=-1), Transpose(v, perm_b_v)),
     S = TransposedMatMul(a, b, within, perm_a, perm_b) (a MatMul without perms or ``within``;
-    an empty perm: as it is), fused at load (see onnx.fuse). Float32 self-attention (S's operands [B, N, S, H] and [B, N, H, S],
-    v [B, N, S, H]) runs kernels.attention without a mask; others the ops themselves."""
+    an empty perm: as it is), fused at load (see onnx.fuse). Float32 self-attention (S's
+    operands [B, N, S, H] and [B, N, H, S], v [B, N, S, H]) runs kernels.attention without a
+    mask (a divided scale as its reciprocal's product); others the ops themselves."""
     m = xp(a, b, v, within, scale)
     v = m.transpose(v, list(perm_b_v)) if perm_b_v else v
     c = _scalar(scale)
