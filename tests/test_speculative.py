@@ -587,3 +587,19 @@ def test_the_cpus_pricing_keeps_the_tokens(workdir, monkeypatch):
         assert stats.steps + stats.accepted == stats.tokens
         drafted[cost] = stats.drafted
     assert drafted[16.0] < drafted[1e9]  # the CPU pauses and cuts drafts; the tokens stay
+
+
+@pytest.mark.parametrize(("lanes", "factor"), [(16, 2.0), (8, 1.0), (None, 1.0)])
+def test_a_rows_price_halves_with_512_bit_kernels(monkeypatch, lanes, factor):
+    """On a CPU whose kernels use 16-float vectors a row's products cost half while a step's
+    rows fit one pass of the product kernel: the step's cost apart from its rows counts twice as
+    many rows (AVX2's 8 floats, no kernels, steps of more rows: as given)."""
+    from transmuter_jax import kernels
+
+    monkeypatch.setattr(speculative, "ROW_COST", {"cpu": 16.0})
+    monkeypatch.setattr(kernels.build, "vector_lanes", lambda: lanes)
+    monkeypatch.setattr(speculative.jax, "default_backend", lambda: "cpu")
+    assert speculative.row_cost(11) == speculative.row_cost(speculative.WIDE_ROWS) == 16.0 * factor
+    assert speculative.row_cost(speculative.WIDE_ROWS + 1) == speculative.row_cost() == 16.0
+    monkeypatch.setattr(speculative.jax, "default_backend", lambda: "gpu")
+    assert speculative.row_cost(11) == speculative.ROW_COST_OTHER
