@@ -17,7 +17,6 @@ graph and as many threads as this process has cores; the ratio is onnxruntime's 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import onnx
     import onnxruntime as ort
-    from nbits import cpu_features, timed
+    from nbits import cpu_features, timed, write_results
 
     import transmuter_jax as tj
 
@@ -136,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     if args.json:
-        with open(args.json, "w") as handle:
-            record = dict(cpu=cpu_features(), threads=threads, load=os.getloadavg())
-            json.dump(dict(record, results=rows_out), handle, indent=1)
+        write_results(args.json, threads, rows_out)
     return 0
 
 

@@ -98,6 +98,13 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def write_results(path: str, threads: int, results: list, **extra) -> None:
+    """The run's rows as JSON at ``path``, with the CPU's features, threads and load."""
+    with open(path, "w") as handle:
+        record = dict(cpu=cpu_features(), threads=threads, load=os.getloadavg(), **extra)
+        json.dump(dict(record, results=results), handle, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
@@ -161,9 +168,7 @@ def main() -> None:
                 flush=True,
             )
     if args.json:
-        with open(args.json, "w") as handle:
-            record = dict(cpu=cpu_features(), threads=threads, load=os.getloadavg(), packed=packed)
-            json.dump(dict(record, results=rows_out), handle, indent=1)
+        write_results(args.json, threads, rows_out, packed=packed)
 
 
 if __name__ == "__main__":
