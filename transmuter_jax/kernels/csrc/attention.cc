@@ -271,7 +271,7 @@ static void attention_chunk(void* ctx, int64_t chunk) {
         const RowGroup& rg = groups[x];
         if (rg.j1 <= rg.j0 || j < rg.p0 || j >= rg.p1) continue;
         scores_rows<kQ>(rg.rows, q + x * kQ * ldq, ldq, kt, h, j, j + width, job.scale,
-                    scores.data() + x * kQ * ldk, ldk);
+                        scores.data() + x * kQ * ldk, ldk);
       }
     }
     for (int64_t x = 0; x < count; ++x) {

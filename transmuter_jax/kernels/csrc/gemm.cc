@@ -3,8 +3,8 @@
 // The strip width is fixed (the layout does not depend on the CPU); the micro-kernels work on
 // panels of kPanel columns of a strip, two vectors of the ISA wide, so that their accumulators
 // stay in registers on AVX-512 (one panel a strip), AVX2 (two) and 128-bit vectors (four).
-// Up to kRows rows of X (decoding): a chunk of work is one strip against all rows, in one pass of
-// a register-blocked micro-kernel per panel. More rows: a chunk is a pair of panels against a
+// Up to kRows rows of X (decoding): a chunk of work is a run of consecutive strips against all
+// rows, each strip in one pass of a register-blocked micro-kernel per panel. More rows: a chunk is a pair of panels against a
 // group of up to kRowGroup rows, in passes of kPairRows rows, K in blocks of kDepth so that the
 // blocks of the panels stay in L1 across passes, each pass prefetching its share of the next
 // block; where the panel kernel holds more accumulators (AVX2), the most rows go back to strips
@@ -227,7 +227,7 @@ static void gemm_panel(const GemmJob& job, int64_t q, int64_t r0, int64_t r1) {
   }
 }
 
-// Few rows of X: strip s (its panels) against a group of rows.
+// Few rows of X: a run of consecutive strips (their panels) against a group of rows.
 static void gemm_chunk(void* ctx, int64_t chunk) {
   const GemmJob& job = *static_cast<const GemmJob*>(ctx);
   const int64_t strips = (job.n + kStrip - 1) / kStrip;
