@@ -412,7 +412,7 @@ def print_tables(figures: dict) -> None:
     header = (
         f"{'peer':<6} {'export':<11} {'batch':>5} {'tok/s':>7} {'limit':>6} {'x lim':>5} "
         f"{'ttft ms':>8} {'cold s':>6} {'shapes':>6} {'peak MiB':>8} {'base':>5} "
-        f"{'W+KV MiB':>8} {'x W+KV':>6} {'net x':>5} {'agree':>6}"
+        f"{'W+KV MiB':>8} {'x W+KV':>6} {'net x':>5} {'progs':>5} {'agree':>6}"
     )
     print(header + "\n" + "-" * len(header))
     for r in figures["rows"]:
@@ -428,7 +428,7 @@ def print_tables(figures: dict) -> None:
             f"{_fmt(r.get('rss_mib', {}).get('imports'), '.0f'):>5} "
             f"{(r['weight_bytes'] + r['kv_bytes']) / 2**20:>8.0f} "
             f"{_fmt(r['memory_ratio'], '.2f'):>6} {_fmt(r['net_memory_ratio'], '.2f'):>5} "
-            f"{_fmt(r['agree'], 'd'):>3}/{r['new']}"
+            f"{_fmt(r.get('programs_held_mib'), '.0f'):>5} {_fmt(r['agree'], 'd'):>3}/{r['new']}"
         )
     cache = "warm at batch 1, cold at batch 8" if figures["cold_start"] else "cold"
     print(
@@ -436,7 +436,8 @@ def print_tables(figures: dict) -> None:
         " over the weights a token);\nttft: warm; cold: to the first token of a fresh process"
         f" (jax: compile cache {cache});\npeak: resident memory while"
         " generating; base: resident after the imports; W+KV: weight files + float32 KV cache of"
-        " prompt and new tokens; net x: (peak - base) / W+KV;\nagree:"
+        " prompt and new tokens; net x: (peak - base) / W+KV;\nprogs: resident memory given back"
+        " when the context and jax's compiled programs are dropped (what they hold);\nagree:"
         " leading tokens of row 0 equal to PyTorch's (fp32) or the Generator's (int4)"
     )
     if figures["cold_start"]:
@@ -481,8 +482,8 @@ def markdown(figures: dict) -> str:
     """The decode table, the cold starts and the targets as Markdown (for the README)."""
     out = [
         "| peer | export | batch | tok/s | limit | × limit | TTFT ms | cold s | shapes "
-        "| peak MiB | base MiB | W+KV MiB | × W+KV | net × | agree |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak MiB | base MiB | W+KV MiB | × W+KV | net × | programs MiB | agree |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in figures["rows"]:
         one = r["batch"] == 1
@@ -501,6 +502,7 @@ def markdown(figures: dict) -> str:
             f"{(r['weight_bytes'] + r['kv_bytes']) / 2**20:.0f}",
             _fmt(r["memory_ratio"], ".2f"),
             _fmt(r["net_memory_ratio"], ".2f"),
+            _fmt(r.get("programs_held_mib"), ".0f"),
             f"{_fmt(r['agree'], 'd')}/{r['new']}",
         ]
         out.append("| " + " | ".join(cells) + " |")

@@ -23,6 +23,7 @@ environment's interpreter, the others with its own.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -159,14 +160,25 @@ def _jax(job: dict, timings: dict):
         return clock.result(job["batch"])
 
     def details() -> dict:
+        nonlocal ctx
         params = sum(a.nbytes for a in jax.tree_util.tree_leaves(model.params))
         live = sum(a.nbytes for a in jax.live_arrays())
-        return {
+        figures = {
             "compiled_shapes": ctx.compiled.shapes,
             "decode_steps": ctx.options.decode_steps if generation.on_device(ctx) else 1,
             "params_mib": params / 2**20,
             "live_arrays_mib": live / 2**20,
         }
+        # What the loaded programs hold: the resident memory that dropping the context and
+        # jax's compiled programs gives back (the weights stay, held by ``model``).
+        before = _trimmed_rss_mib()
+        ctx = None
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
+        after = _trimmed_rss_mib()
+        figures["programs_held_mib"] = before - after if before and after else None
+        return figures
 
     return run, details
 

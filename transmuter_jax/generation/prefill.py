@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..runtime.jit import put_all
+from ..runtime.stored import AutoStoredJit
 from . import slot_inputs, slots
 from .cache import PREFILL_CAP
 from .errors import GenerationError
@@ -189,6 +190,11 @@ def advance(engine: Engine, pending: Pending) -> Pending:
     return step(engine, pending, _size(engine, int(pending.remaining.max()), pending.chunk))
 
 
+# The logits of the rows that ``ending`` marks (rows fed their last token in this step), the
+# earlier ones elsewhere; compiled once, read from the compilation cache in a new process.
+_last_logits = AutoStoredJit(lambda ending, new, old: jnp.where(ending[:, None], new, old), None)
+
+
 def step(engine: Engine, pending: Pending, size: int) -> Pending:
     """One step of ``size`` tokens of every row: the next part of its prompt, padded (a row
     with none left feeds padding after its valid rows, which the next ones overwrite or the
@@ -213,9 +219,9 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
     logits, cache = engine.compiled.steps(
         pending.cache, feed, pending.lengths, last, pending.window, real
     )
-    ending = jnp.asarray((remaining > 0) & (remaining <= size))  # rows fed their last token
+    ending = (remaining > 0) & (remaining <= size)  # rows fed their last token
     if pending.logits is not None:
-        logits = jnp.where(ending[:, None], logits, pending.logits)
+        logits = _last_logits(ending, logits, pending.logits)
     lengths = mode.advance(pending.lengths, real, size).astype(np.int32)
     return dataclasses.replace(
         pending, fed=pending.fed + real, lengths=lengths, cache=cache, logits=logits

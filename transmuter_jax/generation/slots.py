@@ -709,7 +709,7 @@ def _rows_of(engine: Engine, cache: dict[str, jax.Array], default: int) -> int:
     return next((a.shape[2] for n, a in cache.items() if n in own), default)
 
 
-_RESIZE: dict[tuple, Any] = {}  # (rows, inputs, jit options) -> the jitted resize
+_RESIZE: dict[tuple, Any] = {}  # (rows, inputs, jit options) -> the compiled resize
 
 
 def _resized_cache(engine: Engine, cache: dict[str, jax.Array], rows: int) -> dict:
@@ -719,7 +719,7 @@ def _resized_cache(engine: Engine, cache: dict[str, jax.Array], rows: int) -> di
 
 
 def _resize_program(engine: Engine, rows: int):
-    """The jitted ``cache -> cache`` of :func:`_resized_cache` to ``rows`` rows."""
+    """The compiled ``cache -> cache`` of :func:`_resized_cache` to ``rows`` rows."""
     own, mode = _own(engine), engine.cache_mode
     key = (rows, own, type(mode).__name__, jit_key(engine.jit_options))
     if key not in _RESIZE:
@@ -727,7 +727,7 @@ def _resize_program(engine: Engine, rows: int):
         def resize(cache):
             return {n: mode.resize(a, rows) if n in own else a for n, a in cache.items()}
 
-        _RESIZE[key] = jax.jit(resize, **jit_options(dict(engine.jit_options)))
+        _RESIZE[key] = AutoStoredJit(resize, None, **jit_options(dict(engine.jit_options)))
     return _RESIZE[key]
 
 
@@ -1233,11 +1233,11 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
             one = dataclasses.replace(one, cache=_resized_cache(engine, one.cache, target))
     _release(state, slot)
     put_in = _insert_function(jit_key(engine.jit_options), engine.placement is None)
-    rows = put_in(state.rows, one, jnp.int32(slot))
+    rows = put_in(state.rows, one, np.int32(slot))
     if own_given:
-        state = dataclasses.replace(state, given=put_in(state.given, own_given, jnp.int32(slot)))
+        state = dataclasses.replace(state, given=put_in(state.given, own_given, np.int32(slot)))
     if done:
-        rows = dataclasses.replace(rows, done=rows.done.at[slot].set(True))
+        rows = dataclasses.replace(rows, done=_finished(rows.done, np.int32(slot)))
     window = tuple(tokens[-window:]) if window else ()
     host = _Host(request, window, stops, done, prefix.table, offset)
     hosts = state.hosts[:slot] + (host,) + state.hosts[slot + 1 :]
@@ -1318,11 +1318,16 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
     return dataclasses.replace(state, rows=rows, hosts=tuple(new_hosts), table=table), start(own)
 
 
+# ``done`` with row ``slot`` set, compiled once (an eager ``.at[slot].set`` compiles its
+# scatter in each new process; this one is read from the compilation cache).
+_finished = AutoStoredJit(lambda done, slot: done.at[slot].set(True), None)
+
+
 def free(state: SlotState, slot: int) -> SlotState:
     """``state`` with slot ``slot`` empty (it takes no more tokens; a new prefix may go there)."""
     _slot(state, slot)
     _release(state, slot)
-    rows = dataclasses.replace(state.rows, done=state.rows.done.at[slot].set(True))
+    rows = dataclasses.replace(state.rows, done=_finished(state.rows.done, np.int32(slot)))
     hosts = state.hosts[:slot] + (None,) + state.hosts[slot + 1 :]
     return dataclasses.replace(state, rows=rows, hosts=hosts)
 
