@@ -27,6 +27,7 @@ import transmuter_jax as tj
 from transmuter_jax import kernels
 from transmuter_jax.kernels import build
 from transmuter_jax.onnx import fuse, prepack
+from transmuter_jax.onnx.ops import nn as onnx_nn
 from transmuter_jax.onnx.ops.quant import INT8_ENV, _nbits_weight, int8_product
 from transmuter_jax.testing import example_inputs
 
@@ -470,6 +471,83 @@ def test_matmul_nt_kernel_under_vmap_and_grad(rng):
         grad = jax.grad(lambda *v: jnp.sum(jnp.sin(one(*v))), argnum)(a, x)
         want = jax.grad(lambda *v: jnp.sum(jnp.sin(ref(*v))), argnum)(a, x)
         np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- few rows a @ x
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("shape_a", "shape_x"),
+    [
+        ((1, 6, 1, 300), (1, 6, 300, 64)),
+        ((2, 3, 5, 77), (2, 3, 77, 70)),
+        ((3, 16, 8), (3, 8, 130)),
+        ((4, 6, 3, 1500), (4, 6, 1500, 64)),
+        ((2, 2, 7), (2, 7, 5)),
+    ],
+)
+def test_matmul_nn_kernel_equals_the_reference_and_each_row_alone(rng, shape_a, shape_x):
+    """a @ x within float32 rounding, each row of a, each batch row and each block of columns
+    bit for bit its result alone (rows in fours and ones, columns in vectors and one by one)."""
+    a = rng.standard_normal(shape_a).astype(np.float32)
+    x = rng.standard_normal(shape_x).astype(np.float32)
+    fn = jax.jit(kernels.matmul_nn)
+    got = np.asarray(fn(a, x))
+    _close(got, np.matmul(a.astype(np.float64), x.astype(np.float64)), shape_a[-1])
+    for i in range(shape_a[-2]):  # a row of a alone
+        np.testing.assert_array_equal(
+            got[..., i : i + 1, :], np.asarray(fn(a[..., i : i + 1, :], x))
+        )
+    np.testing.assert_array_equal(got[:1], np.asarray(fn(a[:1], x[:1])))  # a batch row alone
+    for n in (1, 3, 8, 16, 17, 33, shape_x[-1] - 1):  # columns in vectors and alone alike
+        n = max(1, min(n, shape_x[-1]))
+        np.testing.assert_array_equal(got[..., :n], np.asarray(fn(a, x[..., :n])))
+
+
+@needs_kernels
+def test_matmul_nn_kernel_is_refused_where_it_does_not_apply(rng):
+    a = jnp.zeros((2, 4, 8), jnp.float32)
+    x = jnp.zeros((2, 8, 5), jnp.float32)
+    assert kernels.matmul_nn(a, x) is not None
+    many = jnp.zeros((2, kernels.NT_MAX_ROWS + 1, 8), jnp.float32)
+    assert kernels.matmul_nn(many, x) is None  # a prompt's weighted values: XLA's dot
+    assert kernels.matmul_nn(a.astype(jnp.bfloat16), x.astype(jnp.bfloat16)) is None
+    assert kernels.matmul_nn(a[:1], x) is None  # batch dimensions that broadcast
+    assert kernels.matmul_nn(a[0], x[0]) is None  # no batch dimension
+    assert kernels.matmul_nn(a, x[:, :7]) is None
+    empty = np.asarray(jax.jit(kernels.matmul_nn)(a[..., :0], x[:, :0]))
+    np.testing.assert_array_equal(empty, np.zeros((2, 4, 5), np.float32))  # K = 0: zeros
+    with kernels.off():
+        assert kernels.matmul_nn(a, x) is None
+
+
+@needs_kernels
+def test_matmul_nn_kernel_under_vmap_and_grad(rng):
+    a = rng.standard_normal((3, 2, 1, 16)).astype(np.float32)
+    x = rng.standard_normal((3, 2, 16, 9)).astype(np.float32)
+    ref = kernels._matmul_nn_reference
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(jax.vmap(kernels.matmul_nn))(a, x)),
+        np.asarray(jax.vmap(ref)(a, x)),
+        rtol=1e-5,
+    )
+    for argnum in (0, 1):
+        grad = jax.grad(lambda *v: jnp.sum(jnp.sin(kernels.matmul_nn(*v))), argnum)(a, x)
+        want = jax.grad(lambda *v: jnp.sum(jnp.sin(ref(*v))), argnum)(a, x)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+def test_matmul_of_two_activations_runs_the_kernel_and_equals_onnxruntime(rng):
+    """An ONNX MatMul of a decode step's weights and values (no constant operand) runs
+    matmul_nn and equals onnxruntime; a prompt's (many rows) runs XLA's dot."""
+    for rows in (1, 3, kernels.NT_MAX_ROWS + 1):
+        a = rng.standard_normal((2, 3, rows, 50)).astype(np.float32)
+        x = rng.standard_normal((2, 3, 50, 64)).astype(np.float32)
+        check_op("MatMul", {"a": a, "b": x}, rtol=1e-5, atol=1e-5)
+        text = jax.jit(onnx_nn._matmul).lower(a, x).as_text()
+        assert ("tj_matmul_nn_f32" in text) == (rows <= kernels.NT_MAX_ROWS)
 
 
 # ---------------------------------------------------------------- softmax

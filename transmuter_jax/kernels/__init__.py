@@ -3,7 +3,8 @@
 - :func:`matmul`: float32 ``x @ w`` with ``w`` packed once by :func:`pack` into column strips.
 - :func:`matmul_nbits`: com.microsoft MatMulNBits with 4-bit weights, read as stored.
 - :func:`attention`: a step's attention over a cache; :func:`matmul_nt`: ``a @ x^T`` without
-  the transposed copy; :func:`softmax`; :func:`rms_norm`; :func:`silu_mul`.
+  the transposed copy; :func:`matmul_nn`: few rows ``a @ x``; :func:`softmax`;
+  :func:`rms_norm`; :func:`silu_mul`.
 
 The kernels run only on the CPU backend, when the library built (see :mod:`.build`); otherwise
 (and for shapes the kernels do not cover) the same functions compute with jax.numpy. Both are
@@ -339,6 +340,29 @@ def matmul_nt(a: jax.Array, x: jax.Array, scale: float | None = None) -> jax.Arr
         return None
     fn = _wrapped(_matmul_nt_kernel, _matmul_nt_reference, folds=False, scale=scale)
     return fn(a, x)
+
+
+def _matmul_nn_reference(a: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.matmul(a, x)
+
+
+def _matmul_nn_kernel(a: jax.Array, x: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*a.shape[:-1], x.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call("tj_matmul_nn_f32", out)(a, x)
+
+
+def matmul_nn(a: jax.Array, x: jax.Array) -> jax.Array | None:
+    """``a [..., M, K] @ x [..., K, N]`` in float32 for at most :data:`NT_MAX_ROWS` rows of
+    ``a`` over batch dimensions (attention's weighted values over a cache), each output one
+    multiply-add chain over K; or None where the kernel does not run it (other dtypes, batch
+    dimensions that differ or none, more rows): the caller's own path then computes it."""
+    if not enabled() or build.vector_lanes() is None or a.ndim < 3 or x.ndim != a.ndim:
+        return None
+    if jnp.dtype(a.dtype) != jnp.float32 or jnp.dtype(x.dtype) != jnp.float32:
+        return None
+    if a.shape[:-2] != x.shape[:-2] or a.shape[-1] != x.shape[-2] or a.shape[-2] > NT_MAX_ROWS:
+        return None
+    return _wrapped(_matmul_nn_kernel, _matmul_nn_reference, folds=False)(a, x)
 
 
 # ---------------------------------------------------------------- softmax

@@ -46,6 +46,7 @@ SOURCES = (
     "attention.cc",
     "activation.cc",
     "matmul_nt.cc",
+    "matmul_nn.cc",
     "softmax.cc",
 )
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
@@ -61,6 +62,7 @@ TARGETS = {
     "tj_attention_f32": "TjAttentionF32",
     "tj_silu_mul_f32": "TjSiluMulF32",
     "tj_matmul_nt_f32": "TjMatMulNtF32",
+    "tj_matmul_nn_f32": "TjMatMulNnF32",
     "tj_softmax_f32": "TjSoftmaxF32",
 }
 LIBRARY = "libtj_kernels.so"

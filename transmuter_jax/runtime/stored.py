@@ -50,6 +50,7 @@ CUSTOM_CALLS = (
     "tj_attention_f32",
     "tj_silu_mul_f32",
     "tj_matmul_nt_f32",
+    "tj_matmul_nn_f32",
     "tj_softmax_f32",
 )
 # Programs this process traced and stored ("exported"), and read back instead ("read").

@@ -17,10 +17,16 @@ from ._util import ints, precision, xp
 
 
 def _matmul(a, b):
-    """a @ b; with JAX at full float32 precision (no TF32 / bf16 passes on accelerators)."""
+    """a @ b; with JAX at full float32 precision (no TF32 / bf16 passes on accelerators). Two
+    batched float32 operands with a few rows of ``a`` (attention's weighted values) run
+    kernels.matmul_nn."""
     m = xp(a, b)
     if m is np:
         return np.matmul(a, b)
+    if not is_static(a) and not is_static(b):
+        out = kernels.matmul_nn(a, b)
+        if out is not None:
+            return out
     return jnp.matmul(a, b, precision=precision())
 
 
