@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from onnx_cases import check_op
+from onnx_cases import check_op, run_jax, run_ort
 
 import transmuter_jax as tj
 from transmuter_jax import kernels
@@ -548,6 +548,75 @@ def test_matmul_of_two_activations_runs_the_kernel_and_equals_onnxruntime(rng):
         check_op("MatMul", {"a": a, "b": x}, rtol=1e-5, atol=1e-5)
         text = jax.jit(onnx_nn._matmul).lower(a, x).as_text()
         assert ("tj_matmul_nn_f32" in text) == (rows <= kernels.NT_MAX_ROWS)
+
+
+def _grouped_attention(batch, heads, groups, rows, keys, size, repeat: bool) -> onnx.ModelProto:
+    """Attention whose keys and values are repeated for groups of query heads as optimum's
+    exports write it (Unsqueeze, Expand, Reshape; ``repeat``), or given repeated already."""
+    kv = heads // groups
+    f32 = TensorProto.FLOAT
+    shape_kv = [batch, kv if repeat else heads, keys, size]
+    nodes, inits = [], []
+    if repeat:
+        inits = [
+            numpy_helper.from_array(np.array([2], np.int64), "axes"),
+            numpy_helper.from_array(np.array([batch, kv, groups, keys, size], np.int64), "wide"),
+            numpy_helper.from_array(np.array([batch, heads, keys, size], np.int64), "merged"),
+        ]
+        for name in ("k", "v"):
+            nodes += [
+                helper.make_node("Unsqueeze", [name, "axes"], [f"{name}_u"]),
+                helper.make_node("Expand", [f"{name}_u", "wide"], [f"{name}_e"]),
+                helper.make_node("Reshape", [f"{name}_e", "merged"], [f"{name}_r"]),
+            ]
+    k, v = ("k_r", "v_r") if repeat else ("k", "v")
+    nodes += [
+        helper.make_node("Transpose", [k], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", v], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "grouped",
+        [
+            helper.make_tensor_value_info("q", f32, [batch, heads, rows, size]),
+            helper.make_tensor_value_info("k", f32, shape_kv),
+            helper.make_tensor_value_info("v", f32, shape_kv),
+        ],
+        [helper.make_tensor_value_info("y", f32, None)],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "groups", "rows"), [(9, 3, 1), (6, 2, 3), (4, 4, 4), (4, 4, 5)])
+def test_heads_repeated_for_grouped_queries_are_read_once(tmp_path, rng, heads, groups, rows):
+    """Keys and values repeated for groups of query heads (optimum's repeat_kv) are read once
+    per group by the products: the output equals onnxruntime's and, bit for bit, the same
+    attention over keys and values given repeated; the compiled program writes no repeated
+    copy (no array of the repeated size) where the group's rows fit the kernels."""
+    batch, keys, size = 2, 37, 16
+    q = rng.standard_normal((batch, heads, rows, size)).astype(np.float32)
+    k = rng.standard_normal((batch, heads // groups, keys, size)).astype(np.float32)
+    v = rng.standard_normal((batch, heads // groups, keys, size)).astype(np.float32)
+    model = _grouped_attention(batch, heads, groups, rows, keys, size, repeat=True)
+    got = run_jax(model, {"q": q, "k": k, "v": v})["y"]
+    np.testing.assert_allclose(
+        got, run_ort(model, {"q": q, "k": k, "v": v})["y"], rtol=1e-5, atol=1e-6
+    )
+    given = _grouped_attention(batch, heads, groups, rows, keys, size, repeat=False)
+    wide = {"q": q, "k": np.repeat(k, groups, axis=1), "v": np.repeat(v, groups, axis=1)}
+    np.testing.assert_array_equal(got, run_jax(given, wide)["y"])
+    path = tmp_path / "grouped.onnx"
+    onnx.save(model, path)
+    loaded = tj.load(str(path))
+    run = jax.jit(lambda params, inputs: loaded.trace({}, params, inputs))
+    text = run.lower(loaded.params, {"q": q, "k": k, "v": v}).compile().as_text()
+    once = groups * rows <= kernels.NT_MAX_ROWS  # else (a prompt) XLA's products, repeated
+    assert (f"f32[{batch},{heads},{keys},{size}]" not in text) == once  # the repeated values
+    assert "tj_matmul_nt_f32" in text and "tj_matmul_nn_f32" in text
 
 
 # ---------------------------------------------------------------- softmax

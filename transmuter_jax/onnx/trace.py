@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from onnx import AttributeProto, GraphProto, NodeProto, helper, numpy_helper
 
+from . import repeated
 from .errors import DynamicShapeError, ModelFileError, UnsupportedOpError
 from .fold import in_program
 from .registry import OpSpec, canonical_domain, lookup
@@ -163,7 +164,14 @@ def run_nodes(
             given is not run, and no node overwrites them.
         host: run on concrete values, as numpy (the host part of a split graph).
     """
-    for node in graph.proto.node if nodes is None else nodes:
+    with repeated.scope():  # heads repeated for grouped queries (onnx.repeated)
+        _run(graph, scope, graph.proto.node if nodes is None else nodes, given, host)
+
+
+def _run(
+    graph: Graph, scope: Scope, nodes: Iterable[NodeProto], given: frozenset[str], host: bool
+) -> None:
+    for node in nodes:
         if given and all(o in given for o in node.output if o):
             continue
         spec = graph.spec(node)

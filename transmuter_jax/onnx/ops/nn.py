@@ -9,6 +9,7 @@ import numpy as np
 from jax import lax
 
 from ... import kernels
+from .. import repeated
 from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ..trace import is_static
@@ -24,10 +25,29 @@ def _matmul(a, b):
     if m is np:
         return np.matmul(a, b)
     if not is_static(a) and not is_static(b):
-        out = kernels.matmul_nn(a, b)
+        out = _grouped(a, b, kernels.matmul_nn, list(range(np.ndim(b))))
+        if out is None:
+            out = kernels.matmul_nn(a, b)
         if out is not None:
             return out
     return jnp.matmul(a, b, precision=precision())
+
+
+def _grouped(a, b, product, axes):
+    """``product(a, b)`` where ``b`` repeats each head of x [B, Nk, T, H] for a group of ``g``
+    query heads (onnx.repeated), computed as ``product`` of a's heads of each group as rows
+    against x read once (the same values, each output computed alike), with x's axes in the
+    order ``axes``; None where b is no such value or ``product`` does not run it."""
+    found = repeated.repeated(b)
+    if found is None or np.ndim(a) != 4 or list(axes[:2]) != [0, 1]:
+        return None
+    x, groups = found
+    batch, heads, rows, k = np.shape(a)
+    if heads != np.shape(x)[1] * groups:
+        return None
+    x = x if list(axes) == [0, 1, 2, 3] else jnp.transpose(x, axes)
+    out = product(jnp.reshape(a, (batch, heads // groups, groups * rows, k)), x)
+    return None if out is None else jnp.reshape(out, (batch, heads, rows, out.shape[-1]))
 
 
 # --- matrix products ------------------------------------------------------------------------
@@ -119,6 +139,9 @@ def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
     c = None if scale is None else float(np.asarray(scale).reshape(-1)[0])
     if pa == list(range(rank_a)):  # a @ x^T, x = b with the axes of pb but its last two swapped
         keys = [*pb[:-2], pb[-1], pb[-2]]
+        out = _grouped(a, b, lambda a, x: kernels.matmul_nt(a, x, c), keys)
+        if out is not None:
+            return out
         x = b if keys == list(range(rank_b)) else jnp.transpose(b, keys)  # as stored, or the
         out = kernels.matmul_nt(a, x, c)  # keys' copy an attention's cache output makes too
         if out is not None:

@@ -11,6 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from .. import repeated
 from ..dtypes import device_dtype
 from ..registry import op
 from ._util import ints, onnx_dtype, xp
@@ -35,7 +36,9 @@ def Reshape(x, shape, *, allowzero=0):
     target = ints(shape)
     if not allowzero:
         target = [x.shape[i] if d == 0 else d for i, d in enumerate(target)]
-    return xp(x).reshape(x, target)
+    out = xp(x).reshape(x, target)
+    repeated.reshaped(out, x)
+    return out
 
 
 @op("Flatten")
@@ -51,7 +54,10 @@ def Concat(*inputs, axis=1):
 
 @op("Unsqueeze", static=(1,))
 def Unsqueeze(data, axes=None):
-    return xp(data).expand_dims(data, tuple(_axes(axes, data.ndim + len(ints(axes)))))
+    where = _axes(axes, data.ndim + len(ints(axes)))
+    out = xp(data).expand_dims(data, tuple(where))
+    repeated.unsqueezed(out, data, where)
+    return out
 
 
 @op("Squeeze", static=(1,))
@@ -70,7 +76,9 @@ def Transpose(data, *, perm=None):
 @op("Expand", since=8, static=(1,))
 def Expand(x, shape):
     """Broadcasts ``x`` and ``shape`` against each other (a 1 in ``shape`` keeps x's dim)."""
-    return xp(x).broadcast_to(x, np.broadcast_shapes(np.shape(x), tuple(ints(shape))))
+    out = xp(x).broadcast_to(x, np.broadcast_shapes(np.shape(x), tuple(ints(shape))))
+    repeated.expanded(out, x)
+    return out
 
 
 @op("Tile", since=6, static=(1,))

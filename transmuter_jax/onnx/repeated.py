@@ -1,0 +1,78 @@
+"""Values that repeat each head of another, seen while a graph is traced.
+
+Exports of grouped-query attention (optimum's ``repeat_kv``) repeat each key and value head for
+its group of query heads as ``Reshape(Expand(Unsqueeze(x, 2)), [B, Nk * g, T, H])``, which
+XLA:CPU writes out in full before a product reads it (the whole cache, every layer and step).
+Unsqueeze, Expand and Reshape record here what they made from ``x``; a product over the
+repeated value (:func:`repeated`) can read ``x`` once per group instead. Records live while
+the outermost :func:`scope` (one graph's run) lasts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+# id(value) -> (value, x, groups, stage); the value is kept so that its id is not reused.
+_seen: dict[int, tuple[Any, Any, int, str]] = {}
+_depth = 0
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Records made within it are dropped when the outermost scope ends."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            _seen.clear()
+
+
+def _traced(value: Any) -> bool:
+    return _depth > 0 and isinstance(value, jax.Array | jax.core.Tracer)
+
+
+def _get(value: Any, stage: str) -> tuple[Any, int] | None:
+    entry = _seen.get(id(value))
+    if entry is None or entry[0] is not value or entry[3] != stage:
+        return None
+    return entry[1], entry[2]
+
+
+def unsqueezed(out: Any, x: Any, axes: list[int]) -> None:
+    """Records ``out = Unsqueeze(x, axes)`` where it inserts axis 2 of a rank-4 ``x``."""
+    if _traced(out) and np.ndim(x) == 4 and list(axes) == [2]:
+        _seen[id(out)] = (out, x, 1, "unsqueezed")
+
+
+def expanded(out: Any, value: Any) -> None:
+    """Records ``out = Expand(value)`` where it repeats the axis an Unsqueeze inserted."""
+    found = _get(value, "unsqueezed") if _traced(out) else None
+    if found is not None:
+        x = found[0]
+        shape = np.shape(x)
+        if np.ndim(out) == 5 and np.shape(out)[:2] + np.shape(out)[3:] == shape[:2] + shape[2:]:
+            _seen[id(out)] = (out, x, int(np.shape(out)[2]), "expanded")
+
+
+def reshaped(out: Any, value: Any) -> None:
+    """Records ``out = Reshape(value)`` where it merges the repeated axis into the heads."""
+    found = _get(value, "expanded") if _traced(out) else None
+    if found is not None:
+        x, groups = found
+        b, heads, t, h = np.shape(x)
+        if np.shape(out) == (b, heads * groups, t, h):
+            _seen[id(out)] = (out, x, groups, "repeated")
+
+
+def repeated(value: Any) -> tuple[Any, int] | None:
+    """(x, groups) where ``value`` is x [B, Nk, T, H] with each head repeated ``groups`` times
+    (head n of ``value`` is head n // groups of x), else None."""
+    return _get(value, "repeated")
