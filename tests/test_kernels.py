@@ -503,6 +503,10 @@ def test_matmul_nn_kernel_equals_the_reference_and_each_row_alone(rng, shape_a, 
     for n in (1, 3, 8, 16, 17, 33, shape_x[-1] - 1):  # columns in vectors and alone alike
         n = max(1, min(n, shape_x[-1]))
         np.testing.assert_array_equal(got[..., :n], np.asarray(fn(a, x[..., :n])))
+    parts = jax.jit(kernels.matmul_nn)  # x in two parts along K, read where they are
+    for cut in (0, 1, shape_x[-2] // 2, shape_x[-2]):
+        two = parts(a, x[..., :cut, :], x[..., cut:, :])
+        np.testing.assert_array_equal(got, np.asarray(two))
 
 
 @needs_kernels
@@ -516,6 +520,8 @@ def test_matmul_nn_kernel_is_refused_where_it_does_not_apply(rng):
     assert kernels.matmul_nn(a[:1], x) is None  # batch dimensions that broadcast
     assert kernels.matmul_nn(a[0], x[0]) is None  # no batch dimension
     assert kernels.matmul_nn(a, x[:, :7]) is None
+    assert kernels.matmul_nn(a, x[:, :5], x[:, 5:, :4]) is None  # parts of other widths
+    assert kernels.matmul_nn(a, x[:, :5], x[:, 4:]) is None  # rows that are not K
     empty = np.asarray(jax.jit(kernels.matmul_nn)(a[..., :0], x[:, :0]))
     np.testing.assert_array_equal(empty, np.zeros((2, 4, 5), np.float32))  # K = 0: zeros
     with kernels.off():
@@ -551,12 +557,18 @@ def test_matmul_of_two_activations_runs_the_kernel_and_equals_onnxruntime(rng):
 
 
 def _grouped_attention(batch, heads, groups, rows, keys, size, repeat: bool) -> onnx.ModelProto:
-    """Attention whose keys and values are repeated for groups of query heads as optimum's
-    exports write it (Unsqueeze, Expand, Reshape; ``repeat``), or given repeated already."""
+    """Attention over a cache and the step's rows joined (``Concat``, the present), whose keys
+    and values are repeated for groups of query heads as optimum's exports write it (Unsqueeze,
+    Expand, Reshape; ``repeat``), or given repeated already."""
     kv = heads // groups
     f32 = TensorProto.FLOAT
-    shape_kv = [batch, kv if repeat else heads, keys, size]
-    nodes, inits = [], []
+    shape_kv = [batch, kv if repeat else heads, keys - rows, size]
+    shape_new = [batch, kv if repeat else heads, rows, size]
+    nodes = [
+        helper.make_node("Concat", ["past_k", "new_k"], ["k"], axis=2),
+        helper.make_node("Concat", ["past_v", "new_v"], ["v"], axis=2),
+    ]
+    inits = []
     if repeat:
         inits = [
             numpy_helper.from_array(np.array([2], np.int64), "axes"),
@@ -581,8 +593,10 @@ def _grouped_attention(batch, heads, groups, rows, keys, size, repeat: bool) -> 
         "grouped",
         [
             helper.make_tensor_value_info("q", f32, [batch, heads, rows, size]),
-            helper.make_tensor_value_info("k", f32, shape_kv),
-            helper.make_tensor_value_info("v", f32, shape_kv),
+            helper.make_tensor_value_info("past_k", f32, shape_kv),
+            helper.make_tensor_value_info("new_k", f32, shape_new),
+            helper.make_tensor_value_info("past_v", f32, shape_kv),
+            helper.make_tensor_value_info("new_v", f32, shape_new),
         ],
         [helper.make_tensor_value_info("y", f32, None)],
         inits,
@@ -593,29 +607,34 @@ def _grouped_attention(batch, heads, groups, rows, keys, size, repeat: bool) -> 
 @needs_kernels
 @pytest.mark.parametrize(("heads", "groups", "rows"), [(9, 3, 1), (6, 2, 3), (4, 4, 4), (4, 4, 5)])
 def test_heads_repeated_for_grouped_queries_are_read_once(tmp_path, rng, heads, groups, rows):
-    """Keys and values repeated for groups of query heads (optimum's repeat_kv) are read once
-    per group by the products: the output equals onnxruntime's and, bit for bit, the same
-    attention over keys and values given repeated; the compiled program writes no repeated
-    copy (no array of the repeated size) where the group's rows fit the kernels."""
+    """Keys and values repeated for groups of query heads (optimum's repeat_kv), joined from a
+    cache and the step's rows (the present), are read once per group and where their parts are:
+    the output equals onnxruntime's and, bit for bit, the same attention over keys and values
+    given repeated; the compiled program writes no repeated copy (no array of the repeated
+    size) where the group's rows fit the kernels, and no joined one."""
     batch, keys, size = 2, 37, 16
-    q = rng.standard_normal((batch, heads, rows, size)).astype(np.float32)
-    k = rng.standard_normal((batch, heads // groups, keys, size)).astype(np.float32)
-    v = rng.standard_normal((batch, heads // groups, keys, size)).astype(np.float32)
+    kv = heads // groups
+    feeds = {"q": rng.standard_normal((batch, heads, rows, size)).astype(np.float32)}
+    for name in ("k", "v"):
+        feeds[f"past_{name}"] = rng.standard_normal((batch, kv, keys - rows, size)).astype(
+            np.float32
+        )
+        feeds[f"new_{name}"] = rng.standard_normal((batch, kv, rows, size)).astype(np.float32)
     model = _grouped_attention(batch, heads, groups, rows, keys, size, repeat=True)
-    got = run_jax(model, {"q": q, "k": k, "v": v})["y"]
-    np.testing.assert_allclose(
-        got, run_ort(model, {"q": q, "k": k, "v": v})["y"], rtol=1e-5, atol=1e-6
-    )
+    got = run_jax(model, feeds)["y"]
+    np.testing.assert_allclose(got, run_ort(model, feeds)["y"], rtol=1e-5, atol=1e-6)
     given = _grouped_attention(batch, heads, groups, rows, keys, size, repeat=False)
-    wide = {"q": q, "k": np.repeat(k, groups, axis=1), "v": np.repeat(v, groups, axis=1)}
+    wide = {k: np.repeat(v, groups, axis=1) if k != "q" else v for k, v in feeds.items()}
     np.testing.assert_array_equal(got, run_jax(given, wide)["y"])
     path = tmp_path / "grouped.onnx"
     onnx.save(model, path)
     loaded = tj.load(str(path))
     run = jax.jit(lambda params, inputs: loaded.trace({}, params, inputs))
-    text = run.lower(loaded.params, {"q": q, "k": k, "v": v}).compile().as_text()
+    text = run.lower(loaded.params, feeds).compile().as_text()
     once = groups * rows <= kernels.NT_MAX_ROWS  # else (a prompt) XLA's products, repeated
     assert (f"f32[{batch},{heads},{keys},{size}]" not in text) == once  # the repeated values
+    if once:
+        assert f"f32[{batch},{kv},{keys},{size}]" not in text  # the joined ones
     assert "tj_matmul_nt_f32" in text and "tj_matmul_nn_f32" in text
 
 

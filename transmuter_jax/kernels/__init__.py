@@ -342,27 +342,34 @@ def matmul_nt(a: jax.Array, x: jax.Array, scale: float | None = None) -> jax.Arr
     return fn(a, x)
 
 
-def _matmul_nn_reference(a: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.matmul(a, x)
+def _matmul_nn_reference(a: jax.Array, x: jax.Array, x2: jax.Array | None = None) -> jax.Array:
+    return jnp.matmul(a, x if x2 is None else jnp.concatenate([x, x2], axis=-2))
 
 
-def _matmul_nn_kernel(a: jax.Array, x: jax.Array) -> jax.Array:
+def _matmul_nn_kernel(a: jax.Array, x: jax.Array, x2: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((*a.shape[:-1], x.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call("tj_matmul_nn_f32", out)(a, x)
+    return jax.ffi.ffi_call("tj_matmul_nn_f32", out)(a, x, x2)
 
 
-def matmul_nn(a: jax.Array, x: jax.Array) -> jax.Array | None:
+def matmul_nn(a: jax.Array, x: jax.Array, x2: jax.Array | None = None) -> jax.Array | None:
     """``a [..., M, K] @ x [..., K, N]`` in float32 for at most :data:`NT_MAX_ROWS` rows of
     ``a`` over batch dimensions (attention's weighted values over a cache), each output one
-    multiply-add chain over K; or None where the kernel does not run it (other dtypes, batch
-    dimensions that differ or none, more rows): the caller's own path then computes it."""
+    multiply-add chain over K; with ``x2``, x is ``concatenate([x, x2], axis=-2)``, read where
+    its parts are (a cache and a step's own rows, the same bits). None where the kernel does not
+    run it (other dtypes, batch dimensions that differ or none, more rows): the caller's own
+    path then computes it."""
     if not enabled() or build.vector_lanes() is None or a.ndim < 3 or x.ndim != a.ndim:
         return None
-    if jnp.dtype(a.dtype) != jnp.float32 or jnp.dtype(x.dtype) != jnp.float32:
+    if x2 is None:
+        x2 = jnp.zeros((*x.shape[:-2], 0, x.shape[-1]), jnp.float32)
+    arrays = (a, x, x2)
+    if any(jnp.dtype(v.dtype) != jnp.float32 for v in arrays) or x2.ndim != x.ndim:
         return None
-    if a.shape[:-2] != x.shape[:-2] or a.shape[-1] != x.shape[-2] or a.shape[-2] > NT_MAX_ROWS:
+    if a.shape[:-2] != x.shape[:-2] or x2.shape[:-2] != x.shape[:-2] or a.shape[-2] > NT_MAX_ROWS:
         return None
-    return _wrapped(_matmul_nn_kernel, _matmul_nn_reference, folds=False)(a, x)
+    if a.shape[-1] != x.shape[-2] + x2.shape[-2] or x2.shape[-1] != x.shape[-1]:
+        return None
+    return _wrapped(_matmul_nn_kernel, _matmul_nn_reference, folds=False)(a, x, x2)
 
 
 # ---------------------------------------------------------------- softmax

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from onnx import AttributeProto, GraphProto, NodeProto, helper, numpy_helper
 
-from . import repeated
+from . import provenance
 from .errors import DynamicShapeError, ModelFileError, UnsupportedOpError
 from .fold import in_program
 from .registry import OpSpec, canonical_domain, lookup
@@ -164,7 +164,7 @@ def run_nodes(
             given is not run, and no node overwrites them.
         host: run on concrete values, as numpy (the host part of a split graph).
     """
-    with repeated.scope():  # heads repeated for grouped queries (onnx.repeated)
+    with provenance.scope():  # how values were made (onnx.provenance)
         _run(graph, scope, graph.proto.node if nodes is None else nodes, given, host)
 
 

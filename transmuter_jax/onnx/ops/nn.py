@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from ... import kernels
-from .. import repeated
+from .. import provenance
 from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ..trace import is_static
@@ -25,20 +25,39 @@ def _matmul(a, b):
     if m is np:
         return np.matmul(a, b)
     if not is_static(a) and not is_static(b):
-        out = _grouped(a, b, kernels.matmul_nn, list(range(np.ndim(b))))
+        out = _grouped(a, b, _values, list(range(np.ndim(b))))
         if out is None:
-            out = kernels.matmul_nn(a, b)
+            out = _values(a, b)
         if out is not None:
             return out
     return jnp.matmul(a, b, precision=precision())
 
 
+def _values(a, x):
+    """kernels.matmul_nn(a, x), reading the parts of a joined x (a cache and a step's rows,
+    onnx.provenance) where they are."""
+    parts = provenance.joined(x)
+    out = None if parts is None else kernels.matmul_nn(a, *parts)
+    return kernels.matmul_nn(a, x) if out is None else out
+
+
+def _scores(a, x, scale):
+    """kernels.matmul_nt(a, x, scale), over the parts of a joined x where it is one (each
+    output computed alone: the same bits)."""
+    parts = provenance.joined(x)
+    if parts is not None:
+        outs = [kernels.matmul_nt(a, p, scale) for p in parts]
+        if all(o is not None for o in outs):
+            return jnp.concatenate(outs, axis=-1)
+    return kernels.matmul_nt(a, x, scale)
+
+
 def _grouped(a, b, product, axes):
     """``product(a, b)`` where ``b`` repeats each head of x [B, Nk, T, H] for a group of ``g``
-    query heads (onnx.repeated), computed as ``product`` of a's heads of each group as rows
+    query heads (onnx.provenance), computed as ``product`` of a's heads of each group as rows
     against x read once (the same values, each output computed alike), with x's axes in the
     order ``axes``; None where b is no such value or ``product`` does not run it."""
-    found = repeated.repeated(b)
+    found = provenance.repeated(b)
     if found is None or np.ndim(a) != 4 or list(axes[:2]) != [0, 1]:
         return None
     x, groups = found
@@ -139,11 +158,11 @@ def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
     c = None if scale is None else float(np.asarray(scale).reshape(-1)[0])
     if pa == list(range(rank_a)):  # a @ x^T, x = b with the axes of pb but its last two swapped
         keys = [*pb[:-2], pb[-1], pb[-2]]
-        out = _grouped(a, b, lambda a, x: kernels.matmul_nt(a, x, c), keys)
+        out = _grouped(a, b, lambda a, x: _scores(a, x, c), keys)
         if out is not None:
             return out
         x = b if keys == list(range(rank_b)) else jnp.transpose(b, keys)  # as stored, or the
-        out = kernels.matmul_nt(a, x, c)  # keys' copy an attention's cache output makes too
+        out = _scores(a, x, c)  # keys' copy an attention's cache output makes too
         if out is not None:
             return out
     if c is not None:  # the graph's Mul, on b as it is (the same values)

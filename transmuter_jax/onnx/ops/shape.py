@@ -11,7 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from .. import repeated
+from .. import provenance
 from ..dtypes import device_dtype
 from ..registry import op
 from ._util import ints, onnx_dtype, xp
@@ -37,7 +37,7 @@ def Reshape(x, shape, *, allowzero=0):
     if not allowzero:
         target = [x.shape[i] if d == 0 else d for i, d in enumerate(target)]
     out = xp(x).reshape(x, target)
-    repeated.reshaped(out, x)
+    provenance.reshaped(out, x)
     return out
 
 
@@ -49,14 +49,16 @@ def Flatten(x, *, axis=1):
 
 @op("Concat")
 def Concat(*inputs, axis=1):
-    return xp(*inputs).concatenate(inputs, axis=axis)
+    out = xp(*inputs).concatenate(inputs, axis=axis)
+    provenance.concatenated(out, inputs, axis)
+    return out
 
 
 @op("Unsqueeze", static=(1,))
 def Unsqueeze(data, axes=None):
     where = _axes(axes, data.ndim + len(ints(axes)))
     out = xp(data).expand_dims(data, tuple(where))
-    repeated.unsqueezed(out, data, where)
+    provenance.unsqueezed(out, data, where)
     return out
 
 
@@ -77,7 +79,7 @@ def Transpose(data, *, perm=None):
 def Expand(x, shape):
     """Broadcasts ``x`` and ``shape`` against each other (a 1 in ``shape`` keeps x's dim)."""
     out = xp(x).broadcast_to(x, np.broadcast_shapes(np.shape(x), tuple(ints(shape))))
-    repeated.expanded(out, x)
+    provenance.expanded(out, x)
     return out
 
 

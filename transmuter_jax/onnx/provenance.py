@@ -1,11 +1,15 @@
-"""Values that repeat each head of another, seen while a graph is traced.
+"""How a traced value was made, for the attention products that can read its parts instead.
 
-Exports of grouped-query attention (optimum's ``repeat_kv``) repeat each key and value head for
-its group of query heads as ``Reshape(Expand(Unsqueeze(x, 2)), [B, Nk * g, T, H])``, which
-XLA:CPU writes out in full before a product reads it (the whole cache, every layer and step).
-Unsqueeze, Expand and Reshape record here what they made from ``x``; a product over the
-repeated value (:func:`repeated`) can read ``x`` once per group instead. Records live while
-the outermost :func:`scope` (one graph's run) lasts.
+- Exports of grouped-query attention (optimum's ``repeat_kv``) repeat each key and value head
+  for its group of query heads as ``Reshape(Expand(Unsqueeze(x, 2)), [B, Nk * g, T, H])``;
+  Unsqueeze, Expand and Reshape record it, and a product over the repeated value
+  (:func:`repeated`) reads ``x`` once per group.
+- A step's keys and values join the cache's as ``Concat([cache, step], axis=2)`` (the present);
+  Concat records it, and a product over the joined value (:func:`joined`) reads both parts
+  where they are.
+
+XLA:CPU writes such values out in full before a custom call reads them (the whole cache, every
+layer and step). Records live while the outermost :func:`scope` (one graph's run) lasts.
 """
 
 from __future__ import annotations
@@ -76,3 +80,16 @@ def repeated(value: Any) -> tuple[Any, int] | None:
     """(x, groups) where ``value`` is x [B, Nk, T, H] with each head repeated ``groups`` times
     (head n of ``value`` is head n // groups of x), else None."""
     return _get(value, "repeated")
+
+
+def concatenated(out: Any, parts: tuple, axis: int) -> None:
+    """Records ``out = Concat(parts, axis)`` where it joins two rank-4 values along axis 2."""
+    if _traced(out) and len(parts) == 2 and np.ndim(out) == 4 and axis % 4 == 2:
+        if all(np.ndim(p) == 4 and not isinstance(p, np.ndarray) for p in parts):
+            _seen[id(out)] = (out, tuple(parts), 0, "joined")
+
+
+def joined(value: Any) -> tuple[Any, Any] | None:
+    """(first, second) where ``value`` is their concatenation along axis 2, else None."""
+    found = _get(value, "joined")
+    return None if found is None else found[0]
