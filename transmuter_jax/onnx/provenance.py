@@ -15,36 +15,43 @@ layer and step). Records live while the outermost :func:`scope` (one graph's run
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-# id(value) -> (value, x, groups, stage); the value is kept so that its id is not reused.
-_seen: dict[int, tuple[Any, Any, int, str]] = {}
-_depth = 0
+# Each thread's records: id(value) -> (value, x, groups, stage), the value kept so that its id
+# is not reused while the record lives; and how deep its scopes are.
+_local = threading.local()
+
+
+def _seen() -> dict[int, tuple[Any, Any, int, str]]:
+    if not hasattr(_local, "seen"):
+        _local.seen, _local.depth = {}, 0
+    return _local.seen
 
 
 @contextlib.contextmanager
 def scope() -> Iterator[None]:
-    """Records made within it are dropped when the outermost scope ends."""
-    global _depth
-    _depth += 1
+    """Records made within it (in this thread) are dropped when the outermost scope ends."""
+    _seen()
+    _local.depth += 1
     try:
         yield
     finally:
-        _depth -= 1
-        if _depth == 0:
-            _seen.clear()
+        _local.depth -= 1
+        if _local.depth == 0:
+            _local.seen.clear()
 
 
 def _traced(value: Any) -> bool:
-    return _depth > 0 and isinstance(value, jax.Array | jax.core.Tracer)
+    return getattr(_local, "depth", 0) > 0 and isinstance(value, jax.Array | jax.core.Tracer)
 
 
 def _get(value: Any, stage: str) -> tuple[Any, int] | None:
-    entry = _seen.get(id(value))
+    entry = _seen().get(id(value))
     if entry is None or entry[0] is not value or entry[3] != stage:
         return None
     return entry[1], entry[2]
@@ -53,7 +60,7 @@ def _get(value: Any, stage: str) -> tuple[Any, int] | None:
 def unsqueezed(out: Any, x: Any, axes: list[int]) -> None:
     """Records ``out = Unsqueeze(x, axes)`` where it inserts axis 2 of a rank-4 ``x``."""
     if _traced(out) and np.ndim(x) == 4 and list(axes) == [2]:
-        _seen[id(out)] = (out, x, 1, "unsqueezed")
+        _seen()[id(out)] = (out, x, 1, "unsqueezed")
 
 
 def expanded(out: Any, value: Any) -> None:
@@ -63,7 +70,7 @@ def expanded(out: Any, value: Any) -> None:
         x = found[0]
         shape = np.shape(x)
         if np.ndim(out) == 5 and np.shape(out)[:2] + np.shape(out)[3:] == shape[:2] + shape[2:]:
-            _seen[id(out)] = (out, x, int(np.shape(out)[2]), "expanded")
+            _seen()[id(out)] = (out, x, int(np.shape(out)[2]), "expanded")
 
 
 def reshaped(out: Any, value: Any) -> None:
@@ -73,7 +80,7 @@ def reshaped(out: Any, value: Any) -> None:
         x, groups = found
         b, heads, t, h = np.shape(x)
         if np.shape(out) == (b, heads * groups, t, h):
-            _seen[id(out)] = (out, x, groups, "repeated")
+            _seen()[id(out)] = (out, x, groups, "repeated")
 
 
 def repeated(value: Any) -> tuple[Any, int] | None:
@@ -86,7 +93,7 @@ def concatenated(out: Any, parts: tuple, axis: int) -> None:
     """Records ``out = Concat(parts, axis)`` where it joins two rank-4 values along axis 2."""
     if _traced(out) and len(parts) == 2 and np.ndim(out) == 4 and axis % 4 == 2:
         if all(np.ndim(p) == 4 and not isinstance(p, np.ndarray) for p in parts):
-            _seen[id(out)] = (out, tuple(parts), 0, "joined")
+            _seen()[id(out)] = (out, tuple(parts), 0, "joined")
 
 
 def joined(value: Any) -> tuple[Any, Any] | None:
