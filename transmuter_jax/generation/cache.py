@@ -85,7 +85,7 @@ def _zeros(layout: CacheLayout, batch: int, length: int, cross_length: int):
             for e in layout.entries
         }
 
-    return AutoStoredJit(zeros, None)
+    return AutoStoredJit(zeros, ("cache.zeros", repr(layout.entries), batch, length, cross_length))
 
 
 CACHE_PREFIXES = ("past_key_values.", "past.", "past_key_", "past_value_")

@@ -192,7 +192,9 @@ def advance(engine: Engine, pending: Pending) -> Pending:
 
 # The logits of the rows that ``ending`` marks (rows fed their last token in this step), the
 # earlier ones elsewhere; compiled once, read from the compilation cache in a new process.
-_last_logits = AutoStoredJit(lambda ending, new, old: jnp.where(ending[:, None], new, old), None)
+_last_logits = AutoStoredJit(
+    lambda ending, new, old: jnp.where(ending[:, None], new, old), ("prefill.last_logits", 1)
+)
 
 
 def step(engine: Engine, pending: Pending, size: int) -> Pending:

@@ -727,7 +727,8 @@ def _resize_program(engine: Engine, rows: int):
         def resize(cache):
             return {n: mode.resize(a, rows) if n in own else a for n, a in cache.items()}
 
-        _RESIZE[key] = AutoStoredJit(resize, None, **jit_options(dict(engine.jit_options)))
+        stored = ("slots.resize", rows, tuple(sorted(own)), repr(mode), key[-1])
+        _RESIZE[key] = AutoStoredJit(resize, stored, **jit_options(dict(engine.jit_options)))
     return _RESIZE[key]
 
 
@@ -1320,7 +1321,7 @@ def _joined(state: SlotState, slot: int, own) -> tuple[SlotState, int]:
 
 # ``done`` with row ``slot`` set, compiled once (an eager ``.at[slot].set`` compiles its
 # scatter in each new process; this one is read from the compilation cache).
-_finished = AutoStoredJit(lambda done, slot: done.at[slot].set(True), None)
+_finished = AutoStoredJit(lambda done, slot: done.at[slot].set(True), ("slots.finished", 1))
 
 
 def free(state: SlotState, slot: int) -> SlotState:
@@ -1397,7 +1398,7 @@ def warm_moves(engine: Engine, state: SlotState, prefixes: Sequence[Prefix]) -> 
     for a in sizes:
         for b in sizes:
             if a != b:
-                _resize_program(engine, b).lower(slots_at[a].cache).compile()
+                _resize_program(engine, b).warm(slots_at[a].cache)
     insert_ = _insert_function(jit_key(engine.jit_options), engine.placement is None)
     slot = jax.ShapeDtypeStruct((), jnp.int32)
     for prefix in prefixes:
@@ -1406,7 +1407,7 @@ def warm_moves(engine: Engine, state: SlotState, prefixes: Sequence[Prefix]) -> 
         for rows in sizes:
             moved = rows < given or (rows > given and engine.cache_mode.padded)  # as insert
             if moved:
-                _resize_program(engine, rows).lower(whole.cache).compile()
+                _resize_program(engine, rows).warm(whole.cache)
             one = shaped(prefix.rows, rows) if moved else whole
             insert_.warm(slots_at[rows], one, slot)
 
