@@ -30,6 +30,7 @@ from ..onnx.model import Model
 from ..onnx.ops import write_rows
 from ..onnx.trace import value_sources
 from ..onnx.window import hidden_rows_matter
+from ..runtime import compile_cache
 from ..runtime import jit as compiler
 from ..runtime.stored import AutoStoredJit
 from .errors import GenerationError
@@ -85,7 +86,13 @@ def _zeros(layout: CacheLayout, batch: int, length: int, cross_length: int):
             for e in layout.entries
         }
 
-    return AutoStoredJit(zeros, ("cache.zeros", repr(layout.entries), batch, length, cross_length))
+    program = jax.jit(zeros)  # its outputs uncommitted: a mesh's programs place them
+
+    def run():
+        with compile_cache.scope():  # the program read from the compilation cache
+            return program()
+
+    return run
 
 
 CACHE_PREFIXES = ("past_key_values.", "past.", "past_key_", "past_value_")
