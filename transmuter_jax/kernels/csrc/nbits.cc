@@ -367,6 +367,23 @@ static void b32_packed_slice(const B32Job& w, int64_t s0, int64_t s1, uint8_t* v
       col += 3;
       continue;
     }
+#ifdef TJ_B32_512
+    if (!w.portable && m >= 2 && col % 4 == 0 && col + 4 <= std::min(s1, tail)) {
+      // more rows: 4 columns at a time, each unpacked once for a pass of at most 4 rows
+      using Fn = void (*)(const B32Rows&, int64_t, const uint8_t*, int64_t, const float*,
+                          float*, int64_t);
+      static constexpr Fn kRows[5] = {nullptr, b32_tile4<1>, b32_tile4<2>, b32_tile4<3>,
+                                      b32_tile4<4>};
+      const int64_t passes = (m + 3) / 4;
+      for (int64_t p = 0, r0 = 0; p < passes; ++p) {  // balanced passes
+        const int64_t rows = (m - r0) / (passes - p);
+        kRows[rows](w.xs, r0, bytes, row_bytes, sw, y + r0 * job.n, job.n);
+        r0 += rows;
+      }
+      col += 3;
+      continue;
+    }
+#endif
     if (!w.portable && m <= 4) {  // few rows: unpacked in registers
       using Fn = void (*)(const B32Rows&, int64_t, B32Weights<kB32Packed>, const float*, bool,
                           float*, int64_t);

@@ -65,7 +65,11 @@ struct B32Rows {
   std::vector<float> scale;   // [rows, blocks]
   std::vector<float> blksum;  // [rows, blocks]: scale * sum(q)
   std::vector<int8_t> qp;     // [rows, blocks / 4, 128]: each whole group in the packed order
+  std::vector<float> sx16;    // [rows, blocks / 4, 16]: lane o the scale of part o's block
 };
+
+// The block (within its group of 4) whose scale lane o of main's accumulator takes.
+constexpr int kB32LaneBlock[16] = {0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3};
 
 // The packed order of a group of 4 blocks (kernels._nbits_parts): byte 4o + i of its first 64
 // holds value b32_first(4o + i), of its second 64 value b32_first(4o + i) + 8. Lane o of main's
@@ -161,6 +165,14 @@ inline void b32_quantize(const float* x, int64_t m, int64_t k, bool portable, B3
   }
   const int64_t groups = blocks / 4;
   out->qp.resize(static_cast<size_t>(m * groups * 128));
+  out->sx16.resize(static_cast<size_t>(m * groups * 16));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int o = 0; o < 16; ++o) {
+        out->sx16[(r * groups + g) * 16 + o] = out->scale[r * blocks + 4 * g + kB32LaneBlock[o]];
+      }
+    }
+  }
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int8_t* q = out->q.data() + r * blocks * kB32 + g * 128;
@@ -591,6 +603,61 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
   }
   b32_fold4(a, y);
 }
+
+#ifdef TJ_B32_512
+// main (above) for R rows from r0 and 4 columns of packed weights (column c's bytes at
+// bytes + c * row_bytes; scales in a tile, block b of column c at sw[b * kB32Tile + c]), none
+// of them among the last N % 4 columns: y[r * ldy + c] = main. Each column's weights are
+// unpacked, and its scales spread over the lanes, once for the R rows.
+template <int R>
+inline void b32_tile4(const B32Rows& xs, int64_t r0, const uint8_t* bytes, int64_t row_bytes,
+                      const float* sw, float* y, int64_t ldy) {
+  const int64_t blocks = xs.blocks, groups = blocks / 4;
+  const __m512i pattern = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
+  const __m512i low = _mm512_set1_epi8(15);
+  const float* const sws[4] = {sw, nullptr, nullptr, nullptr};
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m128 swg[4];
+    b32_scales4<true>(sws, g, swg);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(bytes + c * row_bytes + g * 64);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512 swc = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(swg[c]));
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * groups + g;
+        const int8_t* q = xs.qp.data() + at * 128;
+        const __m512i parts = b32_parts512<kB32Packed>(lo, hi, _mm512_loadu_si512(q),
+                                                       _mm512_loadu_si512(q + 64));
+        const __m512 scale = _mm512_mul_ps(swc, _mm512_loadu_ps(xs.sx16.data() + at * 16));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = xs.q.data() + (r0 + r) * blocks * kB32;
+    const float* sx = xs.scale.data() + (r0 + r) * blocks;
+    __m256 a[4];
+    for (int c = 0; c < 4; ++c) {
+      a[c] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][c]),
+                           _mm512_extractf32x8_ps(acc[r][c], 1));
+    }
+    for (int64_t b = groups * 4; b < blocks; ++b) {
+      const __m256i qv = b32_load(q + b * kB32);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i wv = B32Weights<kB32Packed>{bytes + c * row_bytes}.block(b);
+        const __m256i d = b32_dot(_mm256_setzero_si256(), wv, qv);
+        a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                               _mm256_set1_ps(sx[b] * sw[b * kB32Tile + c]), a[c]);
+      }
+    }
+    b32_fold4(a, y + r * ldy);
+  }
+}
+#endif
 #endif
 
 // y[r, c] += the zero-point term c (above) for rows [0, m) and columns [0, cols): t [m, blocks]
@@ -630,12 +697,14 @@ inline void b32_zero_tiles(const float* t, int64_t m, int64_t blocks, const floa
     const int64_t cols = std::min(kB32Tile, c1 - c);
     const float* s = scales + (c / kB32Tile) * blocks * kB32Tile;
     const uint8_t* z = zp == nullptr ? nullptr : zp + (c / kB32Tile) * blocks * kB32Tile;
-    for (int64_t r = 0; r < m; ++r) {
-      const float* tr = t + r * blocks;
-      float* yr = y + r * ldy + c;
 #ifdef TJ_B32_512
-      if (!portable) {  // fnmadd(t, s * z, acc) is fma(t, -(s * z), acc): negation is exact
-        __m512 acc = _mm512_setzero_ps();
+    if (!portable) {  // fnmadd(t, s * z, acc) is fma(t, -(s * z), acc): negation is exact
+      constexpr int64_t kRows = 8;  // rows at a time: independent chains
+      const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = std::min(kRows, m - r0);
+        __m512 acc[kRows];
+        for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
           const __m512 zv =
               z == nullptr
@@ -643,13 +712,22 @@ inline void b32_zero_tiles(const float* t, int64_t m, int64_t blocks, const floa
                   : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(z + b * kB32Tile))));
           const __m512 sz = _mm512_mul_ps(_mm512_loadu_ps(s + b * kB32Tile), zv);
-          acc = _mm512_fnmadd_ps(_mm512_set1_ps(tr[b]), sz, acc);
+          for (int64_t r = 0; r < rows; ++r) {
+            acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(t[(r0 + r) * blocks + b]), sz, acc[r]);
+          }
         }
-        const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-        _mm512_mask_storeu_ps(yr, keep, _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yr), acc));
-        continue;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* yr = y + (r0 + r) * ldy + c;
+          _mm512_mask_storeu_ps(yr, keep, _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yr), acc[r]));
+        }
       }
-#elif defined(TJ_B32_AVX2)
+      continue;
+    }
+#endif
+    for (int64_t r = 0; r < m; ++r) {
+      const float* tr = t + r * blocks;
+      float* yr = y + r * ldy + c;
+#if defined(TJ_B32_AVX2) && !defined(TJ_B32_512)
       if (!portable) {
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t b = 0; b < blocks; ++b) {
