@@ -1393,6 +1393,48 @@ def test_attention_products_over_transposed_operands_are_fused(rng, tmp_path):
         np.testing.assert_allclose(got[name], alone[name], rtol=1e-5, atol=1e-6)
 
 
+@needs_kernels
+def test_values_split_into_heads_take_matmul_nn_on_the_heads_copy(rng, tmp_path, monkeypatch):
+    """p @ Transpose(v [B, T, N, H], (0, 2, 1, 3)) (fused into TransposedMatMul) runs
+    kernels.matmul_nn on v's heads [B, N, T, H] (rows kept whole), not matmul_nt over a copy
+    with v's last axis moved; equal to onnxruntime."""
+    node = helper.make_node
+    f32 = TensorProto.FLOAT
+    inputs = [
+        helper.make_tensor_value_info("p", f32, [2, 3, 4, 40]),
+        helper.make_tensor_value_info("v", f32, [2, 40, 3, 16]),
+    ]
+    nodes = [
+        node("Transpose", ["v"], ["vt"], perm=[0, 2, 1, 3]),
+        node("MatMul", ["p", "vt"], ["values"]),
+    ]
+    outputs = [helper.make_tensor_value_info("values", f32, None)]
+    proto = helper.make_model(
+        helper.make_graph(nodes, "values", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    path = tmp_path / "values.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _count_ops(model.graph.proto, "TransposedMatMul") == 1
+    calls = []
+    for name in ("matmul_nn", "matmul_nt"):
+        real = getattr(kernels, name)
+        spy = lambda a, x, *rest, real=real, name=name: (
+            calls.append((name, x.shape)) or real(a, x, *rest)
+        )
+        monkeypatch.setattr(kernels, name, spy)
+    feeds = {
+        "p": rng.random((2, 3, 4, 40), dtype=np.float32),
+        "v": rng.standard_normal((2, 40, 3, 16)).astype(np.float32),
+    }
+    got = model(feeds)
+    assert calls == [("matmul_nn", (2, 3, 40, 16))]
+    np.testing.assert_allclose(
+        np.asarray(got["values"]), _ort(proto, feeds)["values"], rtol=1e-5, atol=1e-6
+    )
+
+
 def _softmax_attention_model(h: int) -> onnx.ModelProto:
     """Attention without a mask, as exporters write it: an encoder's self-attention (q and k
     transposed and scaled, values transposed: the kernel), scores divided by a scale before the

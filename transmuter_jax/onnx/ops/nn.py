@@ -128,7 +128,8 @@ def SiluMul(gate, up):
 def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
     """MatMul(Transpose(a, perm_a), Transpose(b, perm_b) * scale) (an empty perm: as it is; no
     scale: 1), fused at load (see onnx.fuse). A float32 product over a transposed cache of keys
-    runs kernels.matmul_nt (no transposed copy); others one dot_general of a and b as they are.
+    runs kernels.matmul_nt (no transposed copy); values split into heads (b's rows kept whole)
+    run a @ b transposed (kernels.matmul_nn); others one dot_general of a and b as they are.
     Operands whose batch dimensions broadcast take the plain path."""
     rank_a, rank_b = np.ndim(a), np.ndim(b)
     pa, pb = list(perm_a) or list(range(rank_a)), list(perm_b) or list(range(rank_b))
@@ -156,8 +157,13 @@ def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
         bt = m.transpose(b, pb)
         return _matmul(m.transpose(a, pa), bt if scale is None else bt * scale)
     c = None if scale is None else float(np.asarray(scale).reshape(-1)[0])
+    keys = [*pb[:-2], pb[-1], pb[-2]]
+    if pa == list(range(rank_a)) and keys[-1] != rank_b - 1 and pb[-1] == rank_b - 1:
+        # b's rows stay whole in b transposed (attention's values split into heads): a @ that
+        # copy, not a @ (a copy with b's last axis moved)^T
+        bt = jnp.transpose(b, pb)
+        return _matmul(a, bt if c is None else bt * np.asarray(c, b.dtype))
     if pa == list(range(rank_a)):  # a @ x^T, x = b with the axes of pb but its last two swapped
-        keys = [*pb[:-2], pb[-1], pb[-2]]
         out = _grouped(a, b, lambda a, x: _scores(a, x, c), keys)
         if out is not None:
             return out
