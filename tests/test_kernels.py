@@ -638,6 +638,95 @@ def test_heads_repeated_for_grouped_queries_are_read_once(tmp_path, rng, heads, 
     assert "tj_matmul_nt_f32" in text and "tj_matmul_nn_f32" in text
 
 
+# ---------------------------------------------------------------- axes swapped
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "shape", [(2, 300, 6, 64), (1, 1500, 6, 64), (3, 457, 5, 16), (1, 4096, 1, 32)]
+)
+def test_swap_axes_kernel_equals_swapaxes(rng, shape):
+    """[A, B, C, D] -> [A, C, B, D], the values themselves; gradients and vmap through XLA's."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    got = kernels.swap_axes(jnp.asarray(x))
+    assert got is not None
+    np.testing.assert_array_equal(np.asarray(got), np.swapaxes(x, 1, 2))
+    jitted = jax.jit(kernels.swap_axes)(x)
+    np.testing.assert_array_equal(np.asarray(jitted), np.swapaxes(x, 1, 2))
+    grad = jax.grad(lambda v: jnp.sum(kernels.swap_axes(v) * np.arange(v.size).reshape(
+        shape[0], shape[2], shape[1], shape[3])))(x)  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(grad), np.swapaxes(np.arange(x.size, dtype=np.float32).reshape(
+            shape[0], shape[2], shape[1], shape[3]), 1, 2))  # fmt: skip
+    many = jax.vmap(kernels.swap_axes)(np.stack([x, 2 * x]))
+    np.testing.assert_array_equal(np.asarray(many[1]), np.swapaxes(2 * x, 1, 2))
+
+
+@needs_kernels
+def test_swap_axes_refuses_what_xla_copies_as_well(rng):
+    small = jnp.zeros((1, 10, 6, 64), jnp.float32)  # a decode step's heads
+    short = jnp.zeros((2, 4096, 64, 4), jnp.float32)  # runs of 4 values
+    ints = jnp.zeros((2, 300, 6, 64), jnp.int32)
+    rank3 = jnp.zeros((300, 6, 64), jnp.float32)
+    for x in (small, short, ints, rank3):
+        assert kernels.swap_axes(x) is None
+
+
+def _head_split_model(batch: int, t: int, heads: int, size: int) -> onnx.ModelProto:
+    """A projection split into heads that the graph returns (a present's keys), also read as
+    keys (scores of 4 queries over them, the fused TransposedMatMul) and as values."""
+    f32 = TensorProto.FLOAT
+    node = helper.make_node
+    shape = numpy_helper.from_array(np.array([batch, t, heads, size], np.int64), "heads")
+    nodes = [
+        node("Reshape", ["y", "heads"], ["split"]),
+        node("Transpose", ["split"], ["present"], perm=[0, 2, 1, 3]),
+        node("Transpose", ["split"], ["kt"], perm=[0, 2, 3, 1]),
+        node("MatMul", ["q", "kt"], ["scores"]),
+        node("Transpose", ["split"], ["vt"], perm=[0, 2, 1, 3]),
+        node("MatMul", ["p", "vt"], ["values"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "split",
+        [
+            helper.make_tensor_value_info("y", f32, [batch, t, heads * size]),
+            helper.make_tensor_value_info("q", f32, [batch, heads, 4, size]),
+            helper.make_tensor_value_info("p", f32, [batch, heads, 4, t]),
+        ],
+        [helper.make_tensor_value_info(n, f32, None) for n in ("present", "scores", "values")],
+        [shape],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_kernels
+def test_a_returned_head_split_is_copied_once_for_every_reader(tmp_path, rng):
+    """The present's keys (a head split the graph returns) and the products reading them share one
+    copy (kernels.swap_axes; XLA:CPU made a plain copy and then a transposed one for the output
+    and another for each kernel); equal to onnxruntime."""
+    batch, t, heads, size = 2, 300, 6, 64
+    proto = _head_split_model(batch, t, heads, size)
+    feeds = {
+        "y": rng.standard_normal((batch, t, heads * size)).astype(np.float32),
+        "q": rng.standard_normal((batch, heads, 4, size)).astype(np.float32),
+        "p": rng.random((batch, heads, 4, t), dtype=np.float32),
+    }
+    got, want = run_jax(proto, feeds), run_ort(proto, feeds)
+    np.testing.assert_array_equal(got["present"], want["present"])
+    for name in ("scores", "values"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
+    path = tmp_path / "split.onnx"
+    onnx.save(proto, path)
+    loaded = tj.load(str(path))
+    run = jax.jit(lambda params, inputs: loaded.trace({}, params, inputs))
+    text = run.lower(loaded.params, feeds).compile().as_text()
+    assert text.count('custom_call_target="tj_swap_axes_f32"') == 1
+    heads_major = f"f32[{batch},{heads},{t},{size}]"
+    made = [line for line in text.splitlines() if f"= {heads_major}" in line]
+    assert len(made) == 1, made  # the kernel's output alone
+
+
 # ---------------------------------------------------------------- softmax
 
 

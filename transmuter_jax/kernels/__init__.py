@@ -372,6 +372,37 @@ def matmul_nn(a: jax.Array, x: jax.Array, x2: jax.Array | None = None) -> jax.Ar
     return _wrapped(_matmul_nn_kernel, _matmul_nn_reference, folds=False)(a, x, x2)
 
 
+# ---------------------------------------------------------------- axes swapped
+
+# Fewer values than this: :func:`swap_axes` leaves the copy to XLA, which fuses it with its
+# neighbours (a decode step's heads).
+SWAP_MIN_VALUES = 1 << 16
+# Shorter runs than this (values of the last axis): XLA's loop copies them as fast.
+SWAP_MIN_RUN = 16
+
+
+def _swap_axes_reference(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _swap_axes_kernel(x: jax.Array) -> jax.Array:
+    b, t, n, h = x.shape
+    return jax.ffi.ffi_call("tj_swap_axes_f32", jax.ShapeDtypeStruct((b, n, t, h), jnp.float32))(x)
+
+
+def swap_axes(x: jax.Array) -> jax.Array | None:
+    """``x [A, B, C, D] -> [A, C, B, D]`` in float32 (attention's split into heads), each run of
+    D values copied whole on the pool, or None where the kernel does not run it (other dtypes or
+    ranks, fewer than :data:`SWAP_MIN_VALUES` values, runs shorter than :data:`SWAP_MIN_RUN`):
+    the caller's own path then copies it. One copy that every reader shares: XLA:CPU gave an
+    output and a kernel's operand a transposed copy each, after a plain one."""
+    if not enabled() or build.vector_lanes() is None or jnp.ndim(x) != 4:
+        return None
+    if jnp.dtype(x.dtype) != jnp.float32 or x.size < SWAP_MIN_VALUES or x.shape[3] < SWAP_MIN_RUN:
+        return None
+    return _wrapped(_swap_axes_kernel, _swap_axes_reference, folds=False)(x)
+
+
 # ---------------------------------------------------------------- softmax
 
 

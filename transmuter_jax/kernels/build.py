@@ -48,6 +48,7 @@ SOURCES = (
     "matmul_nt.cc",
     "matmul_nn.cc",
     "softmax.cc",
+    "swap.cc",
 )
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
@@ -64,6 +65,7 @@ TARGETS = {
     "tj_matmul_nt_f32": "TjMatMulNtF32",
     "tj_matmul_nn_f32": "TjMatMulNnF32",
     "tj_softmax_f32": "TjSoftmaxF32",
+    "tj_swap_axes_f32": "TjSwapAxesF32",
 }
 LIBRARY = "libtj_kernels.so"
 CHECKSUM = LIBRARY + ".sha256"

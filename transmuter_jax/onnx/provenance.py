@@ -4,6 +4,9 @@
   for its group of query heads as ``Reshape(Expand(Unsqueeze(x, 2)), [B, Nk * g, T, H])``;
   Unsqueeze, Expand and Reshape record it, and a product over the repeated value
   (:func:`repeated`) reads ``x`` once per group.
+- Attention splits a projection [B, T, N * H] into heads as ``Reshape(y, [B, T, N, H])`` and
+  then ``Transpose(0, 2, 1, 3)``; Reshape records the split (:func:`split`), and the transpose of
+  a split runs as one copy that every reader shares (ops._util.transposed).
 - A step's keys and values join the cache's as ``Concat([cache, step], axis=2)`` (the present);
   Concat records it, and a product over the joined value (:func:`joined`) reads both parts
   where they are.
@@ -74,7 +77,12 @@ def expanded(out: Any, value: Any) -> None:
 
 
 def reshaped(out: Any, value: Any) -> None:
-    """Records ``out = Reshape(value)`` where it merges the repeated axis into the heads."""
+    """Records ``out = Reshape(value)`` where it merges the repeated axis into the heads, or where
+    it splits the last axis of a rank-3 value in two (heads)."""
+    if _traced(out) and np.ndim(value) == 3 and np.ndim(out) == 4:
+        if np.shape(out)[:2] == np.shape(value)[:2]:
+            _seen()[id(out)] = (out, value, 0, "split")
+            return
     found = _get(value, "expanded") if _traced(out) else None
     if found is not None:
         x, groups = found
@@ -87,6 +95,11 @@ def repeated(value: Any) -> tuple[Any, int] | None:
     """(x, groups) where ``value`` is x [B, Nk, T, H] with each head repeated ``groups`` times
     (head n of ``value`` is head n // groups of x), else None."""
     return _get(value, "repeated")
+
+
+def split(value: Any) -> bool:
+    """Whether ``value`` [B, T, N, H] is a rank-3 value's last axis split in two (heads)."""
+    return _get(value, "split") is not None
 
 
 def concatenated(out: Any, parts: tuple, axis: int) -> None:

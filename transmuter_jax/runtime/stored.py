@@ -52,6 +52,7 @@ CUSTOM_CALLS = (
     "tj_matmul_nt_f32",
     "tj_matmul_nn_f32",
     "tj_softmax_f32",
+    "tj_swap_axes_f32",
 )
 # Programs this process traced and stored ("exported"), and read back instead ("read").
 counts = {"exported": 0, "read": 0}

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ... import kernels
+from .. import provenance
 from ..dtypes import device_dtype, np_dtype
 from ..fold import xp  # noqa: F401  (re-exported for the op modules)
 
@@ -15,6 +17,20 @@ from ..fold import xp  # noqa: F401  (re-exported for the op modules)
 def ints(value: Any) -> list[int]:
     """A static integer array (shape, axes, pads) as a list of Python ints."""
     return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def transposed(value: Any, perm: Any) -> Any:
+    """``value`` with its axes in the order ``perm``; a projection split into heads (Reshape,
+    onnx.provenance) put head-major ([B, T, N, H] -> [B, N, T, H]) by kernels.swap_axes where it
+    runs: one copy that every reader shares (XLA:CPU copied it once for a graph output and once
+    more for each kernel reading it). Other transposes stay XLA's, which fuses or cancels them."""
+    m = xp(value)
+    perm = None if perm is None else tuple(int(p) for p in perm)
+    if m is not np and perm == (0, 2, 1, 3) and provenance.split(value):
+        out = kernels.swap_axes(value)
+        if out is not None:
+            return out
+    return m.transpose(value, perm)
 
 
 def onnx_dtype(to: int, module: ModuleType = np) -> np.dtype:

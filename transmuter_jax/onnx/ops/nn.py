@@ -14,7 +14,7 @@ from ..prepack import DOMAIN as PACKED
 from ..registry import op
 from ..trace import is_static
 from . import attention_core as core
-from ._util import ints, precision, xp
+from ._util import ints, precision, transposed, xp
 
 
 def _matmul(a, b):
@@ -161,13 +161,13 @@ def TransposedMatMul(a, b, scale=None, *, perm_a=(), perm_b=()):
     if pa == list(range(rank_a)) and keys[-1] != rank_b - 1 and pb[-1] == rank_b - 1:
         # b's rows stay whole in b transposed (attention's values split into heads): a @ that
         # copy, not a @ (a copy with b's last axis moved)^T
-        bt = jnp.transpose(b, pb)
+        bt = transposed(b, pb)
         return _matmul(a, bt if c is None else bt * np.asarray(c, b.dtype))
     if pa == list(range(rank_a)):  # a @ x^T, x = b with the axes of pb but its last two swapped
         out = _grouped(a, b, lambda a, x: _scores(a, x, c), keys)
         if out is not None:
             return out
-        x = b if keys == list(range(rank_b)) else jnp.transpose(b, keys)  # as stored, or the
+        x = b if keys == list(range(rank_b)) else transposed(b, keys)  # as stored, or the
         out = _scores(a, x, c)  # keys' copy an attention's cache output makes too
         if out is not None:
             return out

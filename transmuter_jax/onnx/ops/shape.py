@@ -14,7 +14,7 @@ import numpy as np
 from .. import provenance
 from ..dtypes import device_dtype
 from ..registry import op
-from ._util import ints, onnx_dtype, xp
+from ._util import ints, onnx_dtype, transposed, xp
 
 
 def _axes(axes, rank: int) -> list[int]:
@@ -71,7 +71,11 @@ def Squeeze(data, axes=None):
 
 
 @op("Transpose")
-def Transpose(data, *, perm=None):
+def Transpose(data, *, perm=None, ctx):
+    """A head split the graph returns (a present's keys or values) is copied once, for the
+    output and the products that read it alike (ops._util.transposed); others stay XLA's."""
+    if any(o.name == ctx.node.output[0] for o in ctx.graph.proto.output):
+        return transposed(data, perm)
     return xp(data).transpose(data, None if perm is None else tuple(perm))
 
 
