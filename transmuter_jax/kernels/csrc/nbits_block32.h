@@ -646,25 +646,27 @@ inline void b32_tile4(const B32Rows& xs, int64_t r0, const uint8_t* bytes, int64
       }
     }
   }
+  __m256 a[R][4];
   for (int r = 0; r < R; ++r) {
-    const int8_t* q = xs.q.data() + (r0 + r) * blocks * kB32;
-    const float* sx = xs.scale.data() + (r0 + r) * blocks;
-    __m256 a[4];
     for (int c = 0; c < 4; ++c) {
-      a[c] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][c]),
-                           _mm512_extractf32x8_ps(acc[r][c], 1));
+      a[r][c] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][c]),
+                              _mm512_extractf32x8_ps(acc[r][c], 1));
     }
-    for (int64_t b = groups * 4; b < blocks; ++b) {
-      const __m256i qv = b32_load(q + b * kB32);
+  }
+  for (int64_t b = groups * 4; b < blocks; ++b) {  // each column's block unpacked once
+    __m256i wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = B32Weights<kB32Packed>{bytes + c * row_bytes}.block(b);
+    for (int r = 0; r < R; ++r) {
+      const __m256i qv = b32_load(xs.q.data() + ((r0 + r) * blocks + b) * kB32);
+      const float sxb = xs.scale[(r0 + r) * blocks + b];
       for (int c = 0; c < 4; ++c) {
-        const __m256i wv = B32Weights<kB32Packed>{bytes + c * row_bytes}.block(b);
-        const __m256i d = b32_dot(_mm256_setzero_si256(), wv, qv);
-        a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                               _mm256_set1_ps(sx[b] * sw[b * kB32Tile + c]), a[c]);
+        const __m256i d = b32_dot(_mm256_setzero_si256(), wv[c], qv);
+        a[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                  _mm256_set1_ps(sxb * sw[b * kB32Tile + c]), a[r][c]);
       }
     }
-    b32_fold4(a, y + r * ldy);
   }
+  for (int r = 0; r < R; ++r) b32_fold4(a[r], y + r * ldy);
 }
 #endif
 #endif
