@@ -336,6 +336,8 @@ def _attention_case(rng, b, s, n, nk, h, cached):
         (2, 5, 6, 3, 16, 9, False, 0),
         (2, 150, 6, 6, 64, 0, False, 0),  # an encoder's: key blocks, rows past the groups
         (1, 131, 4, 2, 32, 20, True, 0),
+        (4, 1, 40, 2, 64, 300, True, 0),  # decoding, a group of more heads than a block
+        (3, 7, 14, 2, 64, 100, True, 0),  # eight-key blocks across the cache and the step
     ],
 )
 def test_attention_kernel_equals_the_reference_and_each_row_alone(

@@ -9,15 +9,17 @@
 // output is sum_u p_u v_u with p = softmax(scale * q.k_u) over those keys (all zeros when there
 // are none), each row computed alone in the same steps whatever the batch.
 //
-// Two passes over the pool. First, for each key head of each batch row, its valid keys in
-// transposed panels ([H, 16 or 32 keys] each, contiguous: a vector of keys per load) and, with a
-// cache, their values in order.
-// Then a chunk is one key head of one batch row and a block of query rows. For each head of the
-// group: the scores of the block's rows against the keys they see, one panel of keys at a time
-// for every group of kQ rows (the panel stays in L1 between them); the softmax of each row (exp
-// below); the weighted sums of the values, kValueRows rows at once, over blocks of kValueKeys
-// keys (a block's values stay in L1 across the rows; each row's sums go on from one block to
-// the next in the order of the keys).
+// Each key head of each batch row first puts its valid keys in transposed panels ([H, 16 or 32
+// keys] each, contiguous: a vector of keys per load), eight keys at a time; the values are read
+// where they are (the cache's rows, then the step's). A step of more than one block of query
+// rows does this in a pass over the pool of its own; a shorter step (decoding) in its chunk.
+// A chunk is one key head of one batch row and a block of query rows. For each head of the
+// group (a step of one row: all the group's heads at once, as rows of one position): the
+// scores of the block's rows against the keys they see, one panel of keys at a time for every
+// group of kQ rows (the panel stays in L1 between them); the softmax of each row (exp below);
+// the weighted sums of the values, kValueRows rows at once, over blocks of kValueKeys keys (a
+// block's values stay in L1 across the rows; each row's sums go on from one block to the next
+// in the order of the keys).
 // Causal blocks late in the step see more keys: they are handed out first.
 #include <algorithm>
 #include <cstdint>
@@ -26,6 +28,10 @@
 #include "common.h"
 #include "native.h"
 #include "pool.h"
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace tj {
 
@@ -53,7 +59,6 @@ struct AttentionJob {
   int64_t window;
   bool causal;
   float* kt;  // [B, Nk, ldk / width, H, width] each key head's keys in transposed panels
-  float* vs;  // [B, Nk, ldk, H] with a cache: its valid rows' values, then the step's
   int64_t ldk;
 };
 
@@ -63,9 +68,35 @@ static inline void row_keys(const AttentionJob& job, int64_t b, int64_t* past, i
   *total = std::clamp<int64_t>(job.total[b], 0, *past + job.steps);
 }
 
-// Key head g of batch row b (chunk b * Nk + g): its keys transposed, and its values in order.
-static void gather_chunk(void* ctx, int64_t chunk) {
-  const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
+// dst[d * ldd + i] = src[i * lds + d] for i, d < 8: eight key rows into eight panel rows.
+static inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+#if defined(__AVX__)
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));      // column 0 | 4
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));  // 1 | 5
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));  // 2 | 6
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));  // 3 | 7
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+#else
+  for (int i = 0; i < 8; ++i) {
+    for (int d = 0; d < 8; ++d) dst[d * ldd + i] = src[i * lds + d];
+  }
+#endif
+}
+
+// Key head g of batch row b (chunk b * Nk + g): its valid keys into transposed panels, eight
+// keys of one source (the cache or the step) a block of eight dimensions at a time.
+static void gather_keys(const AttentionJob& job, int64_t chunk) {
   const int64_t b = chunk / job.kv_heads, h = job.size;
   int64_t past, total;
   row_keys(job, b, &past, &total);
@@ -80,19 +111,23 @@ static void gather_chunk(void* ctx, int64_t chunk) {
       std::fill(panel + d * width + total % width, panel + (d + 1) * width, 0.0f);
     }
   }
-  for (int64_t u = 0; u < total; ++u) {
-    const float* row = u < past ? ko + u * h : kb + (u - past) * h;
+  const bool blocks = h % 8 == 0 && width % 8 == 0;
+  for (int64_t u = 0; u < total;) {
     float* at = kt + (u / width) * h * width + u % width;
+    if (blocks && u % 8 == 0 && u + 8 <= total && (u + 8 <= past || u >= past)) {
+      const float* rows = u < past ? ko + u * h : kb + (u - past) * h;
+      for (int64_t d = 0; d < h; d += 8) transpose8(rows + d, h, at + d * width, width);
+      u += 8;
+      continue;
+    }
+    const float* row = u < past ? ko + u * h : kb + (u - past) * h;
     for (int64_t d = 0; d < h; ++d) at[d * width] = row[d];
+    ++u;
   }
-  if (job.vs == nullptr) return;
-  const float* vb = job.v + chunk * job.steps * h;
-  const float* vo = job.old_v + chunk * job.cached * h;
-  float* vs = job.vs + chunk * job.ldk * h;
-  for (int64_t u = 0; u < total; ++u) {
-    const float* row = u < past ? vo + u * h : vb + (u - past) * h;
-    std::copy(row, row + h, vs + u * h);
-  }
+}
+
+static void gather_chunk(void* ctx, int64_t chunk) {
+  gather_keys(*static_cast<const AttentionJob*>(ctx), chunk);
 }
 
 // The keys [lo, hi) a query at position `at` sees, of a batch row with `total` valid keys.
@@ -174,8 +209,8 @@ static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t 
   for (; j < hi; ++j) row[j] = row[j] / sum;
 }
 
-// out[r][c0 : c0 + V lanes] = sum_j p[r][j] v[j][c0 : ...] over [j0, j1), R rows at once,
-// added on to out's sums unless `first`.
+// out[r][c0 : c0 + V lanes] = sum_j p[r][j] v[j - j0][c0 : ...] over [j0, j1) (v: key j0's
+// values), R rows at once, added on to out's sums unless `first`.
 template <int R, int V>
 static void values_pass(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t j0,
                         int64_t j1, int64_t c0, float* out, int64_t ldo, bool first) {
@@ -187,7 +222,7 @@ static void values_pass(const float* p, int64_t lds, const float* v, int64_t ldv
   }
   for (int64_t j = j0; j < j1; ++j) {
     gv w[V];
-    for (int c = 0; c < V; ++c) w[c] = gload(v + j * ldv + c0 + c * kGemmLanes);
+    for (int c = 0; c < V; ++c) w[c] = gload(v + (j - j0) * ldv + c0 + c * kGemmLanes);
     for (int r = 0; r < R; ++r) {
       const gv a = gsplat(p[r * lds + j]);
       for (int c = 0; c < V; ++c) acc[r][c] += a * w[c];
@@ -235,70 +270,99 @@ struct RowGroup {
   int64_t lo[kQ], hi[kQ], j0, j1, p0, p1;
 };
 
-static void attention_chunk(void* ctx, int64_t chunk) {
-  const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
-  const int64_t block = job.blocks - 1 - chunk % job.blocks;  // the costliest first
-  const int64_t g = (chunk / job.blocks) % job.kv_heads, b = chunk / job.blocks / job.kv_heads;
-  const int64_t s = job.steps, h = job.size, group = job.heads / job.kv_heads;
+// One key head's keys (kt, in panels) and values (the cache's rows, then the step's from `past`).
+struct KeyHead {
+  const float* kt;
+  const float* old_values;
+  const float* new_values;
   int64_t past, total;
-  row_keys(job, b, &past, &total);
-  const int64_t r0 = block * kQueryBlock, r1 = std::min(s, r0 + kQueryBlock);
-  const int64_t width = kPanelKeys, ldk = job.ldk;
+};
+
+// `count` (at most kQueryBlock) query rows q[r * ld], row r at position at + r * step, against
+// one key head: out[r * ld].
+static void attend(const AttentionJob& job, const KeyHead& kh, const float* q, float* out,
+                   int64_t ld, int64_t count, int64_t at, int64_t step) {
+  const int64_t width = kPanelKeys, ldk = job.ldk, h = job.size;
   thread_local std::vector<float> scores;
   scores.resize(static_cast<size_t>(kQueryBlock * ldk));
-  const float* kt = job.kt + (b * job.kv_heads + g) * h * ldk;
-  const float* values_at = job.vs != nullptr ? job.vs + (b * job.kv_heads + g) * ldk * h
-                                             : job.v + (b * job.kv_heads + g) * s * h;
-  const int64_t ldq = job.heads * h;  // between query rows of one head
   RowGroup groups[kGroups];
-  int64_t count = 0, first = ldk, last = 0;  // groups; panels any of them reads
-  for (int64_t i = r0; i < r1; i += kQ, ++count) {
-    RowGroup& rg = groups[count];
-    rg.rows = static_cast<int>(std::min<int64_t>(kQ, r1 - i));
+  int64_t n = 0, first = ldk, last = 0;  // groups; panels any of them reads
+  for (int64_t i = 0; i < count; i += kQ, ++n) {
+    RowGroup& rg = groups[n];
+    rg.rows = static_cast<int>(std::min<int64_t>(kQ, count - i));
     rg.j0 = ldk, rg.j1 = 0;
     for (int r = 0; r < rg.rows; ++r) {
-      key_range(job, total, past + i + r, &rg.lo[r], &rg.hi[r]);
+      key_range(job, kh.total, at + (i + r) * step, &rg.lo[r], &rg.hi[r]);
       if (rg.hi[r] > rg.lo[r]) rg.j0 = std::min(rg.j0, rg.lo[r]), rg.j1 = std::max(rg.j1, rg.hi[r]);
     }
     rg.p0 = rg.j0 / width * width, rg.p1 = (rg.j1 + width - 1) / width * width;
     if (rg.j1 > rg.j0) first = std::min(first, rg.p0), last = std::max(last, rg.p1);
   }
-  for (int64_t head = g * group; head < (g + 1) * group; ++head) {
-    const float* q = job.q + ((b * s + r0) * job.heads + head) * h;
-    float* out = job.out + ((b * s + r0) * job.heads + head) * h;
-    for (int64_t j = first; j < last; j += width) {
-      for (int64_t x = 0; x < count; ++x) {
-        const RowGroup& rg = groups[x];
-        if (rg.j1 <= rg.j0 || j < rg.p0 || j >= rg.p1) continue;
-        scores_rows<kQ>(rg.rows, q + x * kQ * ldq, ldq, kt, h, j, j + width, job.scale,
-                        scores.data() + x * kQ * ldk, ldk);
-      }
-    }
-    for (int64_t x = 0; x < count; ++x) {
+  for (int64_t j = first; j < last; j += width) {
+    for (int64_t x = 0; x < n; ++x) {
       const RowGroup& rg = groups[x];
-      float* sc = scores.data() + x * kQ * ldk;
-      if (rg.j1 <= rg.j0) {
-        for (int r = 0; r < rg.rows; ++r) {
-          std::fill(out + (x * kQ + r) * ldq, out + (x * kQ + r) * ldq + h, 0.0f);
-        }
-        continue;
-      }
-      for (int r = 0; r < rg.rows; ++r) softmax_row(sc + r * ldk, rg.p0, rg.p1, rg.lo[r], rg.hi[r]);
+      if (rg.j1 <= rg.j0 || j < rg.p0 || j >= rg.p1) continue;
+      scores_rows<kQ>(rg.rows, q + x * kQ * ld, ld, kh.kt, h, j, j + width, job.scale,
+                      scores.data() + x * kQ * ldk, ldk);
     }
-    for (int64_t k0 = first; k0 < last; k0 += kValueKeys) {
-      for (int64_t x = 0; x < count; ++x) {
-        const RowGroup& rg = groups[x];
-        const int64_t lo = std::max(rg.j0, k0), hi = std::min(rg.j1, k0 + kValueKeys);
-        if (hi <= lo) continue;
-        const float* sc = scores.data() + x * kQ * ldk;
-        float* o = out + x * kQ * ldq;
-        const bool starts = lo == rg.j0;
-        for (int r = 0; r < rg.rows; r += kValueRows) {
-          values_rows<kValueRows>(std::min(kValueRows, rg.rows - r), sc + r * ldk, ldk, values_at,
-                                  h, lo, hi, o + r * ldq, ldq, starts);
+  }
+  for (int64_t x = 0; x < n; ++x) {
+    const RowGroup& rg = groups[x];
+    float* sc = scores.data() + x * kQ * ldk;
+    if (rg.j1 <= rg.j0) {
+      for (int r = 0; r < rg.rows; ++r) {
+        std::fill(out + (x * kQ + r) * ld, out + (x * kQ + r) * ld + h, 0.0f);
+      }
+      continue;
+    }
+    for (int r = 0; r < rg.rows; ++r) softmax_row(sc + r * ldk, rg.p0, rg.p1, rg.lo[r], rg.hi[r]);
+  }
+  for (int64_t k0 = first; k0 < last; k0 += kValueKeys) {
+    for (int64_t x = 0; x < n; ++x) {
+      const RowGroup& rg = groups[x];
+      const int64_t lo = std::max(rg.j0, k0), hi = std::min(rg.j1, k0 + kValueKeys);
+      if (hi <= lo) continue;
+      const float* sc = scores.data() + x * kQ * ldk;
+      float* o = out + x * kQ * ld;
+      const bool starts = lo == rg.j0;
+      const int64_t split = std::clamp(kh.past, lo, hi);  // [lo, split) cached, then the step's
+      for (int r = 0; r < rg.rows; r += kValueRows) {
+        const int rows = std::min(kValueRows, rg.rows - r);
+        if (split > lo) {
+          values_rows<kValueRows>(rows, sc + r * ldk, ldk, kh.old_values + lo * h, h, lo, split,
+                                  o + r * ld, ld, starts);
+        }
+        if (hi > split) {
+          values_rows<kValueRows>(rows, sc + r * ldk, ldk, kh.new_values + (split - kh.past) * h,
+                                  h, split, hi, o + r * ld, ld, starts && split == lo);
         }
       }
     }
+  }
+}
+
+static void attention_chunk(void* ctx, int64_t chunk) {
+  const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
+  const int64_t block = job.blocks - 1 - chunk % job.blocks;  // the costliest first
+  const int64_t g = (chunk / job.blocks) % job.kv_heads, b = chunk / job.blocks / job.kv_heads;
+  const int64_t s = job.steps, h = job.size, group = job.heads / job.kv_heads;
+  const int64_t head = b * job.kv_heads + g;
+  if (job.blocks == 1) gather_keys(job, head);  // its own key head's panels
+  KeyHead kh{job.kt + head * h * job.ldk, job.old_v + head * job.cached * h,
+             job.v + head * s * h, 0, 0};
+  row_keys(job, b, &kh.past, &kh.total);
+  if (s == 1) {  // decoding: the group's heads are the rows (one position), each panel read once
+    for (int64_t n0 = g * group; n0 < (g + 1) * group; n0 += kQueryBlock) {
+      const int64_t at = (b * job.heads + n0) * h;
+      attend(job, kh, job.q + at, job.out + at, h, std::min(kQueryBlock, (g + 1) * group - n0),
+             kh.past, 0);
+    }
+    return;
+  }
+  const int64_t r0 = block * kQueryBlock, r1 = std::min(s, r0 + kQueryBlock);
+  for (int64_t n = g * group; n < (g + 1) * group; ++n) {  // rows of one head, N * H apart
+    const int64_t at = ((b * s + r0) * job.heads + n) * h;
+    attend(job, kh, job.q + at, job.out + at, job.heads * h, r1 - r0, kh.past + r0, 1);
   }
 }
 
@@ -327,7 +391,7 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
   AttentionJob job{q.typed_data(),     k.typed_data(),    v.typed_data(),
                    old_k.typed_data(), old_v.typed_data(), cached > 0 ? past.typed_data() : nullptr,
                    total.typed_data(), out->typed_data(), b, s, n, nk, h, cached, blocks,
-                   scale, window, causal, nullptr, nullptr, 0};
+                   scale, window, causal, nullptr, 0};
   int64_t most = 0;  // the most keys of a batch row
   for (int64_t i = 0; i < b; ++i) {
     int64_t rows, keys;
@@ -336,22 +400,14 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
   }
   const int64_t width = kPanelKeys;
   job.ldk = std::max<int64_t>(width, (most + width - 1) / width * width);
-  // This thread's calls' buffers, kept between calls, given back when four times too large.
-  thread_local std::vector<float> kt, vs;
+  // This thread's calls' panels, kept between calls, given back when four times too large.
+  thread_local std::vector<float> kt;
   const size_t need = static_cast<size_t>(b * nk * h * job.ldk);
-  for (auto* buffer : {&kt, &vs}) {
-    if (buffer->capacity() > 4 * need && buffer->capacity() > (size_t{1} << 22)) {
-      std::vector<float>().swap(*buffer);
-    }
-  }
+  if (kt.capacity() > 4 * need && kt.capacity() > (size_t{1} << 22)) std::vector<float>().swap(kt);
   kt.resize(need);
   job.kt = kt.data();
-  if (cached > 0) {
-    vs.resize(need);
-    job.vs = vs.data();
-  }
   Pool& pool = Pool::get();
-  pool.run(b * nk, gather_chunk, &job);
+  if (blocks > 1) pool.run(b * nk, gather_chunk, &job);  // else each chunk gathers its own
   pool.run(b * nk * blocks, attention_chunk, &job);
   return ffi::Error::Success();
 }
