@@ -36,6 +36,8 @@ from transmuter_jax import generation, kernels, text  # noqa: E402
 from transmuter_jax.onnx.dtypes import to_device_dtype  # noqa: E402
 from transmuter_jax.onnx.trace import subgraphs  # noqa: E402
 from transmuter_jax.parallel import sharding  # noqa: E402
+from transmuter_jax.runtime import switch  # noqa: E402
+from transmuter_jax.runtime.stored import StoredJit  # noqa: E402
 
 BATCH = 8
 TEXTS = (["The quiet river", "A small cat sat"],)  # 2 rows: the data axis of 4 rounds them up
@@ -323,7 +325,22 @@ def kernels_on() -> dict:
             warnings.simplefilter("always")
             sharded = generation.compile(ctx, BATCH, mesh=mesh)
             together = np.asarray(sharded.model(feeds)["logits"])
+            # the whole decode loop (its greedy choice traced without the argmax kernel)
+            prompts, seeds = [prompt, prompt[:3]], [0, 1]
+            mesh_tokens = generation.generate(sharded, prompts, seeds)
+        one = generation.compile(ctx, BATCH)
+        seen = []  # whether the kernels were on while each program was traced
+
+        def probe(x):
+            seen.append(switch.enabled())
+            return x + 1
+
+        spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        StoredJit(probe, None)("mesh", jax.device_put(np.zeros(8, np.float32), spread))
+        StoredJit(probe, None)("one", np.zeros(8, np.float32))
         return {
+            "traced": seen,
+            "tokens": mesh_tokens == generation.generate(one, prompts, seeds),
             "enabled": True,
             "alone_calls": "tj_gemm_f32" in _program(packed, feeds),
             "mesh_calls": "tj_" in _program(sharded.model, feeds),

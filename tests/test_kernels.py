@@ -25,6 +25,7 @@ from onnx_cases import check_op, run_jax, run_ort
 
 import transmuter_jax as tj
 from transmuter_jax import kernels
+from transmuter_jax.generation import select
 from transmuter_jax.kernels import build
 from transmuter_jax.onnx import fuse, prepack
 from transmuter_jax.onnx.ops import nn as onnx_nn
@@ -672,6 +673,40 @@ def test_swap_axes_refuses_what_xla_copies_as_well(rng):
     rank3 = jnp.zeros((300, 6, 64), jnp.float32)
     for x in (small, short, ints, rank3):
         assert kernels.swap_axes(x) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(8, 49152), (1, 49152), (3, 17), (2, 5, 33), (4, 1), (5, 16)])
+def test_argmax_kernel_equals_jnp_argmax(rng, shape):
+    """The first largest value of each row, the first NaN of a row that has one (NaN rows, rows
+    of -inf, ties of +inf, the largest in the tail past the vectors), as jnp.argmax; vmap adds
+    rows; the greedy choice takes the kernel."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])  # a view: the rows of x
+    rows, v = flat.shape
+    flat[0, -1] = 9.0  # the largest last (past the whole vectors where V is not a multiple)
+    if v > 7 and rows > 1:
+        flat[-1, [2, 7]] = np.nan  # the first NaN
+    if v > 7 and rows > 2:
+        flat[1] = -np.inf  # every value -inf: the first
+        flat[2, [1, 5]] = np.inf  # tied: the first
+    want = np.argmax(x, axis=-1)
+    got = jax.jit(kernels.argmax)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+    many = jax.vmap(kernels.argmax)(flat)
+    np.testing.assert_array_equal(np.asarray(many), np.argmax(flat, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(select.argmax)(x)), want)
+    assert "tj_argmax_f32" in jax.jit(select.argmax).lower(x).as_text()
+
+
+@needs_kernels
+def test_argmax_kernel_refuses_other_dtypes_and_empty_rows():
+    assert kernels.argmax(jnp.zeros((2, 8), jnp.bfloat16)) is None
+    assert kernels.argmax(jnp.zeros((2, 0), jnp.float32)) is None
+    assert kernels.argmax(jnp.zeros((), jnp.float32)) is None
+    ties = jnp.zeros((2, 8), jnp.bfloat16).at[1, 3].set(1.0)  # the jnp path: the same rule
+    np.testing.assert_array_equal(np.asarray(select.argmax(ties)), [0, 3])
 
 
 def _head_split_model(batch: int, t: int, heads: int, size: int) -> onnx.ModelProto:

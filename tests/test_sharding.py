@@ -183,7 +183,8 @@ def test_meshes_give_single_device_tokens():
         assert run["split"] > 0 and run["devices"] == [8 if kind == "generation" else 2], kind
     on = result["kernels_on"]
     if on["enabled"]:  # the library built here: a mesh traces no kernel, and says so once
-        assert on["alone_calls"] and not on["mesh_calls"]
+        assert on["alone_calls"] and not on["mesh_calls"] and on["tokens"]
+        assert on["traced"] == [False, True]  # programs over a mesh trace without the kernels
         assert on["gap"] <= 1e-4  # the kernel's sums against XLA's
         assert len(on["warnings"]) == 1 and "packed" in on["warnings"][0]
     odd = result["unrecognised"]

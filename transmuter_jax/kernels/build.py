@@ -49,6 +49,7 @@ SOURCES = (
     "matmul_nn.cc",
     "softmax.cc",
     "swap.cc",
+    "argmax.cc",
 )
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-pthread")
 # FFI handlers exported by the library, by target name.
@@ -66,6 +67,7 @@ TARGETS = {
     "tj_matmul_nn_f32": "TjMatMulNnF32",
     "tj_softmax_f32": "TjSoftmaxF32",
     "tj_swap_axes_f32": "TjSwapAxesF32",
+    "tj_argmax_f32": "TjArgmaxF32",
 }
 LIBRARY = "libtj_kernels.so"
 CHECKSUM = LIBRARY + ".sha256"

@@ -612,7 +612,11 @@ class Model:
 # the hidden state's positions, then element-wise nodes (softcapping, a cast).
 def _at(values: jax.Array, last: jax.Array) -> jax.Array:
     """values [B, S, ...] at each row's positions ``last``: [B] gives [B, 1, ...], [B, P] gives
-    [B, P, ...]."""
+    [B, P, ...]. With one position (a decoding step) every index is 0 (gathers clamp): no gather,
+    which XLA:CPU runs one element at a time."""
+    if values.shape[1] == 1:
+        positions = jnp.shape(last)[1] if jnp.ndim(last) == 2 else 1
+        return jnp.broadcast_to(values, (values.shape[0], positions, *values.shape[2:]))
     if jnp.ndim(last) == 1:
         return values[jnp.arange(values.shape[0]), last][:, None]
     return values[jnp.arange(values.shape[0])[:, None], last]

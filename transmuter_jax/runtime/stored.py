@@ -53,6 +53,7 @@ CUSTOM_CALLS = (
     "tj_matmul_nn_f32",
     "tj_softmax_f32",
     "tj_swap_axes_f32",
+    "tj_argmax_f32",
 )
 # Programs this process traced and stored ("exported"), and read back instead ("read").
 counts = {"exported": 0, "read": 0}
@@ -151,6 +152,7 @@ class StoredJit:
         self._donate = donate_argnums
         self._options = jit_options
         self._plain = None
+        self._mesh = None
         self._programs: dict[Hashable, Any] = {}
 
     def __call__(self, signature: Hashable, *args):
@@ -185,8 +187,12 @@ class StoredJit:
 
     def _program(self, args: tuple):
         where = folder()
-        # Arguments over a mesh: stored programs keep no shardings, so these run as plain jit.
-        if self._key is None or where is None or switch.spans_devices(args):
+        # Arguments over a mesh: stored programs keep no shardings, so these run as plain jit,
+        # traced without the kernels (runtime.switch: the partitioner cannot split them).
+        if switch.spans_devices(args):
+            _tell("start")
+            return self._mesh_jit()
+        if self._key is None or where is None:
             _tell("start")
             return self._jit()
         if not _store_works():
@@ -217,6 +223,18 @@ class StoredJit:
         if self._plain is None:
             self._plain = jax.jit(self._fn, donate_argnums=self._donate, **self._options)
         return self._plain
+
+    def _mesh_jit(self):
+        if self._mesh is None:
+            fn = self._fn
+
+            @functools.wraps(fn)
+            def without_kernels(*args):
+                with switch.off():
+                    return fn(*args)
+
+            self._mesh = jax.jit(without_kernels, donate_argnums=self._donate, **self._options)
+        return self._mesh
 
 
 def storable(cls: type) -> type:
