@@ -151,8 +151,7 @@ class StoredJit:
         self._key = key
         self._donate = donate_argnums
         self._options = jit_options
-        self._plain = None
-        self._mesh = None
+        self._plain: dict[bool, Any] = {}  # plain jit, by whether it traces the kernels
         self._programs: dict[Hashable, Any] = {}
 
     def __call__(self, signature: Hashable, *args):
@@ -191,7 +190,7 @@ class StoredJit:
         # traced without the kernels (runtime.switch: the partitioner cannot split them).
         if switch.spans_devices(args):
             _tell("start")
-            return self._mesh_jit()
+            return self._jit(kernels=False)
         if self._key is None or where is None:
             _tell("start")
             return self._jit()
@@ -219,22 +218,21 @@ class StoredJit:
             counts["exported"] += 1
         return jax.jit(exported.call, donate_argnums=self._donate, **self._options)
 
-    def _jit(self):
-        if self._plain is None:
-            self._plain = jax.jit(self._fn, donate_argnums=self._donate, **self._options)
-        return self._plain
+    def _jit(self, kernels: bool = True):
+        """``jax.jit`` of the function; ``kernels=False`` traces it inside :func:`switch.off`."""
+        if kernels not in self._plain:
+            fn = self._fn if kernels else _without_kernels(self._fn)
+            self._plain[kernels] = jax.jit(fn, donate_argnums=self._donate, **self._options)
+        return self._plain[kernels]
 
-    def _mesh_jit(self):
-        if self._mesh is None:
-            fn = self._fn
 
-            @functools.wraps(fn)
-            def without_kernels(*args):
-                with switch.off():
-                    return fn(*args)
+def _without_kernels(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def traced(*args):
+        with switch.off():
+            return fn(*args)
 
-            self._mesh = jax.jit(without_kernels, donate_argnums=self._donate, **self._options)
-        return self._mesh
+    return traced
 
 
 def storable(cls: type) -> type:

@@ -408,9 +408,9 @@ inline __m512i b32_parts512(__m512i lo, __m512i hi, __m512i qa, __m512i qb) {
 // vectors of the group: in the packed order for packed weights, else in order.
 template <B32Source Source>
 inline void b32_parts256(const __m256i wb[4], const __m256i q4[4], __m256i* p02, __m256i* p13) {
-  const __m256i zero = _mm256_setzero_si256();
   if constexpr (b32_packed_order(Source)) {  // wb: lo's halves, then hi's; q4 likewise
 #ifdef TJ_B32_VNNI
+    const __m256i zero = _mm256_setzero_si256();
     *p02 = b32_dot(b32_dot(zero, wb[0], q4[0]), wb[2], q4[2]);
     *p13 = b32_dot(b32_dot(zero, wb[1], q4[1]), wb[3], q4[3]);
 #else
@@ -419,9 +419,9 @@ inline void b32_parts256(const __m256i wb[4], const __m256i q4[4], __m256i* p02,
     auto pairs = [](__m256i w, __m256i q) { return _mm256_maddubs_epi16(w, q); };
     *p02 = _mm256_madd_epi16(_mm256_add_epi16(pairs(wb[0], q4[0]), pairs(wb[2], q4[2])), ones);
     *p13 = _mm256_madd_epi16(_mm256_add_epi16(pairs(wb[1], q4[1]), pairs(wb[3], q4[3])), ones);
-    (void)zero;
 #endif
   } else {
+    const __m256i zero = _mm256_setzero_si256();
     const __m256i d0 = b32_dot(zero, wb[0], q4[0]), d1 = b32_dot(zero, wb[1], q4[1]);
     const __m256i d2 = b32_dot(zero, wb[2], q4[2]), d3 = b32_dot(zero, wb[3], q4[3]);
     *p02 = _mm256_add_epi32(_mm256_unpacklo_epi64(d0, d2), _mm256_unpackhi_epi64(d0, d2));
