@@ -827,10 +827,16 @@ def capacity_of(engine: Engine, capacity: int) -> int:
 
 def init(engine: Engine) -> SlotState:
     """Empty slots: ``engine.batch_size`` of them, each taking up to the engine's
-    ``slot_capacity`` cache rows and holding the smallest window (64 rows, :func:`held`)."""
+    ``slot_capacity`` cache rows and holding the smallest window (64 rows, :func:`held`), or
+    the whole capacity where the engine reads no windows (its chunks would resize them to it)."""
     check(engine)
     capacity = engine.slot_capacity
-    rows = _empty(engine, engine.batch_size, capacity, window_of(1, capacity))
+    rows = _empty(
+        engine,
+        engine.batch_size,
+        capacity,
+        window_of(1, capacity) if engine.slot_windows else capacity,
+    )
     if engine.placement is not None:  # the cache split over the mesh, as generate() places it
         rows = dataclasses.replace(rows, cache=engine.placement.place_cache(rows.cache))
     return SlotState(rows, (None,) * engine.batch_size, capacity, engine.slot_top_logprobs)
