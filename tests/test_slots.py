@@ -3,6 +3,7 @@ tokens and log-probabilities it gets alone; its tokens are generate()'s and tran
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -239,6 +240,25 @@ def test_the_slots_hold_the_window_their_live_requests_need(name, workdir):
     assert slots.held(eng, state) == 64  # only the short one runs
     _drain(eng, state, got)
     assert _summary(prefix, got.get(1, [])) == alone
+
+
+def test_slots_that_read_no_windows_start_at_their_capacity(workdir):
+    """Slots whose chunks read the whole capacity (generate()'s: ``slot_windows=False``) are
+    made at that capacity, so nothing resizes them; a request in them equals its solo run in
+    slots that hold windows."""
+    name = "llama-genai-fp32"
+    eng = engine(name, workdir)
+    request = requests(name)["greedy"]
+    alone = solo(eng, request)
+    whole = dataclasses.replace(eng, slot_windows=False)
+    state = whole.init_state()
+    assert slots.held(whole, state) == whole.slot_capacity > slots.held(eng, eng.init_state())
+    prefix = whole.prefill(request)
+    state = whole.insert(prefix, state, 0)
+    got: dict = {}
+    state = _drain(whole, state, got)
+    assert slots.held(whole, state) == whole.slot_capacity
+    assert _summary(prefix, got.get(0, [])) == alone
 
 
 @pytest.mark.parametrize("name", ["llama-optimum", "llama-genai-fp32"])
