@@ -188,15 +188,10 @@ class StoredJit:
         where = folder()
         # Arguments over a mesh: stored programs keep no shardings, so these run as plain jit,
         # traced without the kernels (runtime.switch: the partitioner cannot split them).
-        if switch.spans_devices(args):
+        mesh = switch.spans_devices(args)
+        if mesh or self._key is None or where is None or not _store_works():
             _tell("start")
-            return self._jit(kernels=False)
-        if self._key is None or where is None:
-            _tell("start")
-            return self._jit()
-        if not _store_works():
-            _tell("start")
-            return self._jit()
+            return self._jit(kernels=not mesh)
         tree, specs = _abstract(args)
         key = _key(self._key, tree, specs)
         path = where / (key + SUFFIX)
