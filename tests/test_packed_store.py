@@ -1,8 +1,10 @@
-"""Weights packed at load are kept on disk and memory-mapped by later loads
+"""Weights packed at load are kept on disk, one file a model, and memory-mapped by later loads
 (transmuter_jax.onnx.packed_store): used when valid, packed again when damaged or when the
 data file changed, and not kept when the store is off."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx
@@ -61,31 +63,39 @@ def test_packed_weights_are_stored_then_mapped(tmp_path, rng, store, monkeypatch
     path, w = _model(tmp_path, rng)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     first = np.asarray(tj.load(path)({"x": x})["y"])
-    files = list(store.glob("*.npy"))
+    files = list(store.glob("*.pack"))
     assert len(files) == 1
     np.testing.assert_allclose(first, x @ w, rtol=1e-5, atol=1e-4)
     with monkeypatch.context() as patch:
         _no_packing(patch)
         model = tj.load(path)
         np.testing.assert_array_equal(np.asarray(model({"x": x})["y"]), first)
-    assert list(store.glob("*.npy")) == files
+    assert list(store.glob("*.pack")) == files
 
 
 @needs_kernels
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "other shape"])
-def test_a_damaged_stored_weight_is_packed_again(tmp_path, rng, store, damage):
+def test_a_damaged_stored_file_is_packed_again(tmp_path, rng, store, damage, monkeypatch):
     path, w = _model(tmp_path, rng)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     want = np.asarray(tj.load(path)({"x": x})["y"])
-    (file,) = store.glob("*.npy")
+    (file,) = store.glob("*.pack")
     if damage == "truncated":
-        file.write_bytes(file.read_bytes()[:200])
+        file.write_bytes(file.read_bytes()[:-200])
     elif damage == "garbage":
         file.write_bytes(b"\x00" * 1000)
-    else:
-        np.save(file, np.zeros((1, 64, kernels.STRIP), np.float32))
+    else:  # a header that lists another shape
+        data = file.read_bytes()
+        size = int.from_bytes(data[len(packed_store.MAGIC) :][:8], "little")
+        start = len(packed_store.MAGIC) + 8
+        index = json.loads(data[start : start + size])
+        index[0][2][0] += 1
+        text = json.dumps(index).encode()
+        file.write_bytes(packed_store.MAGIC + len(text).to_bytes(8, "little") + text + data[-4096:])
     np.testing.assert_array_equal(np.asarray(tj.load(path)({"x": x})["y"]), want)
-    assert np.load(file).shape == (-(-96 // kernels.STRIP), 64, kernels.STRIP)  # replaced
+    with monkeypatch.context() as patch:  # replaced by a whole file, read without packing
+        _no_packing(patch)
+        np.testing.assert_array_equal(np.asarray(tj.load(path)({"x": x})["y"]), want)
 
 
 @needs_kernels
@@ -97,7 +107,7 @@ def test_changed_weights_are_not_read_from_the_store(tmp_path, rng, store):
     np.testing.assert_allclose(
         np.asarray(tj.load(path)({"x": x})["y"]), x @ w, rtol=1e-5, atol=1e-4
     )
-    assert len(list(store.glob("*.npy"))) == 2
+    assert len(list(store.glob("*.pack"))) == 2
 
 
 @needs_kernels
@@ -109,3 +119,42 @@ def test_store_off(tmp_path, rng, store, monkeypatch):
         np.asarray(tj.load(path)({"x": x})["y"]), x @ w, rtol=1e-5, atol=1e-4
     )
     assert not store.exists()
+
+
+@needs_kernels
+def test_a_models_weights_share_one_file_and_inline_ones_are_packed_each_time(
+    tmp_path, rng, store, monkeypatch
+):
+    w1 = rng.standard_normal((64, 96)).astype(np.float32)
+    w2 = rng.standard_normal((96, 32)).astype(np.float32)
+    w3 = rng.standard_normal((32, 2)).astype(np.float32)  # small: kept inside the .onnx file
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["h"]),
+            helper.make_node("MatMul", ["h", "w2"], ["g"]),
+            helper.make_node("MatMul", ["g", "w3"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])],
+        [numpy_helper.from_array(w, n) for w, n in ((w1, "w1"), (w2, "w2"), (w3, "w3"))],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path, save_as_external_data=True, location="d.bin", size_threshold=1024)
+    store.mkdir(parents=True)
+    (store / "old.npy").write_bytes(b"left by an earlier version")
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    want = np.asarray(tj.load(path)({"x": x})["y"])
+    np.testing.assert_allclose(want, x @ w1 @ w2 @ w3, rtol=1e-4, atol=1e-3)
+    assert [p.suffix for p in store.iterdir()] == [".pack"]  # one file; the old one gone
+    packed_now = []
+    original = prepack.Packing.pack
+
+    def pack(self, array):
+        packed_now.append(array.shape)
+        return original(self, array)
+
+    monkeypatch.setattr(prepack.Packing, "pack", pack)
+    np.testing.assert_array_equal(np.asarray(tj.load(path)({"x": x})["y"]), want)
+    assert packed_now == [(32, 2)]

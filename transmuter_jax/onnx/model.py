@@ -248,6 +248,7 @@ class Model:
         limits = _index_limits(graph)
         constants: dict[str, np.ndarray] = {}
         params: dict[str, Any] = {}
+        packed: list[packed_store.Item] = []
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original
         # (not for weights kept on the host to be split over a mesh: packed strips do not split).
         packings = prepack.plan(graph) if kernels.enabled() and not host else {}
@@ -258,14 +259,17 @@ class Model:
             if array is None:
                 array = _tensor_array(tensor, folder, path)
             if tensor.name in packings:
-                # device_put may keep the packed array without copying it (CPU, aligned).
-                packed = packed_store.packed(packings[tensor.name], tensor, folder, array)
-                params[tensor.name] = jax.device_put(packed)
+                packed.append(packed_store.Item(tensor.name, packings[tensor.name], tensor, array))
+                params[tensor.name] = None  # placed below, in the graph's order
             elif _is_weight(array):
                 array = to_device_dtype(np.asarray(array))  # a view of a memmap when it fits
                 params[tensor.name] = array if host else jax.device_put(array)
             else:
                 constants[tensor.name] = np.array(array)
+        # device_put keeps each packed array where it lies, without copying it (CPU, aligned).
+        for name, array in packed_store.packed(packed, folder).items():
+            params[name] = jax.device_put(array)
+        del packed
         # Weights now live on the device (or in params on the host): drop them from the graph.
         del graph.initializer[:]
         prepack.rewrite(graph, {k: v for k, v in packings.items() if k not in nbits})

@@ -1,35 +1,45 @@
 """Weights packed at load (:mod:`.prepack`) kept on disk and memory-mapped by later loads.
 
 Packing the float32 weights of a model for the CPU kernels copies all of them (about 1.5 s for
-SmolLM2-135M's 540 MB on a loaded 2-core machine). The first load writes each packed weight to
-``<compile cache folder>/packed/<key>.npy``; later loads map that file instead of packing again, and
-JAX on the CPU uses the mapped pages without a copy (file-backed, shared between processes).
+SmolLM2-135M's 540 MB on a loaded 2-core machine). The first load writes a model's packed weights
+to one file, ``<compile cache folder>/packed/<key>.pack``; later loads map that file instead of
+packing again, and JAX on the CPU uses the mapped pages without a copy (file-backed, shared
+between processes). The map asks for 2 MiB pages (:mod:`..runtime.pages`): one file lets them
+cover all the weights, which every decode step reads.
 
-The key names the packing, the library's packed layouts, and where the weight comes from: the
-external data file's absolute path, size, modification time and inode, and the tensor's offset
-and length in it (weights stored inside the .onnx file are packed each time). A stored file that
-does not read back as an array of the expected shape and dtype (damaged, truncated) is packed
-again and replaced. The store is on when the compile cache is (it sits beside it), unless
-``TRANSMUTER_JAX_PACKED_STORE=0``; beyond :data:`MAX_BYTES` the oldest files go.
+The key names the library's packed layouts and, for each weight, its packing and where it comes
+from: the external data file's absolute path, size, modification time and inode, and the
+tensor's offset and length in it (weights stored inside the .onnx file are packed each time). A
+stored file whose header does not list exactly the expected arrays, or whose size is not theirs
+(damaged, truncated), is packed again and replaced. The store is on when the compile cache is
+(it sits beside it), unless ``TRANSMUTER_JAX_PACKED_STORE=0``; beyond :data:`MAX_BYTES` the
+oldest files go (and at once the ``.npy`` files of earlier versions).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import mmap
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from onnx import TensorProto
 
-from ..runtime import compile_cache
+from ..runtime import compile_cache, pages
 
 ENV = "TRANSMUTER_JAX_PACKED_STORE"
 MAX_BYTES = 4 << 30
 # Bump when a packed layout changes (kernels.pack, kernels.nbits_pack, nbits_pack_scales).
 LAYOUT = "strips32-nbits4x32-v2-parts-tiles16"
+MAGIC = b"transmuter_jax packed weights 1\n"
+SUFFIX = ".pack"
+ALIGN = 4096  # each array starts on its own page of the file
 
 
 class Packed(Protocol):
@@ -74,37 +84,90 @@ def _source(tensor: TensorProto, model_folder: str) -> str | None:
     )
 
 
-def _read(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+class Item(NamedTuple):
+    """One weight to pack: its name, its packing, its tensor, and its values."""
+
+    name: str
+    packing: Packed
+    tensor: TensorProto
+    array: np.ndarray
+
+
+def _expected(item: Item) -> tuple[str, str, list[int]]:
+    shape = item.packing.packed_shape(tuple(item.array.shape))
+    return item.name, np.dtype(item.packing.dtype).str, [int(d) for d in shape]
+
+
+def _layout(items: Sequence[Item]) -> tuple[bytes, list[int], int]:
+    """The file's header, each array's offset in the file, and the file's size."""
+    entries = [_expected(item) for item in items]
+    offsets, at = [], 0
+    for _, dtype, shape in entries:
+        offsets.append(at)
+        at += _padded(math.prod(shape) * np.dtype(dtype).itemsize)
+    index = json.dumps([[*entry, offset] for entry, offset in zip(entries, offsets, strict=True)])
+    start = _padded(len(MAGIC) + 8 + len(index.encode()))
+    header = MAGIC + len(index.encode()).to_bytes(8, "little") + index.encode()
+    return header, [start + offset for offset in offsets], start + at
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _read(path: Path, items: Sequence[Item]) -> dict[str, np.ndarray] | None:
+    """The stored arrays, read-only views of the file mapped for huge pages; None unless the
+    file is whole and lists exactly ``items``' names, dtypes and packed shapes."""
+    header, offsets, size = _layout(items)
     try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError):
+        with open(path, "rb") as file:
+            if file.read(len(header)) != header or os.fstat(file.fileno()).st_size != size:
+                return None
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
         return None
-    if array.shape != shape or array.dtype != dtype:
-        return None
-    return array
+    pages.advise(mapping)  # before the first access: read into 2 MiB pages
+    arrays = {}
+    for (name, dtype, shape), offset in zip(map(_expected, items), offsets, strict=True):
+        count = math.prod(shape)
+        array = np.frombuffer(mapping, np.dtype(dtype), count=count, offset=offset)
+        arrays[name] = array.reshape(shape)
+    return arrays
 
 
-def _write(path: Path, array: np.ndarray) -> None:
+def _write(path: Path, items: Sequence[Item]) -> bool:
+    """Packs each item into a new file at ``path``, one at a time; whether it was written."""
+    header, offsets, size = _layout(items)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".partial")
     try:
         with os.fdopen(handle, "wb") as file:
-            np.save(file, np.ascontiguousarray(array), allow_pickle=False)
+            file.write(header)
+            for item, offset in zip(items, offsets, strict=True):
+                array = np.ascontiguousarray(item.packing.pack(item.array))
+                if _expected(item) != (item.name, array.dtype.str, list(array.shape)):
+                    raise OSError(f"{item.name}: packed as {array.dtype}{list(array.shape)}")
+                file.seek(offset)
+                file.write(array.data)
+            file.truncate(size)
         os.replace(temporary, path)
     except OSError:
         if os.path.exists(temporary):
             os.unlink(temporary)
-        return
+        return False
     _trim(path.parent, keep=path)
+    return True
 
 
 def _trim(where: Path, keep: Path) -> None:
-    """Removes the oldest stored weights beyond :data:`MAX_BYTES`."""
+    """Removes the oldest stored files beyond :data:`MAX_BYTES` (and any left by older
+    versions of the store)."""
     try:
-        files = sorted(where.glob("*.npy"), key=lambda p: p.stat().st_mtime)
+        files = [p for p in where.iterdir() if p.suffix in (SUFFIX, ".npy")]
+        files.sort(key=lambda p: (p.suffix == SUFFIX, p.stat().st_mtime))
         total = sum(p.stat().st_size for p in files)
         for old in files:
-            if total <= MAX_BYTES:
+            if total <= MAX_BYTES and old.suffix == SUFFIX:
                 break
             if old != keep:
                 total -= old.stat().st_size
@@ -113,20 +176,28 @@ def _trim(where: Path, keep: Path) -> None:
         pass
 
 
-def packed(packing: Packed, tensor: TensorProto, model_folder: str, array: np.ndarray):
-    """``packing.pack(array)``, read from the store when it holds it (memory-mapped), else
-    packed and stored."""
-    where, source = folder(), _source(tensor, model_folder)
-    if where is None or source is None:
-        return packing.pack(array)
-    digest = hashlib.sha256(f"{LAYOUT}\0{packing!r}\0{source}".encode()).hexdigest()
-    path = where / f"{digest}.npy"
-    result = packing.pack(array) if not path.exists() else None
-    if result is None:
-        stored = _read(path, packing.packed_shape(array.shape), np.dtype(packing.dtype))
-        if stored is not None:
-            return stored
-        result = packing.pack(array)  # damaged or from another layout: packed again
-    _write(path, result)
-    stored = _read(path, result.shape, result.dtype)
-    return result if stored is None else stored  # the mapped copy: its pages are shared
+def packed(items: Sequence[Item], model_folder: str) -> dict[str, np.ndarray]:
+    """Each item's ``packing.pack(array)`` by name: those with a data file read from one file
+    of the store (memory-mapped), else packed and stored there; the others, and all when the
+    store is off, packed each time."""
+    where = folder()
+    sources = {item.name: _source(item.tensor, model_folder) for item in items}
+    kept = [item for item in items if where is not None and sources[item.name] is not None]
+    found = _stored(where, kept, sources) if kept else {}
+    return {i.name: found[i.name] if i.name in found else _pack_now(i) for i in items}
+
+
+def _pack_now(item: Item) -> np.ndarray:
+    return item.packing.pack(item.array)
+
+
+def _stored(where: Path, items: Sequence[Item], sources: dict[str, str | None]):
+    """The items' packed arrays from the store's file for them, written first when absent or
+    damaged; packed in memory when it cannot be written."""
+    parts = [LAYOUT, *(f"{i.name}\0{i.packing!r}\0{sources[i.name]}" for i in items)]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    path = where / f"{digest}{SUFFIX}"
+    found = _read(path, items) if path.exists() else None
+    if found is None and _write(path, items):  # absent, damaged or another layout
+        found = _read(path, items)
+    return found if found is not None else {item.name: _pack_now(item) for item in items}
