@@ -121,13 +121,11 @@ def test_store_off(tmp_path, rng, store, monkeypatch):
     assert not store.exists()
 
 
-@needs_kernels
-def test_a_models_weights_share_one_file_and_inline_ones_are_packed_each_time(
-    tmp_path, rng, store, monkeypatch
-):
+def _three_products(tmp_path, rng, inline_scale: float = 1.0):
+    """x @ w1 @ w2 @ w3, w1 and w2 in an external data file, w3 inside the .onnx file."""
     w1 = rng.standard_normal((64, 96)).astype(np.float32)
     w2 = rng.standard_normal((96, 32)).astype(np.float32)
-    w3 = rng.standard_normal((32, 2)).astype(np.float32)  # small: kept inside the .onnx file
+    w3 = (rng.standard_normal((32, 2)) * inline_scale).astype(np.float32)
     graph = helper.make_graph(
         [
             helper.make_node("MatMul", ["x", "w1"], ["h"]),
@@ -142,19 +140,27 @@ def test_a_models_weights_share_one_file_and_inline_ones_are_packed_each_time(
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     path = tmp_path / "model.onnx"
     onnx.save(proto, path, save_as_external_data=True, location="d.bin", size_threshold=1024)
+    return path, w1 @ w2 @ w3
+
+
+@needs_kernels
+def test_a_models_weights_inline_ones_too_share_one_file(tmp_path, rng, store, monkeypatch):
+    path, product = _three_products(tmp_path, rng)
     store.mkdir(parents=True)
     (store / "old.npy").write_bytes(b"left by an earlier version")
     x = rng.standard_normal((2, 64)).astype(np.float32)
     want = np.asarray(tj.load(path)({"x": x})["y"])
-    np.testing.assert_allclose(want, x @ w1 @ w2 @ w3, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(want, x @ product, rtol=1e-4, atol=1e-3)
     assert [p.suffix for p in store.iterdir()] == [".pack"]  # one file; the old one gone
-    packed_now = []
-    original = prepack.Packing.pack
-
-    def pack(self, array):
-        packed_now.append(array.shape)
-        return original(self, array)
-
-    monkeypatch.setattr(prepack.Packing, "pack", pack)
-    np.testing.assert_array_equal(np.asarray(tj.load(path)({"x": x})["y"]), want)
-    assert packed_now == [(32, 2)]
+    with monkeypatch.context() as patch:
+        _no_packing(patch)
+        np.testing.assert_array_equal(np.asarray(tj.load(path)({"x": x})["y"]), want)
+    # The .onnx file alone rewritten with another inline weight: packed again, not read.
+    proto = onnx.load(path, load_external_data=False)
+    w3 = numpy_helper.to_array(proto.graph.initializer[2]) * 3.0
+    proto.graph.initializer[2].CopyFrom(numpy_helper.from_array(w3, "w3"))
+    onnx.save(proto, path)
+    np.testing.assert_allclose(
+        np.asarray(tj.load(path)({"x": x})["y"]), want * 3.0, rtol=1e-4, atol=1e-3
+    )
+    assert len(list(store.glob("*.pack"))) == 2

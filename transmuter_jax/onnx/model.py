@@ -267,7 +267,7 @@ class Model:
             else:
                 constants[tensor.name] = np.array(array)
         # device_put keeps each packed array where it lies, without copying it (CPU, aligned).
-        for name, array in packed_store.packed(packed, folder).items():
+        for name, array in packed_store.packed(packed, path).items():
             params[name] = jax.device_put(array)
         del packed
         # Weights now live on the device (or in params on the host): drop them from the graph.

@@ -8,8 +8,8 @@ between processes). The map asks for 2 MiB pages (:mod:`..runtime.pages`): one f
 cover all the weights, which every decode step reads.
 
 The key names the library's packed layouts and, for each weight, its packing and where it comes
-from: the external data file's absolute path, size, modification time and inode, and the
-tensor's offset and length in it (weights stored inside the .onnx file are packed each time). A
+from: the file holding its bytes (its external data file, else the .onnx file), by absolute path,
+size, modification time and inode, and the tensor's name, offset and length. A
 stored file whose header does not list exactly the expected arrays, or whose size is not theirs
 (damaged, truncated), is packed again and replaced. The store is on when the compile cache is
 (it sits beside it), unless ``TRANSMUTER_JAX_PACKED_STORE=0``; beyond :data:`MAX_BYTES` the
@@ -61,12 +61,15 @@ def folder() -> Path | None:
     return None if cache is None else Path(cache) / "packed"
 
 
-def _source(tensor: TensorProto, model_folder: str) -> str | None:
-    """The identity of the bytes a weight is read from, or None when it has no data file."""
-    if tensor.data_location != TensorProto.EXTERNAL:
-        return None
+def _source(tensor: TensorProto, onnx_path: str) -> str | None:
+    """The identity of the bytes a weight is read from (its external data file, else the .onnx
+    file itself), or None when that file cannot be found."""
     info = {e.key: e.value for e in tensor.external_data}
-    file = os.path.realpath(os.path.join(model_folder, info.get("location", "")))
+    if tensor.data_location == TensorProto.EXTERNAL:
+        folder = os.path.dirname(os.path.abspath(onnx_path))
+        file = os.path.realpath(os.path.join(folder, info.get("location", "")))
+    else:
+        file = os.path.realpath(onnx_path)
     try:
         stat = os.stat(file)
     except OSError:
@@ -176,12 +179,11 @@ def _trim(where: Path, keep: Path) -> None:
         pass
 
 
-def packed(items: Sequence[Item], model_folder: str) -> dict[str, np.ndarray]:
-    """Each item's ``packing.pack(array)`` by name: those with a data file read from one file
-    of the store (memory-mapped), else packed and stored there; the others, and all when the
-    store is off, packed each time."""
+def packed(items: Sequence[Item], onnx_path: str) -> dict[str, np.ndarray]:
+    """Each item's ``packing.pack(array)`` by name, read from one file of the store (memory-
+    mapped), else packed and stored there; packed each time when the store is off."""
     where = folder()
-    sources = {item.name: _source(item.tensor, model_folder) for item in items}
+    sources = {item.name: _source(item.tensor, onnx_path) for item in items}
     kept = [item for item in items if where is not None and sources[item.name] is not None]
     found = _stored(where, kept, sources) if kept else {}
     return {i.name: found[i.name] if i.name in found else _pack_now(i) for i in items}
