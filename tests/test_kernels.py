@@ -1945,3 +1945,29 @@ def test_matmul_nbits_block32_simd_equals_portable_on_hostile_rows(rng, monkeypa
         got[portable] = np.asarray(jax.jit(fn)(x, b, scales))
     np.testing.assert_array_equal(got["0"], got["1"])
     assert np.isfinite(got["0"][3]).all()
+
+
+_AHEAD_PROBE = """
+import sys
+import jax, numpy as np
+from transmuter_jax import kernels
+rng = np.random.default_rng(0)
+ws = [kernels.pack(rng.standard_normal((256, 96)).astype(np.float32)) for _ in range(3)]
+x = rng.standard_normal((1, 256)).astype(np.float32)
+step = jax.jit(lambda x, ws: [kernels.matmul(x, w, 96) for w in ws])
+outs = [np.asarray(o) for _ in range(4) for o in step(x, ws)]  # the pool learns the order
+sys.stdout.write(np.stack(outs).tobytes().hex())
+"""
+
+
+@needs_kernels
+def test_prefetching_the_next_weights_changes_no_bits():
+    runs = {}
+    for ahead in ("0", "4096"):
+        env = dict(os.environ, TRANSMUTER_JAX_KERNEL_AHEAD_KB=ahead)
+        done = subprocess.run(
+            [sys.executable, "-c", _AHEAD_PROBE], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[ahead] = done.stdout
+    assert runs["0"] == runs["4096"] and len(runs["0"]) == 2 * 12 * 96 * 4

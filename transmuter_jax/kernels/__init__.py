@@ -12,7 +12,9 @@ differentiable and vmappable: gradients, and vmap over the weights, use the pure
 
 Environment: ``TRANSMUTER_JAX_KERNELS=0`` turns the kernels off; ``TRANSMUTER_JAX_KERNEL_THREADS``
 sets the threads of their pool (default: the CPUs this process may use) and
-``TRANSMUTER_JAX_KERNEL_SPIN_US`` how long idle workers spin before sleeping (default 200).
+``TRANSMUTER_JAX_KERNEL_SPIN_US`` how long idle workers spin before sleeping (default 200);
+``TRANSMUTER_JAX_KERNEL_AHEAD_KB`` how much of the next product's weights each idle thread
+prefetches (default 256, 0 for none).
 """
 
 from __future__ import annotations

@@ -304,7 +304,9 @@ static void gemm_groups(const float* x, const float* packed, float* y, int64_t m
   if (m > kRows && !(kPanelsForMany && m >= kManyRows)) {
     pool.run((panels + 1) / 2 * count, gemm_pair_chunk, &job);
   } else {
-    pool.run((strips + run - 1) / run * count, gemm_chunk, &job);
+    const int64_t chunks = (strips + run - 1) / run;
+    pool.stream(packed, strips * k * kStrip * static_cast<int64_t>(sizeof(float)), chunks);
+    pool.run(chunks * count, gemm_chunk, &job);
   }
 }
 

@@ -564,7 +564,9 @@ static ffi::Error nbits_product(const NbitsWeights& weights, const float* xin, f
         kB32Tile * std::max<int64_t>(1, (n + kB32Tile * target - 1) / (kB32Tile * target));
     B32Job w{&job, {}, portable, packed, cols};
     b32_quantize(xin, m, k, portable, &w.xs);
-    pool.run((n + cols - 1) / cols, b32_chunk, &w);
+    const int64_t chunks32 = (n + cols - 1) / cols;
+    if (packed) pool.stream(q.b, n * blocks * (block_size / 2), chunks32);  // columns in order
+    pool.run(chunks32, b32_chunk, &w);
     return ffi::Error::Success();
   }
   if (int8 && kind != kFloat && block_size % 32 == 0) {

@@ -8,6 +8,7 @@
 // finds the pool busy (XLA running two kernels at once) runs its chunks on its own thread.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -27,6 +28,31 @@ class Pool {
 
   int threads() const { return threads_; }
 
+  // Names the weights the next run() streams, in `chunks` equal runs of bytes: the pool learns
+  // which weights follow which (a decode step calls its products in the same order each step).
+  // Once out of chunks of that run, each thread prefetches into its cache the part of the
+  // weights that followed these last time that it is likely to claim first (the caller the
+  // first chunk, worker w chunk w), while the others finish and XLA runs what lies between two
+  // products. A prefetch changes no result; a wrong guess costs only bandwidth.
+  void stream(const void* data, int64_t bytes, int64_t chunks) {
+    const void* before = last_.exchange(data, std::memory_order_relaxed);
+    if (before != nullptr && before != data) {
+      Follow& f = follows_[slot(before)];
+      f.key.store(before, std::memory_order_relaxed);
+      f.next.store(data, std::memory_order_relaxed);
+      f.bytes.store(bytes, std::memory_order_relaxed);
+      f.chunks.store(std::max<int64_t>(chunks, 1), std::memory_order_relaxed);
+    }
+    const Follow& g = follows_[slot(data)];
+    const bool known = g.key.load(std::memory_order_relaxed) == data;
+    ahead_.store(known ? g.next.load(std::memory_order_relaxed) : nullptr,
+                 std::memory_order_relaxed);
+    ahead_bytes_.store(known ? g.bytes.load(std::memory_order_relaxed) : 0,
+                       std::memory_order_relaxed);
+    ahead_chunks_.store(known ? g.chunks.load(std::memory_order_relaxed) : 1,
+                        std::memory_order_relaxed);
+  }
+
   void run(int64_t n, Task task, void* ctx) {
     if (n <= 0) return;
     if (n == 1 || threads_ == 1 || !busy_.try_lock()) {
@@ -44,6 +70,7 @@ class Pool {
       wake_.notify_all();
     }
     work(gen);
+    prefetch_ahead(0, [&] { return done_.load(std::memory_order_relaxed) >= n; });
     // Workers still run claimed chunks: spin briefly, then yield (a worker may be preempted).
     for (uint32_t i = 1; done_.load(std::memory_order_acquire) < n; ++i) {
       if (i < 4096) {
@@ -56,8 +83,9 @@ class Pool {
   }
 
  private:
-  explicit Pool(int threads, int64_t spin_us) : threads_(threads), spin_us_(spin_us) {
-    for (int i = 1; i < threads_; ++i) std::thread([this] { loop(); }).detach();
+  explicit Pool(int threads, int64_t spin_us, int64_t ahead_limit)
+      : threads_(threads), spin_us_(spin_us), ahead_limit_(ahead_limit) {
+    for (int i = 1; i < threads_; ++i) std::thread([this, i] { loop(i); }).detach();
   }
 
   static void pause() {
@@ -83,12 +111,32 @@ class Pool {
     }
   }
 
-  void loop() {
+  void loop(int index) {
     uint64_t seen = state_.load(std::memory_order_acquire) >> 32;
     for (;;) {
       uint64_t gen = wait_for_job(seen);
       seen = gen;
       work(gen);
+      prefetch_ahead(index, [&] { return (state_.load(std::memory_order_relaxed) >> 32) != gen; });
+    }
+  }
+
+  static size_t slot(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) >> 6) * 0x9E3779B97F4A7C15ull >> 55;  // 512 slots
+  }
+
+  // Prefetches chunk `index` of the guessed next weights (at most ahead_limit_ bytes), a page
+  // at a time, until `stop()`.
+  template <typename Stop>
+  void prefetch_ahead(int index, Stop stop) {
+    const char* p = static_cast<const char*>(ahead_.load(std::memory_order_relaxed));
+    const int64_t chunks = ahead_chunks_.load(std::memory_order_relaxed);
+    if (p == nullptr || index >= chunks || ahead_limit_ == 0) return;
+    const int64_t each = ahead_bytes_.load(std::memory_order_relaxed) / chunks;
+    const int64_t end = index * each + std::min(each, ahead_limit_);
+    for (int64_t at = index * each; at < end; at += 4096) {
+      if (stop()) return;
+      for (int64_t i = at; i < std::min(end, at + 4096); i += 64) __builtin_prefetch(p + i, 0, 2);
     }
   }
 
@@ -113,8 +161,21 @@ class Pool {
     return gen;
   }
 
+  struct Follow {
+    std::atomic<const void*> key{nullptr};
+    std::atomic<const void*> next{nullptr};
+    std::atomic<int64_t> bytes{0};
+    std::atomic<int64_t> chunks{1};
+  };
+
   const int threads_;
   const int64_t spin_us_;
+  const int64_t ahead_limit_;
+  std::atomic<const void*> last_{nullptr};
+  std::atomic<const void*> ahead_{nullptr};
+  std::atomic<int64_t> ahead_bytes_{0};
+  std::atomic<int64_t> ahead_chunks_{1};
+  Follow follows_[512];
   std::mutex busy_;
   std::atomic<uint64_t> state_{0};  // job generation << 32 | next chunk
   std::atomic<Task> task_{nullptr};
