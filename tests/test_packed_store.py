@@ -164,3 +164,19 @@ def test_a_models_weights_inline_ones_too_share_one_file(tmp_path, rng, store, m
         np.asarray(tj.load(path)({"x": x})["y"]), want * 3.0, rtol=1e-4, atol=1e-3
     )
     assert len(list(store.glob("*.pack"))) == 2
+
+
+@needs_kernels
+def test_the_store_keeps_the_newest_files_within_its_cap(tmp_path, rng, store, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, _ = _model(tmp_path / "a", rng)
+    tj.load(first)
+    (old,) = store.glob("*.pack")
+    monkeypatch.setattr(packed_store, "MAX_BYTES", old.stat().st_size + 1)  # room for one file
+    second, w = _model(tmp_path / "b", rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    y = np.asarray(tj.load(second)({"x": x})["y"])
+    np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-4)
+    (kept,) = store.glob("*.pack")
+    assert kept != old  # the older file went, the one just written stayed
