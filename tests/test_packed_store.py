@@ -180,3 +180,13 @@ def test_the_store_keeps_the_newest_files_within_its_cap(tmp_path, rng, store, m
     np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-4)
     (kept,) = store.glob("*.pack")
     assert kept != old  # the older file went, the one just written stayed
+
+
+@needs_kernels
+def test_a_store_that_cannot_be_written_packs_in_memory(tmp_path, rng, store):
+    store.parent.mkdir(parents=True)
+    store.write_text("a file where the store's folder should be")
+    path, w = _model(tmp_path, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    y = np.asarray(tj.load(path)({"x": x})["y"])
+    np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-4)

@@ -63,7 +63,8 @@ def folder() -> Path | None:
 
 def _source(tensor: TensorProto, onnx_path: str) -> str | None:
     """The identity of the bytes a weight is read from (its external data file, else the .onnx
-    file itself), or None when that file cannot be found."""
+    file itself), or None when that file cannot be found. Packing runs on the initializers as
+    read, before any rewrite of the graph: their bytes are the file's."""
     info = {e.key: e.value for e in tensor.external_data}
     if tensor.data_location == TensorProto.EXTERNAL:
         folder = os.path.dirname(os.path.abspath(onnx_path))
@@ -141,8 +142,11 @@ def _read(path: Path, items: Sequence[Item]) -> dict[str, np.ndarray] | None:
 def _write(path: Path, items: Sequence[Item]) -> bool:
     """Packs each item into a new file at ``path``, one at a time; whether it was written."""
     header, offsets, size = _layout(items)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+    except OSError:  # a folder that cannot be written: nothing stored
+        return False
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(header)
