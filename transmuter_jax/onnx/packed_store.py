@@ -102,8 +102,11 @@ def _expected(item: Item) -> tuple[str, str, list[int]]:
     return item.name, np.dtype(item.packing.dtype).str, [int(d) for d in shape]
 
 
-def _layout(items: Sequence[Item]) -> tuple[bytes, list[int], int]:
-    """The file's header, each array's offset in the file, and the file's size."""
+def _layout(
+    items: Sequence[Item],
+) -> tuple[bytes, list[tuple[str, str, list[int]]], list[int], int]:
+    """The file's header, each item's (name, dtype, packed shape) and offset in the file, and
+    the file's size."""
     entries = [_expected(item) for item in items]
     offsets, at = [], 0
     for _, dtype, shape in entries:
@@ -112,7 +115,7 @@ def _layout(items: Sequence[Item]) -> tuple[bytes, list[int], int]:
     index = json.dumps([[*entry, offset] for entry, offset in zip(entries, offsets, strict=True)])
     start = _padded(len(MAGIC) + 8 + len(index.encode()))
     header = MAGIC + len(index.encode()).to_bytes(8, "little") + index.encode()
-    return header, [start + offset for offset in offsets], start + at
+    return header, entries, [start + offset for offset in offsets], start + at
 
 
 def _padded(nbytes: int) -> int:
@@ -122,7 +125,7 @@ def _padded(nbytes: int) -> int:
 def _read(path: Path, items: Sequence[Item]) -> dict[str, np.ndarray] | None:
     """The stored arrays, read-only views of the file mapped for huge pages; None unless the
     file is whole and lists exactly ``items``' names, dtypes and packed shapes."""
-    header, offsets, size = _layout(items)
+    header, entries, offsets, size = _layout(items)
     try:
         with open(path, "rb") as file:
             if file.read(len(header)) != header or os.fstat(file.fileno()).st_size != size:
@@ -132,7 +135,7 @@ def _read(path: Path, items: Sequence[Item]) -> dict[str, np.ndarray] | None:
         return None
     pages.advise(mapping)  # before the first access: read into 2 MiB pages
     arrays = {}
-    for (name, dtype, shape), offset in zip(map(_expected, items), offsets, strict=True):
+    for (name, dtype, shape), offset in zip(entries, offsets, strict=True):
         count = math.prod(shape)
         array = np.frombuffer(mapping, np.dtype(dtype), count=count, offset=offset)
         arrays[name] = array.reshape(shape)
@@ -141,7 +144,7 @@ def _read(path: Path, items: Sequence[Item]) -> dict[str, np.ndarray] | None:
 
 def _write(path: Path, items: Sequence[Item]) -> bool:
     """Packs each item into a new file at ``path``, one at a time; whether it was written."""
-    header, offsets, size = _layout(items)
+    header, entries, offsets, size = _layout(items)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".partial")
@@ -150,9 +153,9 @@ def _write(path: Path, items: Sequence[Item]) -> bool:
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(header)
-            for item, offset in zip(items, offsets, strict=True):
+            for item, entry, offset in zip(items, entries, offsets, strict=True):
                 array = np.ascontiguousarray(item.packing.pack(item.array))
-                if _expected(item) != (item.name, array.dtype.str, list(array.shape)):
+                if entry != (item.name, array.dtype.str, list(array.shape)):
                     raise OSError(f"{item.name}: packed as {array.dtype}{list(array.shape)}")
                 file.seek(offset)
                 file.write(array.data)
