@@ -120,11 +120,11 @@ def run(
         state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
         inserted.append(i)
     made = 0
-    while state is not None and state.live_slots:
-        state, tokens = speculative.generate(engine, state, options.decode_steps)
-        _events(on_token, options, tokens, finished)
-        made += len(tokens)
-        for t in tokens:
+    for tokens in _chunks(engine, state, options.decode_steps, rows, kept):
+        state = tokens.state
+        _events(on_token, options, tokens.tokens, finished)
+        made += len(tokens.tokens)
+        for t in tokens.tokens:
             _keep(kept[t.slot], t, options)
     if state is None:
         return kept, speculative.Stats(made)
@@ -134,6 +134,40 @@ def run(
     used = [i for i, (p, m, _) in enumerate(rows) if p and m]
     total = lambda a: int(np.sum(a[used])) if used else 0  # noqa: E731
     return kept, speculative.Stats(made, total(d.steps), total(d.drafted), total(d.accepted))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    state: slots.SlotState
+    tokens: list[slots.Token]
+
+
+def _chunks(engine: Engine, state: slots.SlotState | None, steps: int, rows, kept):
+    """The decode chunks of the slots until none is live, each chunk's tokens as it is read.
+
+    Plain chunks (no slot speculates, no constraint table) run one ahead: the next chunk is
+    dispatched on the rows of the one the device runs before the host reads that one's tokens,
+    so the device does not wait for the host between chunks (for the tokens' transfer, their
+    reading, the next call's dispatch: 1-2 ms a chunk on a CPU). It is not dispatched where
+    each live row's ``max_new_tokens`` ends within the chunk being read. ``rows``: run()'s
+    (prompt, max_new_tokens, seed); ``kept``: each row's tokens so far (a row's slot is its
+    index)."""
+    ahead: slots.Chunk | None = None  # dispatched, not read
+    while state is not None and state.live_slots:
+        plain = state.live_table is None and not speculative.speculating(engine, state)[0]
+        if ahead is None and not plain:
+            state, tokens = speculative.generate(engine, state, steps)
+            yield _Read(state, tokens)
+            continue
+        if ahead is None:
+            state, ahead = slots.launch(engine, state, steps)
+        left = [rows[s][1] - len(kept[s]) for s in state.live_slots]
+        then = None
+        if plain and max(left, default=0) > steps:  # a row may take tokens after this chunk
+            state, then = slots.launch(engine, state, steps, longest=ahead.longest)
+        state, tokens = slots.finish(state, ahead)
+        ahead = then
+        yield _Read(state, tokens)
 
 
 def _keep(into: list, token: slots.Token, options) -> None:

@@ -1349,19 +1349,62 @@ def generate(
     ``program_steps``: run the program of chunks of that many steps (:func:`chunk_size`), so that
     chunks of other lengths share one program.
     """
+    state, chunk = launch(engine, state, steps, program_steps)
+    return finish(state, chunk)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Chunk:
+    """A decode chunk :func:`launch` dispatched, its tokens not read yet.
+
+    Attributes:
+        out: the device's StepOut of its steps, [size, B].
+        longest: the most cache rows a live slot can hold after it (an upper bound).
+    """
+
+    out: StepOut
+    longest: int
+
+
+def launch(
+    engine: Engine,
+    state: SlotState,
+    steps: int,
+    program_steps: int | None = None,
+    longest: int | None = None,
+) -> tuple[SlotState, Chunk | None]:
+    """Dispatches :func:`generate`'s chunk and returns without waiting for the device: the
+    state holds the rows after the chunk (its arrays donated from ``state``'s), and
+    :func:`finish` reads the chunk's tokens. A chunk may be launched on the rows of another
+    that is not read yet: the device runs them in order. ``longest``: an upper bound on the
+    live slots' lengths (:attr:`Chunk.longest` of the chunk before), where the slots read a
+    window of the cache; None reads them (which waits for the rows). None: no live slot."""
     size = chunk_size(steps, program_steps)
     live = state.live_slots
     if not live:
-        return state, []
-    longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
-    window = window_of(longest + steps, state.capacity) if engine.slot_windows else state.capacity
+        return state, None
+    window = state.capacity
+    if engine.slot_windows:
+        if longest is None:
+            longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
+        window = window_of(longest + steps, state.capacity)
     state = resized(engine, state, window)
     padded = (window,) if engine.compiled.padded else ()
     engine.compiled.steps.shapes.add((1, window, True) + padded)  # the decode shape it runs
     run = _chunk(engine, window, state.top_logprobs, size)
     params, embed = engine.model.params, _embed_params(engine)
     rows, out = run(params, embed, state.rows, state.given, np.int32(steps), state.live_table)
-    return read(state, rows, jax.device_get(out))
+    bound = (longest if longest is not None else window) + steps
+    return dataclasses.replace(state, rows=rows), Chunk(out, bound)
+
+
+def finish(state: SlotState, chunk: Chunk | None) -> tuple[SlotState, list[Token]]:
+    """The tokens of ``chunk`` (:func:`launch`; None: none), read as :func:`read` does, onto
+    ``state``'s rows (those after ``chunk``, or after a chunk launched on them since): a slot
+    that a stop string ends is marked done there, and its tokens of a later chunk dropped."""
+    if chunk is None:
+        return state, []
+    return read(state, state.rows, jax.device_get(chunk.out))
 
 
 def warm(engine: Engine, state: SlotState, steps: int) -> SlotState:
