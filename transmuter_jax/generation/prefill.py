@@ -197,6 +197,17 @@ _last_logits = AutoStoredJit(
 )
 
 
+def _rows_apart(tree: Any) -> tuple:
+    """Traced: ``tree``'s arrays [n, ...] cut into n trees of one row each."""
+    n = jax.tree.leaves(tree)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i : i + 1], tree) for i in range(n))
+
+
+# The requests' rows cut apart in one program: a slice of each array for each request dispatched
+# one at a time costs ~0.1 ms of the host's time each (70 ms at batch 8 on the default model).
+_apart = AutoStoredJit(_rows_apart, ("prefill.rows_apart", 1))
+
+
 def step(engine: Engine, pending: Pending, size: int) -> Pending:
     """One step of ``size`` tokens of every row: the next part of its prompt, padded (a row
     with none left feeds padding after its valid rows, which the next ones overwrite or the
@@ -261,15 +272,17 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
         after, out = first(pending.logits, group, table)
         out = jax.device_get(out)
         chosen.update({int(i): (after, out) for i in np.flatnonzero(members)})
+    # each request's rows: the selection's (of its table's call), the cache's and given inputs'
+    shared = (pending.cache, pending.given)
+    apart = {id(after): _apart(after) if n > 1 else (after,) for after, _ in chosen.values()}
+    shared_apart = _apart(shared) if n > 1 else (shared,)
     prefixes = []
     for i, request in enumerate(pending.requests):
         after, out = chosen[i]
-        row = (lambda a: a) if n == 1 else (lambda a, i=i: a[i : i + 1])  # noqa: E731
-        one = jax.tree.map(row, after)
+        one = apart[id(after)][i]
         drafted = slots._drafted(engine, request.prompt, pending.resolved[i]["assisted"])
         drafts = dataclasses.replace(one.drafts, cache=drafted)
-        cache = jax.tree.map(row, pending.cache)
-        given = {k: row(v) for k, v in pending.given.items()}
+        cache, given = shared_apart[i]
         one = dataclasses.replace(one, cache=cache, drafts=drafts)
         if pending.resolved[i]["max_new"] == 0:
             prefixes.append(slots.Prefix(request, one, None, tables[i], given))
