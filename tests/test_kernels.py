@@ -1106,6 +1106,66 @@ def test_rms_norms_follow_onnxruntime(rng, op, k):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("k", [13, 64, 576])
+def test_the_skip_norm_gives_its_sum_from_the_same_call(rng, k):
+    """SkipSimplifiedLayerNormalization with its sum output (the genai builder's residual
+    stream): the sum bit for bit onnxruntime's (one float add an element), the norm as the
+    norm's own test has it, both from one kernel call."""
+    node = helper.make_node(
+        "SkipSimplifiedLayerNormalization", ["x", "s", "g"], ["y", "", "", "sum"],
+        domain="com.microsoft", epsilon=1e-6,
+    )  # fmt: skip
+    shape = [2, 3, k]
+    gamma = (rng.standard_normal(k) * 0.5 + 1).astype(np.float32)
+    graph = helper.make_graph(
+        [node],
+        "norm",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("x", "s")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "sum")],
+        [numpy_helper.from_array(gamma, "g")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    feeds = {
+        "x": (rng.standard_normal(shape) * 3).astype(np.float32),
+        "s": rng.standard_normal(shape).astype(np.float32),
+    }
+    want = _ort(proto, feeds)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.onnx")
+        onnx.save(proto, path)
+        got = {n: np.asarray(v) for n, v in tj.load(path)(feeds).items()}
+    np.testing.assert_array_equal(got["sum"], want["sum"])
+    if _avx2_fma_cpu():
+        np.testing.assert_array_equal(got["y"], want["y"])
+    else:
+        np.testing.assert_allclose(got["y"], want["y"], rtol=1e-6, atol=1e-6)
+    x, s, g = (jnp.asarray(feeds["x"]), jnp.asarray(feeds["s"]), jnp.asarray(gamma))
+
+    def ref(a, b, g):
+        v = a + b
+        return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + 1e-6) * g, v
+
+    def pair(a, b):
+        return kernels.skip_rms_norm(a, b, g, 1e-6, ref)
+
+    text = jax.jit(pair).lower(x, s).as_text()
+    assert text.count("tj_skip_rms_norm") == 1 and "tj_rms_norm" not in text
+    y, total = jax.jit(pair)(x, s)
+    np.testing.assert_array_equal(np.asarray(total), got["sum"])
+    np.testing.assert_array_equal(np.asarray(y), got["y"])
+    # vmapped over both (folded into the call) and over x alone (the reference): the same rows
+    for b, axes in ((s, (0, 0)), (s[0], (0, None))):
+        yv, tv = jax.vmap(pair, in_axes=axes)(x, b)
+        want_y, want_t = jax.vmap(lambda a, c: ref(a, c, g), in_axes=axes)(x, b)
+        np.testing.assert_allclose(np.asarray(yv), np.asarray(want_y), rtol=2e-6, atol=2e-6)
+        np.testing.assert_array_equal(np.asarray(tv), np.asarray(want_t))
+    grad = jax.grad(lambda a: jnp.sum(pair(a, s)[0]) + jnp.sum(pair(a, s)[1] ** 2))(x)
+    want_grad = jax.grad(lambda a: jnp.sum(ref(a, s, g)[0]) + jnp.sum(ref(a, s, g)[1] ** 2))(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("blocks", [1, 3, 4, 5, 8, 18, 48])
 def test_nbits_pack_round_trips(rng, blocks):
     """The kernel's layout of int4 weights (blocks of 32) holds the same values: unpacking it

@@ -572,6 +572,30 @@ def rms_norm(
     return _wrapped(kernel, reference)(x, gamma)
 
 
+def skip_rms_norm(
+    x: jax.Array, skip: jax.Array, gamma: jax.Array, epsilon: float, reference: Callable
+) -> tuple[jax.Array, jax.Array]:
+    """``(rms_norm(x + skip), x + skip)`` in float32 with :data:`RMS_SKIP`'s float steps, in one
+    call (SkipSimplifiedLayerNormalization's normed output and its sum, the residual stream):
+    the sum is each element's one float add, as XLA's. ``reference(x, skip, gamma)`` computes
+    the same pair in pure JAX. ``x`` and ``skip`` have one shape, ``gamma`` ``[K]``."""
+    x = jnp.asarray(x, jnp.float32)
+    skip = jnp.asarray(skip, jnp.float32)
+    gamma = jnp.asarray(gamma, jnp.float32)
+    if not enabled() or x.shape[-1] == 0 or x.shape != skip.shape or gamma.shape != x.shape[-1:]:
+        return reference(x, skip, gamma)
+
+    def kernel(x, skip, gamma):
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        return tuple(
+            jax.ffi.ffi_call("tj_skip_rms_norm", (out, out))(
+                x, skip, gamma, epsilon=np.float32(epsilon)
+            )
+        )
+
+    return _wrapped(kernel, reference, activations=2)(x, skip, gamma)
+
+
 def _nbits_parts() -> tuple[np.ndarray, np.ndarray]:
     """Which values of a group of 128 (4 blocks) byte 4 * o + i of the packed group holds: value
     ``first[4 * o + i]`` (low nibble) and ``second[4 * o + i]`` (high nibble). Lane o of the
@@ -692,11 +716,15 @@ def nbits_unpack(packed: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------- autodiff and vmap
 
 
-def _wrapped(kernel: Callable, reference: Callable, *, folds: bool = True, **static) -> Callable:
+def _wrapped(
+    kernel: Callable, reference: Callable, *, folds: bool = True, activations: int = 1, **static
+) -> Callable:
     """``kernel(x, *weights)`` made differentiable and vmappable through ``reference``.
 
     vmap over ``x`` only folds the batch into the kernel's leading dimensions (``folds``; else it
     runs ``reference``); vmap over any weight, and every gradient, runs ``reference`` instead.
+    ``activations``: how many leading arguments are shaped as ``x`` (vmapped all alike, they
+    fold together; some of them alone run ``reference``).
     """
     kernel = functools.partial(kernel, **static)
     reference = functools.partial(reference, **static)
@@ -707,12 +735,13 @@ def _wrapped(kernel: Callable, reference: Callable, *, folds: bool = True, **sta
 
     @batched.def_vmap
     def _rule(axis_size, in_batched, x, *weights):
-        if any(in_batched[1:]) or (in_batched[0] and not folds):
+        acts = in_batched[:activations]
+        if any(in_batched[activations:]) or (any(acts) and not (folds and all(acts))):
             axes = [0 if b else None for b in in_batched]
-            return jax.vmap(reference, in_axes=axes)(x, *weights), True
-        if not in_batched[0]:
-            return kernel(x, *weights), False
-        return kernel(x, *weights), True
+            out = jax.vmap(reference, in_axes=axes)(x, *weights)
+            return out, jax.tree.map(lambda _: True, out)
+        out = kernel(x, *weights)
+        return out, jax.tree.map(lambda _: bool(acts[0]), out)
 
     @jax.custom_vjp
     def fn(x, *weights):

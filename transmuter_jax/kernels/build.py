@@ -61,6 +61,7 @@ TARGETS = {
     "tj_matmul_nbits": "TjMatMulNBits",
     "tj_matmul_nbits_live": "TjMatMulNBitsLive",
     "tj_rms_norm": "TjRmsNorm",
+    "tj_skip_rms_norm": "TjSkipRmsNorm",
     "tj_attention_f32": "TjAttentionF32",
     "tj_silu_mul_f32": "TjSiluMulF32",
     "tj_matmul_nt_f32": "TjMatMulNtF32",

@@ -6,6 +6,8 @@
 //   ((s1 + s5) + (s3 + s7)); rms = sqrt(sum / K + epsilon); y = (x * (1 / rms)) * gamma.
 // mode 1 (SkipSimplifiedLayerNormalization): sum = ((x_0 * x_0) + x_1 * x_1) + ... in order,
 //   each square rounded first; rms = sqrt(sum / K + epsilon); y = (x / rms) * gamma.
+// tj_skip_rms_norm: mode 1 of x = input + skip (each element one float add), which it returns
+//   too (the residual stream): one call where an add and the norm were two.
 //
 // Int8 products amplify one ulp of their input into a quantization step (see docs/kernels.md),
 // so a norm that rounds as onnxruntime's keeps the int4 models' logits close to its own.
@@ -58,6 +60,34 @@ static ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gam
   return ffi::Error::Success();
 }
 
+// y = mode 1 of row (above), written to o.
+static void skip_row(const float* row, const float* g, int64_t k, float epsilon, float* o) {
+  const float rms = std::sqrt(sum_of_squares(row, k, 1) / static_cast<float>(k) + epsilon);
+  for (int64_t i = 0; i < k; ++i) o[i] = (row[i] / rms) * g[i];
+}
+
+static ffi::Error SkipRmsNormImpl(ffi::Buffer<ffi::F32> input, ffi::Buffer<ffi::F32> skip,
+                                  ffi::Buffer<ffi::F32> gamma, ffi::ResultBuffer<ffi::F32> y,
+                                  ffi::ResultBuffer<ffi::F32> total, float epsilon) {
+  auto dims = input.dimensions();
+  if (dims.size() < 1 || skip.element_count() != input.element_count()) {
+    return ffi::Error::InvalidArgument("tj_skip_rms_norm: input and skip must match");
+  }
+  const int64_t k = dims.back(), rows = product(dims, 0, dims.size() - 1);
+  if (static_cast<int64_t>(gamma.element_count()) != k) {
+    return ffi::Error::InvalidArgument("tj_skip_rms_norm: gamma must have K elements");
+  }
+  const float* a = input.typed_data();
+  const float* b = skip.typed_data();
+  float* sum = total->typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = sum + r * k;
+    for (int64_t i = 0; i < k; ++i) s[i] = a[r * k + i] + b[r * k + i];
+    skip_row(s, gamma.typed_data(), k, epsilon, y->typed_data() + r * k);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace tj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjRmsNorm, tj::RmsNormImpl,
@@ -67,3 +97,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjRmsNorm, tj::RmsNormImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<float>("epsilon")
                                   .Attr<int64_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjSkipRmsNorm, tj::SkipRmsNormImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("epsilon"));

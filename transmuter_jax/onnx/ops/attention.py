@@ -703,6 +703,17 @@ def SkipLayerNormalization(input, skip, gamma, beta=None, bias=None, *, epsilon=
 @op("SkipSimplifiedLayerNormalization", domain=MS)
 def SkipSimplifiedLayerNormalization(input, skip, gamma, bias=None, *, epsilon=1e-12, ctx):
     """RMSNorm(input + skip + bias) * gamma; outputs (y, mean, inv_std, sum)."""
+    floats = all(jnp.result_type(a) == jnp.float32 for a in (input, skip))
+    same = jnp.shape(input) == jnp.shape(skip) and jnp.shape(gamma) == jnp.shape(input)[-1:]
+    if bias is None and floats and same:  # the sum and its norm in one call (steps as below)
+
+        def ref(a, b, g):
+            v = a + b
+            return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * g, v
+
+        y, total = kernels.skip_rms_norm(input, skip, gamma, epsilon, ref)
+        inv = jax.lax.rsqrt(jnp.mean(jnp.square(total), axis=-1, keepdims=True) + epsilon)
+        return _norm_outputs(y, jnp.zeros_like(inv), inv, total, ctx.num_outputs)
     total = _skip_sum(input, skip, bias)
     x = total.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
