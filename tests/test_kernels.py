@@ -1243,6 +1243,78 @@ def test_matmul_nbits_block32_follows_onnxruntime(rng, monkeypatch, zero_points,
                     _close(ours, theirs.astype(np.float64), k)
 
 
+def _packed_nbits(b, scales, zp, n, k):
+    blocks = -(-k // 32)
+    return (
+        kernels.nbits_pack(b),
+        kernels.nbits_pack_scales(scales, n, blocks),
+        None if zp is None else kernels.nbits_pack_zero_points(zp, n, blocks),
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", ["0", "1"])
+@pytest.mark.parametrize("zero_points", [None, "packed"])
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (96, 21), (608, 33)])
+def test_matmul_nbits_gate_up_equals_its_three_calls(rng, monkeypatch, portable, zero_points, k, n):
+    """SwiGLU's gate and up products and their activation in one call: bit for bit the gated
+    activation of the two products' calls, at 1, 8 and 64 rows, each row as its solo run, and
+    within live_rows the live rows alone."""
+    monkeypatch.setenv(kernels.PORTABLE_ENV, portable)
+    gate = _packed_nbits(*_nbits(rng, k, n, 32, zero_points), n, k)
+    up = _packed_nbits(*_nbits(rng, k, n, 32, zero_points), n, k)
+
+    def ref(x, *weights):
+        g = int8_product(x, *weights[:3], k, n, 32)
+        return kernels.silu_mul(g, int8_product(x, *weights[3:], k, n, 32))
+
+    def one(x, w):
+        return kernels.matmul_nbits(x, *w, n=n, block_size=32, reference=None, int8=True,
+                                    packed=True)  # fmt: skip
+
+    three = jax.jit(lambda x: kernels.silu_mul(one(x, gate), one(x, up)))
+    fused = jax.jit(
+        lambda x: kernels.matmul_nbits_gate_up(
+            x, gate, up, n=n, block_size=32, reference=ref, int8=True
+        )  # fmt: skip
+    )
+    x = (rng.standard_normal((64, k)) * 3).astype(np.float32)
+    assert "tj_matmul_nbits_gate_up" in fused.lower(x).as_text()
+    whole = np.asarray(fused(x))
+    np.testing.assert_array_equal(whole, np.asarray(three(x)))
+    for m in (1, 8):
+        np.testing.assert_array_equal(np.asarray(fused(x[:m])), whole[:m])
+    for r in (0, 5, 63):
+        np.testing.assert_array_equal(np.asarray(fused(x[r : r + 1]))[0], whole[r])
+    # the reference (gradients, vmap over the weights): XLA's float steps, within rounding
+    np.testing.assert_allclose(whole, np.asarray(jax.jit(ref)(x, *_stored(gate, up, n))),
+                               rtol=5e-4, atol=1e-3)  # fmt: skip
+    steps = x[:12].reshape(6, 2, k)
+    live = np.array([0, 1, 0, 0, 1, 1], bool)
+
+    def in_live(x, live):
+        with kernels.live_rows(live):
+            return kernels.matmul_nbits_gate_up(x, gate, up, n=n, block_size=32, reference=ref,
+                                                int8=True)  # fmt: skip
+
+    run = jax.jit(in_live)
+    assert "tj_matmul_nbits_gate_up_live" in run.lower(steps, live).as_text()
+    got = np.asarray(run(steps, live))
+    for r in np.flatnonzero(live):
+        np.testing.assert_array_equal(got[r], whole[2 * r : 2 * r + 2])
+
+
+def _stored(gate, up, n):
+    """The packed weights of gate and up as stored (b, scales, zero points each)."""
+    return [
+        a
+        for b, s, z in (gate, up)
+        for a in kernels.nbits_unpack_all(
+            jnp.asarray(b), jnp.asarray(s), None if z is None else jnp.asarray(z), n
+        )  # fmt: skip
+    ]
+
+
 @needs_kernels
 def test_matmul_nbits_vmap_and_grad(rng):
     k, n, block = 64, 12, 32
@@ -1743,6 +1815,63 @@ def test_int4_weights_prepacked_at_load(rng, tmp_path, monkeypatch):
     del proto.graph.node[0].attribute[-2]  # accuracy_level 0: exact, not packed
     onnx.save(proto, path)
     assert _packed_ops(tj.load(path)) == set()
+
+
+def _gate_up_model(rng, k, n, *, also_read: bool = False) -> onnx.ModelProto:
+    """SwiGLU's gate: (g * Sigmoid(g)) * u of two int8 MatMulNBits products of ``a``
+    (``also_read``: u is a graph output too)."""
+    nodes, inits = [], []
+    for name in ("g", "u"):
+        b, scales, _ = _nbits(rng, k, n, 32, None)
+        nodes.append(helper.make_node(
+            "MatMulNBits", ["a", f"{name}_b", f"{name}_s"], [name], domain="com.microsoft",
+            K=k, N=n, bits=4, block_size=32, accuracy_level=4,
+        ))  # fmt: skip
+        inits += [
+            numpy_helper.from_array(b, f"{name}_b"),
+            numpy_helper.from_array(scales, f"{name}_s"),
+        ]
+    nodes += [
+        helper.make_node("Sigmoid", ["g"], ["sig"]),
+        helper.make_node("Mul", ["g", "sig"], ["silu"]),
+        helper.make_node("Mul", ["silu", "u"], ["y"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])]
+    if also_read:
+        outputs.append(helper.make_tensor_value_info("u", TensorProto.FLOAT, ["m", n]))
+    graph = helper.make_graph(
+        nodes, "gate", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k])],
+        outputs, inits,
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    proto.ir_version = 10
+    return proto
+
+
+@needs_kernels
+@pytest.mark.parametrize("also_read", [False, True])
+def test_gate_and_up_products_fuse_into_one_call(rng, tmp_path, monkeypatch, also_read):
+    """Two int4 products of one input gated by SiLU become one PackedGateUpNBits (not where a
+    product's output is read elsewhere too), with onnxruntime's values."""
+    k, n = 96, 40
+    proto = _gate_up_model(rng, k, n, also_read=also_read)
+    path = str(tmp_path / "gate.onnx")
+    onnx.save(proto, path)
+    model = tj.load(path)
+    fused = {"PackedGateUpNBits"} if not also_read else {"PackedMatMulNBits", "SiluMul"}
+    assert _packed_ops(model) == fused
+    x = (rng.standard_normal((5, k)) * 2).astype(np.float32)
+    want = _ort(proto, {"a": x})
+    got = model({"a": x})
+    for name in want:  # onnxruntime's own SiLU differs from the kernels' in the last bits
+        np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=1e-5, atol=1e-5)
+    if not also_read:  # the values of the three calls, bit for bit
+        with monkeypatch.context() as patch:
+            patch.setattr(fuse, "gate_up", lambda graph: 0)
+            plain = tj.load(path)
+        assert _packed_ops(plain) == {"PackedMatMulNBits", "SiluMul"}
+        np.testing.assert_array_equal(np.asarray(got["y"]), np.asarray(plain({"a": x})["y"]))
 
 
 def _fixture_graphs():

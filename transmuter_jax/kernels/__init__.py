@@ -542,6 +542,52 @@ def matmul_nbits(
     return fn(jnp.asarray(x, jnp.float32), jnp.asarray(b), jnp.asarray(scales), zp, *more)
 
 
+def matmul_nbits_gate_up(
+    x: jax.Array,
+    gate: tuple,
+    up: tuple,
+    *,
+    n: int,
+    block_size: int,
+    reference: Callable[..., jax.Array],
+    int8: bool = False,
+) -> jax.Array:
+    """``silu_mul(x @ gate, x @ up)`` of two packed MatMulNBits weights (each ``(b, scales,
+    zero points or None)`` in the layouts of :func:`matmul_nbits` with ``packed``) in one call:
+    ``x`` quantized once, both products on one run of the pool, then the gated activation; the
+    values are those of the three calls. ``reference(x, *gate, *up)`` receives the weights as
+    stored (:func:`nbits_unpack_all`). Call only when :func:`nbits_supported` says so for both."""
+    live = _live_for(x) if jnp.ndim(x) == 3 else None
+
+    def zeros(z):
+        return jnp.zeros((0,), jnp.uint8) if z is None else jnp.asarray(z)
+
+    def kernel(x, gb, gs, gz, ub, us, uz, *live):
+        out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+        name = "tj_matmul_nbits_gate_up_live" if live else "tj_matmul_nbits_gate_up"
+        return jax.ffi.ffi_call(name, out)(
+            x, gb, gs, gz, ub, us, uz, *live,
+            block_size=np.int64(block_size),
+            int8=bool(int8),
+            portable=os.environ.get(PORTABLE_ENV, "") == "1",
+            packed=True,
+        )  # fmt: skip
+
+    def ref(x, gb, gs, gz, ub, us, uz, *live):  # every row: the others' are never read
+        stored = [
+            nbits_unpack_all(b, s, None if z.size == 0 else z, n)
+            for b, s, z in ((gb, gs, gz), (ub, us, uz))
+        ]
+        return reference(x, *stored[0], *stored[1])
+
+    fn = _wrapped(kernel, ref, folds=live is None)  # vmap over x: the blocks would move
+    more = () if live is None else (live,)
+    weights = [
+        f(w) for b, s, z in (gate, up) for f, w in ((jnp.asarray, b), (jnp.asarray, s), (zeros, z))
+    ]
+    return fn(jnp.asarray(x, jnp.float32), *weights, *more)
+
+
 # ---------------------------------------------------------------- RMS norms
 
 

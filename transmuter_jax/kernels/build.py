@@ -60,6 +60,8 @@ TARGETS = {
     "tj_gemm_live_f32": "TjGemmLiveF32",
     "tj_matmul_nbits": "TjMatMulNBits",
     "tj_matmul_nbits_live": "TjMatMulNBitsLive",
+    "tj_matmul_nbits_gate_up": "TjMatMulNBitsGateUp",
+    "tj_matmul_nbits_gate_up_live": "TjMatMulNBitsGateUpLive",
     "tj_rms_norm": "TjRmsNorm",
     "tj_skip_rms_norm": "TjSkipRmsNorm",
     "tj_attention_f32": "TjAttentionF32",

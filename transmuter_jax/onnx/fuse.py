@@ -4,6 +4,10 @@
 - ``(a * Sigmoid(a)) * b`` (SwiGLU's gate, in any operand order) becomes ``SiluMul(a, b)``: one
   vectorized pass on the kernels' pool, where XLA runs the three ops as one fusion on one thread
   (:func:`transmuter_jax.kernels.silu_mul`).
+- ``SiluMul(PackedMatMulNBits(a, gate), PackedMatMulNBits(a, up))`` (after the one above and
+  the int4 weights' prepacking) becomes ``PackedGateUpNBits(a, gate, up)``: both products and the
+  gated activation in one kernel call, ``a`` quantized once
+  (:func:`transmuter_jax.kernels.matmul_nbits_gate_up`).
 - ``MatMul(Transpose(a), Transpose(b) [* c])`` (either operand, any permutation; ``c`` a constant
   scalar) becomes ``TransposedMatMul(a, b[, c], perm_a, perm_b)``: attention's scores over a
   cache's keys ``K^T`` (times the scale, as Whisper's exports write it) without the transposed
@@ -69,6 +73,50 @@ def silu_mul(graph: GraphProto) -> int:
         )
     _replace(graph, fused, removed)
     return count + len(fused)
+
+
+def gate_up(graph: GraphProto) -> int:
+    """Fuses every ``SiluMul(PackedMatMulNBits(a, gate...), PackedMatMulNBits(a, up...))`` of
+    ``graph`` and its nested graphs (in place; the two products alike but for their weights,
+    without bias or g_idx, read by the SiluMul alone) into ``PackedGateUpNBits(a, gate's b,
+    scales, zero points, up's b, scales, zero points)``; returns how many were fused."""
+    count = sum(gate_up(sub) for node in graph.node for sub in subgraphs(node))
+    reads, producer = _reads(graph), _producers(graph)
+    removed: set[int] = set()
+    fused: dict[int, NodeProto] = {}
+    for node in graph.node:
+        if node.op_type != "SiluMul" or node.domain != DOMAIN or len(node.input) != 2:
+            continue
+        pair = [producer.get(name) for name in node.input]
+        if any(
+            p is None or id(p) in removed or reads[n] != 1
+            for p, n in zip(pair, node.input, strict=True)
+        ):
+            continue
+        if not all(_nbits_product(p) for p in pair) or len({p.input[0] for p in pair}) != 1:
+            continue
+        if len({tuple(sorted(a.SerializeToString() for a in p.attribute)) for p in pair}) != 1:
+            continue
+        gate, up = pair
+        weights = [*gate.input[1:4], "", ""][:3] + [*up.input[1:4], "", ""][:3]
+        removed.update(id(p) for p in pair)
+        fused[id(node)] = helper.make_node(
+            "PackedGateUpNBits", [gate.input[0], *weights], list(node.output), name=node.name,
+            domain=DOMAIN,
+        )  # fmt: skip
+        fused[id(node)].attribute.extend(gate.attribute)
+    _replace(graph, fused, removed)
+    return count + len(fused)
+
+
+def _nbits_product(node: NodeProto) -> bool:
+    """Whether ``node`` is a packed MatMulNBits without bias or g_idx."""
+    return (
+        node.op_type == "PackedMatMulNBits"
+        and node.domain == DOMAIN
+        and 3 <= len(node.input) <= 4
+        and all(node.input[:3])
+    )
 
 
 def _replace(graph: GraphProto, fused: dict[int, NodeProto], removed: set[int]) -> None:

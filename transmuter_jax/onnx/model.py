@@ -278,6 +278,7 @@ class Model:
         if kernels.enabled() and not host:  # XLA:CPU's (see onnx.fuse)
             scalar = fuse.scalars(graph, constants)
             fuse.silu_mul(graph)
+            fuse.gate_up(graph)
             fuse.transposed_products(graph, scalar)
             fuse.softmax_attention(graph, scalar, opsets.get("", 1))
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "activation.h"
 #include "common.h"
 #include "live.h"
 #include "nbits_block32.h"
@@ -600,23 +601,68 @@ static ffi::Error nbits_product(const NbitsWeights& weights, const float* xin, f
   return ffi::Error::Success();
 }
 
-// x [..., K] @ the weights -> y [..., N], over the live rows where `live` is given.
-static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
-                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
-                            const ffi::Buffer<ffi::S32>* live, ffi::ResultBuffer<ffi::F32> y,
-                            int64_t block_size, bool int8, bool portable, bool packed) {
-  auto xd = x.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() < 1 || yd.size() != xd.size()) {
-    return ffi::Error::InvalidArgument("tj_matmul_nbits: bad ranks");
+// Chunks [0, split) of the first job's run, then the second's.
+struct B32Pair {
+  const B32Job* first;
+  const B32Job* second;
+  int64_t split;
+};
+
+static void b32_pair_chunk(void* ctx, int64_t chunk) {
+  const B32Pair& p = *static_cast<const B32Pair*>(ctx);
+  if (chunk < p.split) {
+    b32_chunk(const_cast<B32Job*>(p.first), chunk);
+  } else {
+    b32_chunk(const_cast<B32Job*>(p.second), chunk - p.split);
   }
-  const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
+}
+
+// y [m, n] = silu(x @ gate) * (x @ up) (SwiGLU's gate and up products and their gated
+// activation, activation.h): the products' values are nbits_product's, the activation's
+// silu_mul_range's. Packed block-32 weights share x's quantization and one run of the pool.
+static ffi::Error gate_up_product(const NbitsWeights& gate, const NbitsWeights& up,
+                                  const float* xin, float* yout, int64_t m, int64_t n) {
+  thread_local std::vector<float> g, u;
+  g.resize(static_cast<size_t>(m * n));
+  u.resize(static_cast<size_t>(m * n));
+  const bool shared = gate.packed && up.packed && gate.int8 && up.int8 &&
+                      gate.block_size == 32 && up.block_size == 32 && gate.kind != kFloat &&
+                      up.kind != kFloat && gate.k == up.k && gate.portable == up.portable;
+  if (shared) {
+    const int64_t blocks = (gate.k + 31) / 32, groups = blocks * 32 / kGroup;
+    NbitsJob jg{nullptr, gate.b, gate.scales, gate.zp, gate.kind, g.data(), m, n, groups,
+                blocks, 32, 0};
+    NbitsJob ju{nullptr, up.b, up.scales, up.zp, up.kind, u.data(), m, n, groups, blocks, 32, 0};
+    Pool& pool = Pool::get();
+    const int64_t target = 8 * static_cast<int64_t>(pool.threads());
+    const int64_t cols =
+        kB32Tile * std::max<int64_t>(1, (n + kB32Tile * target - 1) / (kB32Tile * target));
+    B32Job wg{&jg, {}, gate.portable, true, cols};
+    b32_quantize(xin, m, gate.k, gate.portable, &wg.xs);
+    B32Job wu{&ju, wg.xs, up.portable, true, cols};
+    const int64_t chunks = (n + cols - 1) / cols;
+    pool.stream(gate.b, n * blocks * 16, 2 * chunks);
+    B32Pair pair{&wg, &wu, chunks};
+    pool.run(2 * chunks, b32_pair_chunk, &pair);
+  } else {
+    auto error = nbits_product(gate, xin, g.data(), m, n);
+    if (error.failure()) return error;
+    error = nbits_product(up, xin, u.data(), m, n);
+    if (error.failure()) return error;
+  }
+  silu_mul_range(SiluMulJob{g.data(), u.data(), yout, m * n}, 0, m * n);
+  return ffi::Error::Success();
+}
+
+// The weights of a product of x [m, k] -> [m, n], checked against K, N and block_size.
+static ffi::Error weights_of(int64_t k, int64_t n, ffi::Buffer<ffi::U8> b,
+                             ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp, int64_t block_size,
+                             bool int8, bool portable, bool packed, NbitsWeights* out) {
   if (block_size < 16 || (block_size & (block_size - 1)) != 0) {
     return ffi::Error::InvalidArgument("tj_matmul_nbits: block_size must be a power of 2 >= 16");
   }
   const int64_t blocks = (k + block_size - 1) / block_size;
   const int64_t padded = blocks * block_size;
-  const int64_t groups = padded / kGroup;
   ZeroPoints kind = kNone;
   if (zp.element_count() > 0) {
     kind = zp.element_type() == ffi::DataType::U8 ? kPacked : kFloat;
@@ -630,24 +676,98 @@ static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   }
   if (padded % kGroup != 0 || static_cast<int64_t>(b.element_count()) != n * padded / 2 ||
       static_cast<int64_t>(scales.element_count()) !=
-          (packed ? (n + kB32Tile - 1) / kB32Tile * kB32Tile : n) * blocks ||
-      product(yd, 0, yd.size() - 1) != m) {
+          (packed ? (n + kB32Tile - 1) / kB32Tile * kB32Tile : n) * blocks) {
     return ffi::Error::InvalidArgument("tj_matmul_nbits: shapes do not match K, N, block_size");
   }
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  NbitsWeights w{b.typed_data(), scales.typed_data(), zp.untyped_data(), kind, k, block_size,
-                 int8, portable, packed};
-  if (live == nullptr) return nbits_product(w, x.typed_data(), y->typed_data(), m, n);
+  *out = NbitsWeights{b.typed_data(), scales.typed_data(), zp.untyped_data(), kind, k, block_size,
+                      int8, portable, packed};
+  return ffi::Error::Success();
+}
+
+// x [..., K] -> y [..., N]: m rows of K, checked.
+static ffi::Error rows_of(const ffi::Buffer<ffi::F32>& x, ffi::Result<ffi::Buffer<ffi::F32>>& y,
+                          int64_t* m, int64_t* k, int64_t* n) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() < 1 || yd.size() != xd.size()) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: bad ranks");
+  }
+  *k = xd.back(), *n = yd.back(), *m = product(xd, 0, xd.size() - 1);
+  if (product(yd, 0, yd.size() - 1) != *m) {
+    return ffi::Error::InvalidArgument("tj_matmul_nbits: shapes do not match K, N, block_size");
+  }
+  return ffi::Error::Success();
+}
+
+// `compute(a, c, r)` on the r rows of x at a into c, over the live rows where `live` is given.
+template <typename Compute>
+static ffi::Error over_rows(const float* x, float* y, int64_t m, int64_t k, int64_t n,
+                            const ffi::Buffer<ffi::S32>* live, Compute compute) {
+  if (live == nullptr) return compute(x, y, m);
   ffi::Error failed = ffi::Error::Success();
   auto rows = [&](const float* a, float* c, int64_t r) {
-    auto error = nbits_product(w, a, c, r, n);
+    auto error = compute(a, c, r);
     if (error.failure()) failed = error;
   };
   const int64_t batch = static_cast<int64_t>(live->element_count());
-  if (!live_product(x.typed_data(), y->typed_data(), m, k, n, live->typed_data(), batch, rows)) {
+  if (!live_product(x, y, m, k, n, live->typed_data(), batch, rows)) {
     return ffi::Error::InvalidArgument("tj_matmul_nbits_live: the rows do not match the batch");
   }
   return failed;
+}
+
+// x [..., K] @ the weights -> y [..., N], over the live rows where `live` is given.
+static ffi::Error NbitsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                            ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                            const ffi::Buffer<ffi::S32>* live, ffi::ResultBuffer<ffi::F32> y,
+                            int64_t block_size, bool int8, bool portable, bool packed) {
+  int64_t m, k, n;
+  auto error = rows_of(x, y, &m, &k, &n);
+  if (error.failure()) return error;
+  NbitsWeights w;
+  error = weights_of(k, n, b, scales, zp, block_size, int8, portable, packed, &w);
+  if (error.failure()) return error;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  return over_rows(x.typed_data(), y->typed_data(), m, k, n, live,
+                   [&](const float* a, float* c, int64_t r) { return nbits_product(w, a, c, r, n); });
+}
+
+// silu(x @ gate) * (x @ up) -> y [..., N] (gate_up_product), over the live rows where `live` is
+// given.
+static ffi::Error GateUpImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gb,
+                             ffi::Buffer<ffi::F32> gs, ffi::AnyBuffer gzp, ffi::Buffer<ffi::U8> ub,
+                             ffi::Buffer<ffi::F32> us, ffi::AnyBuffer uzp,
+                             const ffi::Buffer<ffi::S32>* live, ffi::ResultBuffer<ffi::F32> y,
+                             int64_t block_size, bool int8, bool portable, bool packed) {
+  int64_t m, k, n;
+  auto error = rows_of(x, y, &m, &k, &n);
+  if (error.failure()) return error;
+  NbitsWeights gate, up;
+  error = weights_of(k, n, gb, gs, gzp, block_size, int8, portable, packed, &gate);
+  if (error.failure()) return error;
+  error = weights_of(k, n, ub, us, uzp, block_size, int8, portable, packed, &up);
+  if (error.failure()) return error;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  return over_rows(x.typed_data(), y->typed_data(), m, k, n, live,
+                   [&](const float* a, float* c, int64_t r) {
+                     return gate_up_product(gate, up, a, c, r, n);
+                   });
+}
+
+static ffi::Error GateUpFull(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gb,
+                             ffi::Buffer<ffi::F32> gs, ffi::AnyBuffer gzp, ffi::Buffer<ffi::U8> ub,
+                             ffi::Buffer<ffi::F32> us, ffi::AnyBuffer uzp,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t block_size, bool int8,
+                             bool portable, bool packed) {
+  return GateUpImpl(x, gb, gs, gzp, ub, us, uzp, nullptr, y, block_size, int8, portable, packed);
+}
+
+static ffi::Error GateUpLive(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gb,
+                             ffi::Buffer<ffi::F32> gs, ffi::AnyBuffer gzp, ffi::Buffer<ffi::U8> ub,
+                             ffi::Buffer<ffi::F32> us, ffi::AnyBuffer uzp,
+                             ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y,
+                             int64_t block_size, bool int8, bool portable, bool packed) {
+  return GateUpImpl(x, gb, gs, gzp, ub, us, uzp, &live, y, block_size, int8, portable, packed);
 }
 
 // x [..., K] @ the weights -> y [..., N].
@@ -693,3 +813,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsFull,
                                   .Attr<bool>("int8")
                                   .Attr<bool>("portable")
                                   .Attr<bool>("packed"));
+
+#define TJ_GATE_UP_ARGS                                  \
+  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()                \
+      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()             \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()            \
+      .Arg<xla::ffi::AnyBuffer>()                        \
+      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()             \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()            \
+      .Arg<xla::ffi::AnyBuffer>()
+#define TJ_GATE_UP_ATTRS                   \
+  .Attr<int64_t>("block_size")             \
+      .Attr<bool>("int8")                  \
+      .Attr<bool>("portable")              \
+      .Attr<bool>("packed")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsGateUp, tj::GateUpFull,
+                              xla::ffi::Ffi::Bind() TJ_GATE_UP_ARGS
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>() TJ_GATE_UP_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsGateUpLive, tj::GateUpLive,
+                              xla::ffi::Ffi::Bind() TJ_GATE_UP_ARGS
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>() TJ_GATE_UP_ATTRS);

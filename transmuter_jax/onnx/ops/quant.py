@@ -206,6 +206,73 @@ def PackedMatMulNBits(
     )
 
 
+@op("PackedGateUpNBits", domain=PACKED, fold=False)
+def PackedGateUpNBits(
+    a,
+    gate_b,
+    gate_scales,
+    gate_zero_points=None,
+    up_b=None,
+    up_scales=None,
+    up_zero_points=None,
+    *,
+    K,
+    N,
+    block_size,
+    bits=4,
+    accuracy_level=0,
+    weight_prepacked=0,
+):
+    """``SiluMul(PackedMatMulNBits(a, gate...), PackedMatMulNBits(a, up...))``, fused at load
+    (see onnx.fuse): on the kernels one call computes both products of ``a`` and the gated
+    activation, with the values of the three ops."""
+    args = (K, N, block_size, bits, accuracy_level, True)
+    x = jnp.asarray(a)
+    gate = (gate_b, gate_scales, gate_zero_points)
+    up = (up_b, up_scales, up_zero_points)
+    fused = _nbits_kernel(x, gate, *args) and _nbits_kernel(x, up, *args)
+    if fused and np.ndim(x) >= 1 and x.shape[-1] == K:
+        int8 = _int8(accuracy_level, bits, None, gate_zero_points)
+
+        def reference(x, gb, gs, gzp, ub, us, uzp):
+            g = _matmul_nbits(x, gb, gs, gzp, None, None, *args[:-1], False)
+            u = _matmul_nbits(x, ub, us, uzp, None, None, *args[:-1], False)
+            return kernels.silu_mul(g, u)
+
+        y = kernels.matmul_nbits_gate_up(
+            x.astype(jnp.float32), gate, up, n=N, block_size=block_size, reference=reference,
+            int8=int8,
+        )  # fmt: skip
+        return y.astype(x.dtype)
+    g = _matmul_nbits(a, *gate, None, None, *args)
+    u = _matmul_nbits(a, *up, None, None, *args)
+    return kernels.silu_mul(g, u).astype(g.dtype)
+
+
+def _int8(accuracy_level, bits, g_idx, zero_points) -> bool:
+    """Whether onnxruntime quantizes MatMulNBits' input to int8: with 4 bits and integer zero
+    points (or none)."""
+    return bool(
+        int8_activations(accuracy_level)
+        and bits == 4
+        and g_idx is None
+        and (zero_points is None or jnp.asarray(zero_points).dtype == jnp.uint8)
+    )
+
+
+def _nbits_kernel(x, weights, K, N, block_size, bits, accuracy_level, packed) -> bool:
+    """Whether _matmul_nbits runs the kernel on ``x`` and ``weights`` (b, scales, zero points)."""
+    b, scales, zero_points = weights
+    int8 = _int8(accuracy_level, bits, None, zero_points)
+    rows = int(np.prod(jnp.shape(x)[:-1]))
+    return bool(
+        np.size(b)
+        and (int8 or rows <= kernels.NBITS_MAX_ROWS)
+        and (int8 or not packed)
+        and kernels.nbits_supported(bits, block_size, K, None, scales, zero_points)
+    )
+
+
 def _matmul_nbits(
     a, b, scales, zero_points, g_idx, bias, K, N, block_size, bits, accuracy_level, packed
 ):
