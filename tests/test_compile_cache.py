@@ -19,6 +19,8 @@ monitoring.register_event_listener(
 import transmuter_jax as tj
 from transmuter_jax import generation
 from transmuter_jax.runtime import stored
+starts = []
+stored.compile_listeners.append(lambda event, seconds: starts.append(event == "start"))
 folder = sys.argv[1]
 model = tj.load(folder + "/model.onnx")
 ctx = generation.compile(generation.context(folder, model, max_new_tokens=6), 2)
@@ -29,6 +31,7 @@ print(json.dumps({
     "tokens": tokens,
     "folder": tj.compile_cache.directory(),
     "stored": stored.counts,
+    "traced": sum(starts),
 }))
 """
 
@@ -67,6 +70,7 @@ def test_a_second_process_traces_no_step(tmp_path):
     assert len(list((folder / "lowered").glob("*.jaxexport"))) == first["stored"]["exported"]
     second = _run(str(folder))
     assert second["stored"] == {"exported": 0, "read": first["stored"]["exported"]}
+    assert second["traced"] == 0  # none ran as plain jit (a custom call jax.export refused)
     assert second["misses"] == 0
     assert second["tokens"] == first["tokens"]
 
@@ -192,3 +196,12 @@ def test_only_this_threads_programs_inside_a_scope_are_kept(tmp_path, monkeypatc
     jax.jit(lambda x: x * 11 + 3)(np.arange(19.0))  # outside: not kept
     assert len(list(tmp_path.glob("*-cache"))) == 2
     assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_stored_programs_know_every_kernel():
+    """jax.export is told every custom call of the kernels: a program calling one it does not
+    know is not stored, and is traced and compiled again in every process."""
+    from transmuter_jax.kernels import build
+    from transmuter_jax.runtime import stored
+
+    assert set(stored.CUSTOM_CALLS) == set(build.TARGETS)

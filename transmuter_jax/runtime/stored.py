@@ -39,14 +39,19 @@ MAX_BYTES = 256 << 20  # oldest programs go beyond this
 SUFFIX = ".tj1.jaxexport"
 # Environment variables that change what a traced program computes.
 ENVIRONMENT = switch.TRACE_ENVIRONMENT
-# The custom calls of the CPU kernels (jax.export refuses unknown ones unless told).
+# The custom calls of the CPU kernels (jax.export refuses unknown ones unless told; a program
+# that calls one missing here is not stored, and compiles in every process): kernels.build's
+# TARGETS, which test_stored_programs_know_every_kernel checks.
 CUSTOM_CALLS = (
     "tj_gemm_f32",
     "tj_gemm_rows_f32",
     "tj_gemm_live_f32",
     "tj_matmul_nbits",
     "tj_matmul_nbits_live",
+    "tj_matmul_nbits_gate_up",
+    "tj_matmul_nbits_gate_up_live",
     "tj_rms_norm",
+    "tj_skip_rms_norm",
     "tj_attention_f32",
     "tj_silu_mul_f32",
     "tj_matmul_nt_f32",
