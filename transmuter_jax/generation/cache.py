@@ -74,19 +74,21 @@ class CacheLayout:
         return _zeros(self, batch, length, cross_length)()
 
 
+def zeros(layout: CacheLayout, batch: int, length: int, cross_length: int = 0) -> dict:
+    """Traced: :meth:`CacheLayout.empty`'s buffers."""
+    return {
+        e.input: jnp.zeros(
+            (batch, e.heads, cross_length if e.cross else length, e.head_size), e.dtype
+        )
+        for e in layout.entries
+    }
+
+
 @functools.cache
 def _zeros(layout: CacheLayout, batch: int, length: int, cross_length: int):
     """The compiled ``() -> buffers`` of :meth:`CacheLayout.empty`."""
-
-    def zeros():
-        return {
-            e.input: jnp.zeros(
-                (batch, e.heads, cross_length if e.cross else length, e.head_size), e.dtype
-            )
-            for e in layout.entries
-        }
-
-    program = jax.jit(zeros)  # its outputs uncommitted: a mesh's programs place them
+    program = jax.jit(functools.partial(zeros, layout, batch, length, cross_length))
+    # its outputs uncommitted: a mesh's programs place them
 
     def run():
         with compile_cache.scope():  # the program read from the compilation cache

@@ -13,7 +13,7 @@ on_token reports in generate()'s events (one per step, -1 where a row takes none
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -120,11 +120,11 @@ def run(
         state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
         inserted.append(i)
     made = 0
-    for tokens in _chunks(engine, state, options.decode_steps, rows, kept):
-        state = tokens.state
-        _events(on_token, options, tokens.tokens, finished)
-        made += len(tokens.tokens)
-        for t in tokens.tokens:
+    for after, tokens in _chunks(engine, state, options.decode_steps, rows, kept):
+        state = after
+        _events(on_token, options, tokens, finished)
+        made += len(tokens)
+        for t in tokens:
             _keep(kept[t.slot], t, options)
     if state is None:
         return kept, speculative.Stats(made)
@@ -136,14 +136,11 @@ def run(
     return kept, speculative.Stats(made, total(d.steps), total(d.drafted), total(d.accepted))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Read:
-    state: slots.SlotState
-    tokens: list[slots.Token]
-
-
-def _chunks(engine: Engine, state: slots.SlotState | None, steps: int, rows, kept):
-    """The decode chunks of the slots until none is live, each chunk's tokens as it is read.
+def _chunks(
+    engine: Engine, state: slots.SlotState | None, steps: int, rows, kept
+) -> Iterator[tuple[slots.SlotState, list[slots.Token]]]:
+    """The decode chunks of the slots until none is live: the state and the tokens of each chunk
+    as it is read.
 
     Plain chunks (no slot speculates, no constraint table) run one ahead: the next chunk is
     dispatched on the rows of the one the device runs before the host reads that one's tokens,
@@ -157,7 +154,7 @@ def _chunks(engine: Engine, state: slots.SlotState | None, steps: int, rows, kep
         plain = state.live_table is None and not speculative.speculating(engine, state)[0]
         if ahead is None and not plain:
             state, tokens = speculative.generate(engine, state, steps)
-            yield _Read(state, tokens)
+            yield state, tokens
             continue
         if ahead is None:
             state, ahead = slots.launch(engine, state, steps)
@@ -167,7 +164,7 @@ def _chunks(engine: Engine, state: slots.SlotState | None, steps: int, rows, kep
             state, then = slots.launch(engine, state, steps, longest=ahead.longest)
         state, tokens = slots.finish(state, ahead)
         ahead = then
-        yield _Read(state, tokens)
+        yield state, tokens
 
 
 def _keep(into: list, token: slots.Token, options) -> None:

@@ -32,6 +32,18 @@ static float sum_of_squares(const float* x, int64_t k, int64_t mode) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
+// o = the norm of `row` (K values) by `mode`'s steps (above), times gamma g.
+static void norm_row(const float* row, const float* g, int64_t k, float epsilon, int64_t mode,
+                     float* o) {
+  const float rms = std::sqrt(sum_of_squares(row, k, mode) / static_cast<float>(k) + epsilon);
+  if (mode == 1) {
+    for (int64_t i = 0; i < k; ++i) o[i] = (row[i] / rms) * g[i];
+  } else {
+    const float inv = 1.0f / rms;
+    for (int64_t i = 0; i < k; ++i) o[i] = (row[i] * inv) * g[i];
+  }
+}
+
 static ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gamma,
                               ffi::ResultBuffer<ffi::F32> y, float epsilon, int64_t mode) {
   auto dims = x.dimensions();
@@ -43,27 +55,11 @@ static ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gam
     return ffi::Error::InvalidArgument("tj_rms_norm: gamma must have K elements");
   }
   const float* in = x.typed_data();
-  const float* g = gamma.typed_data();
   float* out = y->typed_data();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = in + r * k;
-    float* o = out + r * k;
-    const float rms =
-        std::sqrt(sum_of_squares(row, k, mode) / static_cast<float>(k) + epsilon);
-    if (mode == 1) {
-      for (int64_t i = 0; i < k; ++i) o[i] = (row[i] / rms) * g[i];
-    } else {
-      const float inv = 1.0f / rms;
-      for (int64_t i = 0; i < k; ++i) o[i] = (row[i] * inv) * g[i];
-    }
+    norm_row(in + r * k, gamma.typed_data(), k, epsilon, mode, out + r * k);
   }
   return ffi::Error::Success();
-}
-
-// y = mode 1 of row (above), written to o.
-static void skip_row(const float* row, const float* g, int64_t k, float epsilon, float* o) {
-  const float rms = std::sqrt(sum_of_squares(row, k, 1) / static_cast<float>(k) + epsilon);
-  for (int64_t i = 0; i < k; ++i) o[i] = (row[i] / rms) * g[i];
 }
 
 static ffi::Error SkipRmsNormImpl(ffi::Buffer<ffi::F32> input, ffi::Buffer<ffi::F32> skip,
@@ -83,7 +79,7 @@ static ffi::Error SkipRmsNormImpl(ffi::Buffer<ffi::F32> input, ffi::Buffer<ffi::
   for (int64_t r = 0; r < rows; ++r) {
     float* s = sum + r * k;
     for (int64_t i = 0; i < k; ++i) s[i] = a[r * k + i] + b[r * k + i];
-    skip_row(s, gamma.typed_data(), k, epsilon, y->typed_data() + r * k);
+    norm_row(s, gamma.typed_data(), k, epsilon, 1, y->typed_data() + r * k);
   }
   return ffi::Error::Success();
 }
