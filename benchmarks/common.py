@@ -66,6 +66,11 @@ def report(figures: dict, top: int = 8) -> str:
             f"(host loop, dispatch, idle) {j['other_ms']:.2f} ms; weights "
             f"{j['params_bytes'] / 1e6:.0f} MB: {rate:.1f} GB/s of op time"
         )
+        if "gaps_within_ms" in j:
+            lines.append(
+                f"    of other: gaps between a step's ops {j['gaps_within_ms']:.2f} ms, the host's "
+                f"between chunks and before the first {j['gaps_between_ms']:.2f} ms"
+            )
         lines += [f"    {op:<40} {ms:>8.2f} ms" for op, ms in list(j["ops_ms"].items())[:top]]
     if o:
         rate = figures["weight_bytes"] / o["session_run_ms"] / 1e6

@@ -7,8 +7,10 @@ On the default model, the reference prompt, greedy with eos suppressed, after a 
 
 - jax: ``generation.generate`` traced with ``jax.profiler`` from the first new token to the last
   (decode steps only). Per step: the wall time, the time XLA ran ops (the union of the op
-  intervals on all XLA threads), the rest (the host loop, dispatch, transfers, idle), and the
-  op time by program and op kind (``dot``, ``fusion``, ``ffi_call``, ...; summed over threads).
+  intervals on all XLA threads), the rest (the host loop, dispatch, transfers, idle; of it, the
+  gaps between ops under 50 us, within a step, and the longer ones, the host's between chunks
+  and before the first), and the op time by program and op kind (``dot``, ``fusion``,
+  ``ffi_call``, ...; summed over threads).
 - ort: ``InferenceSession`` with onnxruntime's profiler in the step loop of perf_workers.py;
   per decode step (the prefill's nodes left out): the session run time and the node time by op
   type (summed over threads).
@@ -48,6 +50,26 @@ def _union(intervals: list[tuple[float, float]]) -> float:
             total += b - max(a, end)
             end = b
     return total
+
+
+# A gap between ops at least this long is the host's (a chunk's start: the tokens read, the next
+# call dispatched, the slots made); shorter ones lie between the ops of a step.
+HOST_GAP_NS = 50_000
+
+
+def _gaps(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """The idle time between the union's intervals: (in gaps shorter than HOST_GAP_NS, in the
+    others)."""
+    short = long = 0.0
+    end = None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            if a - end < HOST_GAP_NS:
+                short += a - end
+            else:
+                long += a - end
+        end = b if end is None else max(end, b)
+    return short, long
 
 
 def profile_jax(job: dict) -> dict:
@@ -90,12 +112,15 @@ def profile_jax(job: dict) -> dict:
     steps = len(marks) - 1
     wall = (marks[-1] - marks[0]) * 1e3 / steps
     busy = _union(intervals) / 1e6 / steps
+    within, between = (g / 1e6 / steps for g in _gaps(intervals))
     params = sum(a.nbytes for a in jax.tree_util.tree_leaves(model.params))
     return {
         "steps": steps,
         "step_ms": wall,
         "xla_busy_ms": busy,
         "other_ms": wall - busy,
+        "gaps_within_ms": within,  # between a step's ops (each gap under HOST_GAP_NS)
+        "gaps_between_ms": between,  # the host's: chunks' starts, the slots' setup
         "params_bytes": params,
         "ops_ms": {k: v / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])},
     }
