@@ -258,7 +258,7 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
     # the cache apart: not copied (one request: its rows as they are)
     rows = each[0] if n == 1 else jax.tree.map(lambda *a: np.concatenate(a), *each)
     first = slots._first(engine, engine.slot_top_logprobs)
-    chosen: dict[int, tuple[slots.Rows_, slots.StepOut]] = {}
+    chosen: dict[int, tuple[tuple[slots.Rows_, ...], slots.StepOut]] = {}  # rows of each request
     distinct: list[Any] = []
     for t in tables:
         if not any(t is u for u in distinct):
@@ -271,15 +271,15 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
             group = dataclasses.replace(rows, constraint=free)
         after, out = first(pending.logits, group, table)
         out = jax.device_get(out)
-        chosen.update({int(i): (after, out) for i in np.flatnonzero(members)})
-    # each request's rows: the selection's (of its table's call), the cache's and given inputs'
+        apart = _apart(after) if n > 1 else (after,)  # the selection's rows, one a request
+        chosen.update({int(i): (apart, out) for i in np.flatnonzero(members)})
+    # each request's rows of the cache and given inputs
     shared = (pending.cache, pending.given)
-    apart = {id(after): _apart(after) if n > 1 else (after,) for after, _ in chosen.values()}
     shared_apart = _apart(shared) if n > 1 else (shared,)
     prefixes = []
     for i, request in enumerate(pending.requests):
-        after, out = chosen[i]
-        one = apart[id(after)][i]
+        apart, out = chosen[i]
+        one = apart[i]
         drafted = slots._drafted(engine, request.prompt, pending.resolved[i]["assisted"])
         drafts = dataclasses.replace(one.drafts, cache=drafted)
         cache, given = shared_apart[i]
