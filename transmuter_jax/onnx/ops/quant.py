@@ -230,7 +230,7 @@ def PackedGateUpNBits(
     x = jnp.asarray(a)
     gate = (gate_b, gate_scales, gate_zero_points)
     up = (up_b, up_scales, up_zero_points)
-    fused = _nbits_kernel(x, gate, *args) and _nbits_kernel(x, up, *args)
+    fused = _nbits_kernel(x, gate, None, *args) and _nbits_kernel(x, up, None, *args)
     if fused and np.ndim(x) >= 1 and x.shape[-1] == K:
         int8 = _int8(accuracy_level, bits, None, gate_zero_points)
 
@@ -260,16 +260,16 @@ def _int8(accuracy_level, bits, g_idx, zero_points) -> bool:
     )
 
 
-def _nbits_kernel(x, weights, K, N, block_size, bits, accuracy_level, packed) -> bool:
+def _nbits_kernel(x, weights, g_idx, K, N, block_size, bits, accuracy_level, packed) -> bool:
     """Whether _matmul_nbits runs the kernel on ``x`` and ``weights`` (b, scales, zero points)."""
     b, scales, zero_points = weights
-    int8 = _int8(accuracy_level, bits, None, zero_points)
+    int8 = _int8(accuracy_level, bits, g_idx, zero_points)
     rows = int(np.prod(jnp.shape(x)[:-1]))
     return bool(
         np.size(b)
         and (int8 or rows <= kernels.NBITS_MAX_ROWS)
         and (int8 or not packed)
-        and kernels.nbits_supported(bits, block_size, K, None, scales, zero_points)
+        and kernels.nbits_supported(bits, block_size, K, g_idx, scales, zero_points)
     )
 
 
@@ -280,13 +280,7 @@ def _matmul_nbits(
     if a.ndim == 0 or a.shape[-1] != K:  # else the kernel would refuse it only when run
         what = "is a scalar" if a.ndim == 0 else f"has {a.shape[-1]} values per row"
         raise ValueError(f"input A {what}, not K = {K}")
-    # onnxruntime quantizes the input only with 4 bits and integer zero points (or none).
-    int8 = (
-        int8_activations(accuracy_level)
-        and bits == 4
-        and g_idx is None
-        and (zero_points is None or jnp.asarray(zero_points).dtype == jnp.uint8)
-    )
+    int8 = _int8(accuracy_level, bits, g_idx, zero_points)
 
     def reference(x, b, scales, zero_points):
         if int8:
@@ -295,13 +289,8 @@ def _matmul_nbits(
         return jnp.matmul(x, weight.T, precision=precision())  # [..., N]
 
     x = a.astype(jnp.float32)
-    rows = int(np.prod(x.shape[:-1]))
-    if (
-        np.size(b)
-        and (int8 or rows <= kernels.NBITS_MAX_ROWS)
-        and (int8 or not packed)
-        and kernels.nbits_supported(bits, block_size, K, g_idx, scales, zero_points)
-    ):
+    weights = (b, scales, zero_points)
+    if _nbits_kernel(x, weights, g_idx, K, N, block_size, bits, accuracy_level, packed):
         y = kernels.matmul_nbits(
             x,
             b,
