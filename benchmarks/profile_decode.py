@@ -7,7 +7,8 @@ On the default model, the reference prompt, greedy with eos suppressed, after a 
 
 - jax: ``generation.generate`` traced with ``jax.profiler`` from the first new token to the last
   (decode steps only). Per step: the wall time, the time XLA ran ops (the union of the op
-  intervals on all XLA threads), the rest (the host loop, dispatch, transfers, idle; of it, the
+  intervals on all XLA threads; a loop's or a branch's own event, which spans its ops and the
+  gaps between them, left out), the rest (the host loop, dispatch, transfers, idle; of it, the
   gaps between ops under 50 us, within a step, and the longer ones, the host's between chunks
   and before the first), and the op time by program and op kind (``dot``, ``fusion``,
   ``ffi_call``, ...; summed over threads).
@@ -40,6 +41,11 @@ from common import make_job, report, weight_bytes  # noqa: E402
 def _kind(op: str) -> str:
     """The kind of an HLO op name: 'dot.12' -> 'dot', 'wrapped_reduce-window' -> 'reduce-window'."""
     return re.sub(r"(\.\d+)+$", "", op.removeprefix("wrapped_"))
+
+
+# Ops that hold others (a loop's body, a branch): their events span their ops' and the gaps
+# between them, so they count in the ops' time but not in the time that ops ran.
+CONTAINERS = re.compile(r"(while|conditional|cond|call)(\.\d+)*(\.clone)?(\.\d+)*$")
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -107,8 +113,10 @@ def profile_jax(job: dict) -> dict:
                 if "hlo_op" not in stats:
                     continue
                 module = str(stats.get("hlo_module", "?")).removeprefix("jit_")
-                ops[f"{module}: {_kind(str(stats['hlo_op']))}"] += event.duration_ns / 1e6
-                intervals.append((event.start_ns, event.start_ns + event.duration_ns))
+                kind = _kind(str(stats["hlo_op"]))
+                ops[f"{module}: {kind}"] += event.duration_ns / 1e6
+                if not CONTAINERS.match(kind):  # its ops are events of their own
+                    intervals.append((event.start_ns, event.start_ns + event.duration_ns))
     steps = len(marks) - 1
     wall = (marks[-1] - marks[0]) * 1e3 / steps
     busy = _union(intervals) / 1e6 / steps

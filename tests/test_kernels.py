@@ -413,6 +413,146 @@ def test_attention_kernel_under_vmap_and_grad(rng):
     np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
+def _step_case(rng, b, s, n, nk, h, cached, half, positions=64):
+    qkv = rng.standard_normal((b, s, n + 2 * nk, h)).astype(np.float32)
+    old_k = rng.standard_normal((b, nk, cached, h)).astype(np.float32)
+    old_v = rng.standard_normal((b, nk, cached, h)).astype(np.float32)
+    past = rng.integers(0, cached - s + 1, b).astype(np.int32)
+    past[-1] = cached  # past the buffer's end: the write is clamped to its last rows
+    total = (past + s).astype(np.int32)
+    cos = rng.standard_normal((positions, half)).astype(np.float32)
+    sin = rng.standard_normal((positions, half)).astype(np.float32)
+    rot = (past[:, None] + np.arange(s)[None, :]).astype(np.int32)
+    rot[0, 0] = -1  # from the table's end, as jnp.take
+    rot[-1, -1] = positions + 3  # outside the table: NaN angles
+    return qkv, total, old_k, old_v, past, cos, sin, rot
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("b", "s", "n", "nk", "h", "cached", "half", "interleaved", "window"),
+    [
+        (1, 1, 9, 3, 64, 48, 32, False, 0),  # decoding
+        (3, 1, 9, 3, 64, 48, 32, True, 0),
+        (2, 1, 8, 2, 64, 40, 16, False, 0),  # a partial rotary
+        (2, 4, 4, 2, 32, 20, 16, False, 5),  # a later chunk, a window
+        (2, 1, 4, 4, 16, 9, 0, False, 0),  # no rotary
+    ],
+)
+def test_attention_step_is_the_rotation_the_attention_and_the_write(
+    rng, b, s, n, nk, h, cached, half, interleaved, window
+):
+    """One call of the step kernel: the buffers bit for bit the reference's (the rotated keys
+    and the values written at each row's clamped past), and the output bit for bit the
+    attention kernel's on the reference's rotated queries and keys (within tolerance of the
+    jax.numpy attention), each batch row as alone."""
+    if h % kernels.build.vector_lanes():
+        pytest.skip("head size not a multiple of this CPU's vector")
+    qkv, total, old_k, old_v, past, cos, sin, rot = _step_case(rng, b, s, n, nk, h, cached, half)
+    static = {"scale": 0.125, "causal": True, "window": window}
+
+    def call(qkv, total, old_k, old_v, past, rot):
+        rotary = (cos, sin, rot, interleaved) if half else None
+        return kernels.attention_step(qkv, total, (old_k, old_v, past), heads=n, rotary=rotary,
+                                      **static)  # fmt: skip
+
+    fn = jax.jit(call)
+    args = (qkv, total, old_k, old_v, past, rot)
+    out, keys, values = (np.asarray(a) for a in fn(*args))
+    tables = (cos, sin) if half else (np.zeros((0, 0), np.float32),) * 2
+    ref = jax.jit(
+        functools.partial(
+            kernels._attention_step_reference, heads=n, interleaved=interleaved, **static
+        )
+    )
+    want = ref(qkv, *tables, rot, total, old_k, old_v, past)
+    np.testing.assert_array_equal(keys, np.asarray(want[1]))
+    np.testing.assert_array_equal(values, np.asarray(want[2]))
+    assert not np.array_equal(keys, old_k)
+    # the keys the reference rotated, through the attention kernel
+    w = np.minimum(past, cached - s)
+    new_k = np.stack([np.asarray(want[1])[i, :, w[i] : w[i] + s] for i in range(b)])
+    new_v = np.stack([np.asarray(want[2])[i, :, w[i] : w[i] + s] for i in range(b)])
+    rows = qkv[:, :, :n]
+    if half:
+        c, t = np.take(cos, rot, axis=0, mode="wrap"), np.take(sin, rot, axis=0, mode="wrap")
+        inside = (rot >= -cos.shape[0]) & (rot < cos.shape[0])
+        c[~inside], t[~inside] = np.nan, np.nan
+        turn = jax.jit(lambda x, c, t: _rotated(x, c, t, half, interleaved))
+        rows = np.asarray(turn(rows, c, t))
+    fused = jax.jit(lambda q, k, v: kernels.attention(
+        q, k, v, total, old=(old_k, old_v, past), **static))  # fmt: skip
+    np.testing.assert_array_equal(out, np.asarray(fused(rows, new_k, new_v)))
+    np.testing.assert_allclose(out, np.asarray(want[0]), rtol=2e-5, atol=2e-5)
+    for i in range(b):
+        one = [np.asarray(a) for a in fn(*(a[i : i + 1] for a in args))]
+        np.testing.assert_array_equal(one[0], out[i : i + 1])
+        np.testing.assert_array_equal(one[1], keys[i : i + 1])
+
+
+def _rotated(x, c, t, half, interleaved):
+    """x [B, S, N, H] rotated by the angles c, t [B, S, half], as the op's rotate."""
+    c, t = c[:, :, None, :], t[:, :, None, :]
+    if interleaved:
+        a, o = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        turned = jnp.stack([a * c - o * t, o * c + a * t], -1).reshape(x.shape[:-1] + (2 * half,))
+    else:
+        a, o = x[..., :half], x[..., half : 2 * half]
+        turned = jnp.concatenate([a * c - o * t, o * c + a * t], -1)
+    return jnp.concatenate([turned, x[..., 2 * half :]], -1)
+
+
+@needs_kernels
+def test_attention_step_writes_the_buffer_in_place(rng):
+    """Donated, the buffers come back in the same memory (no copy of the cache a step); kept
+    by the caller, the old buffers are left as they were."""
+    qkv, total, old_k, old_v, past, cos, sin, rot = _step_case(rng, 2, 1, 4, 2, 32, 24, 16)
+    rot = np.clip(rot, 0, 63)
+
+    def step(qkv, old_k, old_v):
+        return kernels.attention_step(qkv, total, (old_k, old_v, past), heads=4, scale=0.25,
+                                      causal=True, rotary=(cos, sin, rot, False))  # fmt: skip
+
+    keys, values = jnp.asarray(old_k), jnp.asarray(old_v)
+    where = (keys.unsafe_buffer_pointer(), values.unsafe_buffer_pointer())
+    donated = jax.jit(step, donate_argnums=(1, 2))
+    assert "tj_gqa_step_f32" in donated.lower(qkv, keys, values).as_text()
+    out, new_k, new_v = donated(qkv, keys, values)
+    assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == where
+    kept_k, kept_v = jnp.asarray(old_k), jnp.asarray(old_v)
+
+    def both(qkv, k, v):
+        out, new_k, new_v = step(qkv, k, v)
+        return new_k, k + 0.0, new_v, v + 0.0
+
+    new_k2, before_k, new_v2, before_v = jax.jit(both)(qkv, kept_k, kept_v)
+    np.testing.assert_array_equal(np.asarray(before_k), old_k)
+    np.testing.assert_array_equal(np.asarray(before_v), old_v)
+    np.testing.assert_array_equal(np.asarray(new_k2), np.asarray(new_k))
+    np.testing.assert_array_equal(np.asarray(new_v2), np.asarray(new_v))
+
+
+@needs_kernels
+def test_attention_step_is_refused_where_it_does_not_apply(rng):
+    """Other dtypes, a buffer shorter than the step, QKV heads that do not add up, a rotary
+    wider than the head: None (the op's own path)."""
+    qkv, total, old_k, old_v, past, cos, sin, rot = _step_case(rng, 1, 1, 4, 2, 32, 8, 16)
+    old = (old_k, old_v, past)
+
+    def step(qkv, old, heads=4, rotary=None):
+        return kernels.attention_step(qkv, total, old, heads=heads, scale=1.0, causal=True,
+                                      rotary=rotary)  # fmt: skip
+
+    assert step(qkv, old) is not None
+    assert step(qkv.astype(jnp.bfloat16), old) is None
+    assert step(qkv, old, heads=3) is None
+    assert step(qkv, (old_k[:, :, :0], old_v[:, :, :0], past)) is None
+    wide = np.zeros((64, 17), np.float32)
+    assert step(qkv, old, rotary=(wide, wide, rot, False)) is None
+    with kernels.off():
+        assert step(qkv, old) is None
+
+
 # ---------------------------------------------------------------- a @ x^T
 
 

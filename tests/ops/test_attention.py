@@ -176,6 +176,42 @@ def test_gqa_decode_rotary_packed(interleaved):
     )
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"seq": 1, "buffer": 8, "seqlens": (4, 7), "total": 8},  # decoding, no rotary
+        {"seq": 1, "buffer": 8, "seqlens": (4, 7), "total": 8, "do_rotary": 1},
+        {"seq": 1, "buffer": 8, "seqlens": (2, 5), "total": 8, "do_rotary": 1,
+         "rotary_interleaved": 1},
+        {"batch": 1, "seq": 3, "buffer": 10, "seqlens": (8,), "total": 9, "do_rotary": 1},
+        {"seq": 1, "buffer": 8, "seqlens": (3, 6), "total": 7, "local_window_size": 3},
+        {"head": 32, "rotary_dim": 16, "seq": 1, "buffer": 6, "seqlens": (2, 5), "total": 6,
+         "do_rotary": 1},
+        {"seq": 1, "buffer": 8, "seqlens": (2, 5), "total": 8, "do_rotary": 1,
+         "extra": {"position_ids": np.array([[9], [3]], np.int64)}},
+    ],
+)  # fmt: skip
+def test_gqa_packed_step_runs_in_one_kernel_call(case, monkeypatch):
+    """A step of packed QKV over a buffer that holds it (the decoders' in-place cache) runs in
+    one call of the step kernel (rotation, attention, the buffer's write): onnxruntime's
+    results."""
+    from transmuter_jax import kernels
+
+    if not kernels.enabled():
+        pytest.skip("CPU kernels not available")
+    calls = []
+    real = kernels.attention_step
+
+    def counted(*args, **kwargs):
+        done = real(*args, **kwargs)
+        calls.append(done is not None)
+        return done
+
+    monkeypatch.setattr(kernels, "attention_step", counted)
+    _gqa(packed=True, **case)
+    assert calls and all(calls)
+
+
 def test_gqa_partial_rotary():
     _gqa(head=32, rotary_dim=16, seq=1, buffer=6, seqlens=(2, 5), total=6, do_rotary=1)
 

@@ -2,7 +2,8 @@
 
 - :func:`matmul`: float32 ``x @ w`` with ``w`` packed once by :func:`pack` into column strips.
 - :func:`matmul_nbits`: com.microsoft MatMulNBits with 4-bit weights, read as stored.
-- :func:`attention`: a step's attention over a cache; :func:`matmul_nt`: ``a @ x^T`` without
+- :func:`attention`: a step's attention over a cache; :func:`attention_step`: with the rotary
+  embedding and the cache's write; :func:`matmul_nt`: ``a @ x^T`` without
   the transposed copy; :func:`matmul_nn`: few rows ``a @ x``; :func:`softmax`;
   :func:`rms_norm`; :func:`silu_mul`.
 
@@ -307,6 +308,123 @@ def attention(
     fn = _wrapped(_attention_kernel, _attention_reference, folds=False, **static)
     ints = [jnp.asarray(a, jnp.int32).reshape(b) for a in (total, past)]
     return fn(q, k, v, ints[0], old_k, old_v, ints[1])
+
+
+def _attention_step_reference(
+    qkv, cos, sin, rot, total, old_k, old_v, past, *, heads, scale, causal, window, interleaved
+):
+    """:func:`attention_step` in jax.numpy."""
+    b, s, _, h = qkv.shape
+    nk = old_k.shape[1]
+    half = cos.shape[-1]
+    q, k, v = qkv[:, :, :heads], qkv[:, :, heads : heads + nk], qkv[:, :, heads + nk :]
+    if half:
+        c = jnp.take(cos, rot, axis=0)[:, :, None, :]  # [B, S, 1, half]; outside: NaN
+        t = jnp.take(sin, rot, axis=0)[:, :, None, :]
+
+        def rotate(x):
+            if interleaved:
+                a, o = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+                turned = jnp.stack([a * c - o * t, o * c + a * t], axis=-1).reshape(
+                    x.shape[:-1] + (2 * half,)
+                )
+            else:
+                a, o = x[..., :half], x[..., half : 2 * half]
+                turned = jnp.concatenate([a * c - o * t, o * c + a * t], axis=-1)
+            return jnp.concatenate([turned, x[..., 2 * half :]], axis=-1)
+
+        q, k = rotate(q), rotate(k)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Nk, S, H]
+    out = _attention_reference(
+        q, k, v, total, old_k, old_v, past, scale=scale, causal=causal, window=window
+    )
+
+    def write(buffer, rows, at):
+        return jax.lax.dynamic_update_slice(buffer, rows, (np.int32(0), at, np.int32(0)))
+
+    at = jnp.asarray(past, jnp.int32)
+    return out, jax.vmap(write)(old_k, k, at), jax.vmap(write)(old_v, v, at)
+
+
+def _attention_step_kernel(
+    qkv, cos, sin, rot, total, old_k, old_v, past, *, heads, scale, causal, window, interleaved
+):
+    b, s, _, h = qkv.shape
+    shapes = (
+        jax.ShapeDtypeStruct((b, s, heads, h), jnp.float32),
+        jax.ShapeDtypeStruct(old_k.shape, jnp.float32),
+        jax.ShapeDtypeStruct(old_v.shape, jnp.float32),
+    )
+    return jax.ffi.ffi_call("tj_gqa_step_f32", shapes, input_output_aliases={5: 1, 6: 2})(
+        qkv,
+        cos,
+        sin,
+        rot,
+        total,
+        old_k,
+        old_v,
+        past,
+        scale=np.float32(scale),
+        window=np.int64(window),
+        causal=bool(causal),
+        interleaved=bool(interleaved),
+        heads=np.int64(heads),
+    )
+
+
+def attention_step(
+    qkv: jax.Array,
+    total: jax.Array,
+    old: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    heads: int,
+    scale: float,
+    causal: bool,
+    window: int = 0,
+    rotary: tuple[jax.Array, jax.Array, jax.Array, bool] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """A step of grouped-query attention over a cache buffer in one call, or None where the
+    kernel does not run it (the caller's own path then computes it).
+
+    qkv: [B, S, N + 2 Nk, H] the packed queries, keys and values (N = ``heads``); ``old``: the
+    buffer (keys, values [B, Nk, L, H], L >= S) and its valid rows past [B]; ``rotary``: (cos,
+    sin [P, R/2], positions [B, S], interleaved) rotating the queries and keys first. Returns
+    (out [B, S, N, H], keys, values): :func:`attention` over the buffer's valid rows and the
+    step's, and the buffer with the step's rows written at row ``past[b]`` of each batch row
+    (clamped so that they fit, as ``dynamic_update_slice``), in the buffer's place (donated in a
+    jitted caller).
+    """
+    lanes = build.vector_lanes()
+    old_k, old_v, past = old
+    if not enabled() or lanes is None or qkv.ndim != 4 or old_k.ndim != 4:
+        return None
+    b, s, width, h = qkv.shape
+    nk, cached = old_k.shape[1], old_k.shape[2]
+    arrays = (qkv, old_k, old_v) + (tuple(rotary[:2]) if rotary is not None else ())
+    if any(jnp.dtype(a.dtype) != jnp.float32 for a in arrays) or h % lanes:
+        return None
+    if heads < 1 or heads % nk or width != heads + 2 * nk or cached < s:
+        return None
+    if old_k.shape != (b, nk, cached, h) or old_v.shape != old_k.shape:
+        return None
+    if rotary is None:
+        cos = sin = jnp.zeros((0, 0), jnp.float32)
+        rot, interleaved = jnp.zeros((b, s), jnp.int32), False
+    else:
+        cos, sin, rot, interleaved = rotary
+        if cos.ndim != 2 or sin.shape != cos.shape or 2 * cos.shape[1] > h:
+            return None
+        rot = jnp.asarray(rot).astype(jnp.int32).reshape(b, s)
+    static = {
+        "heads": int(heads),
+        "scale": float(scale),
+        "causal": bool(causal),
+        "window": int(window),
+        "interleaved": bool(interleaved),
+    }
+    fn = _wrapped(_attention_step_kernel, _attention_step_reference, folds=False, **static)
+    ints = [jnp.asarray(a, jnp.int32).reshape(b) for a in (total, past)]
+    return fn(qkv, cos, sin, rot, ints[0], old_k, old_v, ints[1])
 
 
 # ---------------------------------------------------------------- products with x transposed

@@ -65,6 +65,7 @@ TARGETS = {
     "tj_rms_norm": "TjRmsNorm",
     "tj_skip_rms_norm": "TjSkipRmsNorm",
     "tj_attention_f32": "TjAttentionF32",
+    "tj_gqa_step_f32": "TjGqaStepF32",
     "tj_silu_mul_f32": "TjSiluMulF32",
     "tj_matmul_nt_f32": "TjMatMulNtF32",
     "tj_matmul_nn_f32": "TjMatMulNnF32",

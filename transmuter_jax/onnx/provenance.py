@@ -13,13 +13,16 @@
 
 XLA:CPU writes such values out in full before a custom call reads them (the whole cache, every
 layer and step). Records live while the outermost :func:`scope` (one graph's run) lasts.
+
+- What every layer derives alike from one input (a grouped-query attention's rows from
+  ``seqlens_k``) is computed once a run (:func:`derived`): XLA keeps each layer's copy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -38,12 +41,16 @@ def _seen() -> dict[int, tuple[Any, Any, int, str]]:
 
 @contextlib.contextmanager
 def scope() -> Iterator[None]:
-    """Records made within it (in this thread) are dropped when the outermost scope ends."""
+    """Records made within it (in this thread) are dropped when the outermost scope ends; what
+    :func:`derived` keeps, when this scope ends (a subgraph's run is traced apart)."""
     _seen()
     _local.depth += 1
+    kept = getattr(_local, "derived", None)
+    _local.derived = {}
     try:
         yield
     finally:
+        _local.derived = kept
         _local.depth -= 1
         if _local.depth == 0:
             _local.seen.clear()
@@ -113,3 +120,17 @@ def joined(value: Any) -> tuple[Any, Any] | None:
     """(first, second) where ``value`` is their concatenation along axis 2, else None."""
     found = _get(value, "joined")
     return None if found is None else found[0]
+
+
+def derived(value: Any, name: str, make: Callable[[], Any]) -> Any:
+    """``make()``, made once for ``value`` (by identity) and ``name`` in the innermost
+    :func:`scope` (one graph's run; outside one, every call makes it)."""
+    kept = getattr(_local, "derived", None)
+    if kept is None or not _traced(value):
+        return make()
+    entry = kept.get((id(value), name))
+    if entry is not None and entry[0] is value:
+        return entry[1]
+    result = make()
+    kept[(id(value), name)] = (value, result)
+    return result

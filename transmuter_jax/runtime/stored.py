@@ -53,6 +53,7 @@ CUSTOM_CALLS = (
     "tj_rms_norm",
     "tj_skip_rms_norm",
     "tj_attention_f32",
+    "tj_gqa_step_f32",
     "tj_silu_mul_f32",
     "tj_matmul_nt_f32",
     "tj_matmul_nn_f32",

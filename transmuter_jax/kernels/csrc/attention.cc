@@ -22,7 +22,9 @@
 // in the order of the keys).
 // Causal blocks late in the step see more keys: they are handed out first.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "common.h"
@@ -366,6 +368,34 @@ static void attention_chunk(void* ctx, int64_t chunk) {
   }
 }
 
+// out = the attention of q over old and new keys and values (the layout of AttentionImpl's
+// arguments; past null: no old row), on the pool.
+static void run_attention(const float* q, const float* k, const float* v, const float* old_k,
+                          const float* old_v, const int32_t* past, const int32_t* total,
+                          float* out, int64_t b, int64_t s, int64_t n, int64_t nk, int64_t h,
+                          int64_t cached, float scale, int64_t window, bool causal) {
+  const int64_t blocks = (s + kQueryBlock - 1) / kQueryBlock;
+  AttentionJob job{q,     k,      v,      old_k, old_v, past,   total, out, b, s, n, nk, h,
+                   cached, blocks, scale, window, causal, nullptr, 0};
+  int64_t most = 0;  // the most keys of a batch row
+  for (int64_t i = 0; i < b; ++i) {
+    int64_t rows, keys;
+    row_keys(job, i, &rows, &keys);
+    most = std::max(most, keys);
+  }
+  const int64_t width = kPanelKeys;
+  job.ldk = std::max<int64_t>(width, (most + width - 1) / width * width);
+  // This thread's calls' panels, kept between calls, given back when four times too large.
+  thread_local std::vector<float> kt;
+  const size_t need = static_cast<size_t>(b * nk * h * job.ldk);
+  if (kt.capacity() > 4 * need && kt.capacity() > (size_t{1} << 22)) std::vector<float>().swap(kt);
+  kt.resize(need);
+  job.kt = kt.data();
+  Pool& pool = Pool::get();
+  if (blocks > 1) pool.run(b * nk, gather_chunk, &job);  // else each chunk gathers its own
+  pool.run(b * nk * blocks, attention_chunk, &job);
+}
+
 static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> total,
                                 ffi::Buffer<ffi::F32> old_k, ffi::Buffer<ffi::F32> old_v,
@@ -387,28 +417,114 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
     return ffi::Error::InvalidArgument("tj_attention_f32: shapes do not match");
   }
   if (b == 0 || s == 0 || n == 0 || h == 0) return ffi::Error::Success();
-  const int64_t blocks = (s + kQueryBlock - 1) / kQueryBlock;
-  AttentionJob job{q.typed_data(),     k.typed_data(),    v.typed_data(),
-                   old_k.typed_data(), old_v.typed_data(), cached > 0 ? past.typed_data() : nullptr,
-                   total.typed_data(), out->typed_data(), b, s, n, nk, h, cached, blocks,
-                   scale, window, causal, nullptr, 0};
-  int64_t most = 0;  // the most keys of a batch row
-  for (int64_t i = 0; i < b; ++i) {
-    int64_t rows, keys;
-    row_keys(job, i, &rows, &keys);
-    most = std::max(most, keys);
+  run_attention(q.typed_data(), k.typed_data(), v.typed_data(), old_k.typed_data(),
+                old_v.typed_data(), cached > 0 ? past.typed_data() : nullptr, total.typed_data(),
+                out->typed_data(), b, s, n, nk, h, cached, scale, window, causal);
+  return ffi::Error::Success();
+}
+
+// Features [0, 2 * half) of a head of h at one position rotated by its angles (c, s: `half`
+// each; null: a position outside the tables, NaN as jnp.take gives there), the rest copied:
+// pairs (i, i + half), or (2i, 2i + 1) when interleaved, a' = fma(a, c, -(b * s)) and
+// b' = fma(b, c, a * s): the steps XLA's fusion of attention_core.rotate takes.
+static void rotate_head(const float* x, float* y, int64_t h, int64_t half, const float* c,
+                        const float* s, bool interleaved) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+    const float ci = c != nullptr ? c[i] : nan, si = s != nullptr ? s[i] : nan;
+    const float a = x[ia], b = x[ib];
+    y[ia] = std::fma(a, ci, -(b * si));
+    y[ib] = std::fma(b, ci, a * si);
   }
-  const int64_t width = kPanelKeys;
-  job.ldk = std::max<int64_t>(width, (most + width - 1) / width * width);
-  // This thread's calls' panels, kept between calls, given back when four times too large.
-  thread_local std::vector<float> kt;
-  const size_t need = static_cast<size_t>(b * nk * h * job.ldk);
-  if (kt.capacity() > 4 * need && kt.capacity() > (size_t{1} << 22)) std::vector<float>().swap(kt);
-  kt.resize(need);
-  job.kt = kt.data();
-  Pool& pool = Pool::get();
-  if (blocks > 1) pool.run(b * nk, gather_chunk, &job);  // else each chunk gathers its own
-  pool.run(b * nk * blocks, attention_chunk, &job);
+  std::copy(x + 2 * half, x + h, y + 2 * half);
+}
+
+// One step of onnxruntime's GroupQueryAttention over a cache buffer, in one call: qkv
+// [B, S, N + 2 Nk, H] the packed projections; the first N heads (queries) and the next Nk
+// (keys) rotated at positions rot [B, S] by the tables cos, sin [P, half] (half = 0: none);
+// out = the attention of AttentionImpl over the buffer's rows before the step (old k, v
+// [B, Nk, L, H], past [B] valid) and the step's rows; then the step's keys and values are
+// written into the buffer (present k, v: the same buffers, aliased) at rows
+// clamp(past[b], 0, L - S), as dynamic_update_slice writes them.
+static ffi::Error GqaStepImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
+                              ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> rot,
+                              ffi::Buffer<ffi::S32> total, ffi::Buffer<ffi::F32> old_k,
+                              ffi::Buffer<ffi::F32> old_v, ffi::Buffer<ffi::S32> past,
+                              ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> present_k,
+                              ffi::ResultBuffer<ffi::F32> present_v, float scale, int64_t window,
+                              bool causal, bool interleaved, int64_t heads) {
+  auto xd = qkv.dimensions(), cd = cos.dimensions(), od = out->dimensions();
+  auto ok = old_k.dimensions();
+  if (xd.size() != 4 || cd.size() != 2 || od.size() != 4 || ok.size() != 4 ||
+      sin.dimensions().size() != 2 || old_v.dimensions().size() != 4 ||
+      present_k->dimensions().size() != 4 || present_v->dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("tj_gqa_step_f32: bad ranks");
+  }
+  const int64_t b = xd[0], s = xd[1], h = xd[3], n = heads, nk = ok[1], cached = ok[2];
+  const int64_t positions = cd[0], half = cd[1];
+  bool same = sin.dimensions()[0] == positions && sin.dimensions()[1] == half;
+  for (size_t i = 0; i < 4; ++i) {
+    same = same && old_v.dimensions()[i] == ok[i] && present_k->dimensions()[i] == ok[i] &&
+           present_v->dimensions()[i] == ok[i];
+  }
+  if (!same || n < 1 || nk < 1 || n % nk != 0 || xd[2] != n + 2 * nk || ok[0] != b ||
+      ok[3] != h || od[0] != b || od[1] != s || od[2] != n || od[3] != h || cached < s ||
+      2 * half > h || h % kGemmLanes != 0 ||
+      static_cast<int64_t>(rot.element_count()) != b * s ||
+      static_cast<int64_t>(total.element_count()) != b ||
+      static_cast<int64_t>(past.element_count()) != b) {
+    return ffi::Error::InvalidArgument("tj_gqa_step_f32: shapes do not match");
+  }
+  const size_t buffer = static_cast<size_t>(b * nk * cached * h);
+  if (present_k->typed_data() != old_k.typed_data()) {  // not aliased: start from the old rows
+    std::copy(old_k.typed_data(), old_k.typed_data() + buffer, present_k->typed_data());
+  }
+  if (present_v->typed_data() != old_v.typed_data()) {
+    std::copy(old_v.typed_data(), old_v.typed_data() + buffer, present_v->typed_data());
+  }
+  if (b == 0 || s == 0 || h == 0) return ffi::Error::Success();
+  // The step's rows: queries [B, S, N, H], keys and values [B, Nk, S, H].
+  thread_local std::vector<float> rows;
+  const int64_t qn = b * s * n * h, kn = b * nk * s * h;
+  rows.resize(static_cast<size_t>(qn + 2 * kn));
+  float* q = rows.data();
+  float* k = q + qn;
+  float* v = k + kn;
+  const float* x = qkv.typed_data();
+  const float* cs = cos.typed_data();
+  const float* sn = sin.typed_data();
+  for (int64_t i = 0; i < b; ++i) {
+    for (int64_t t = 0; t < s; ++t) {
+      int64_t p = rot.typed_data()[i * s + t];
+      if (p < 0) p += positions;  // as jnp.take: negative positions count from the end
+      const bool inside = p >= 0 && p < positions;
+      const float* c = inside ? cs + p * half : nullptr;
+      const float* si = inside ? sn + p * half : nullptr;
+      const float* row = x + (i * s + t) * (n + 2 * nk) * h;
+      for (int64_t j = 0; j < n; ++j) {
+        rotate_head(row + j * h, q + ((i * s + t) * n + j) * h, h, half, c, si, interleaved);
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t at = ((i * nk + j) * s + t) * h;
+        rotate_head(row + (n + j) * h, k + at, h, half, c, si, interleaved);
+        std::copy(row + (n + nk + j) * h, row + (n + nk + j + 1) * h, v + at);
+      }
+    }
+  }
+  // The attention reads the old rows where they were before the write (aliased: the same).
+  run_attention(q, k, v, old_k.typed_data(), old_v.typed_data(), past.typed_data(),
+                total.typed_data(), out->typed_data(), b, s, n, nk, h, cached, scale, window,
+                causal);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t w = std::clamp<int64_t>(past.typed_data()[i], 0, cached - s);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t from = (i * nk + j) * s * h, to = ((i * nk + j) * cached + w) * h;
+      std::copy(k + from, k + from + s * h, present_k->typed_data() + to);
+      std::copy(v + from, v + from + s * h, present_v->typed_data() + to);
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -427,5 +543,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjAttentionF32, tj::AttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window")
                                   .Attr<bool>("causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGqaStepF32, tj::GqaStepImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("interleaved")
+                                  .Attr<int64_t>("heads"));
 
 extern "C" int tj_vector_lanes() { return tj::kGemmLanes; }

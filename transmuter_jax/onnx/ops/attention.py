@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import kernels
+from .. import provenance
 from ..registry import op
 from ._util import precision, write_rows, xp
 from .attention_core import (
@@ -82,10 +83,21 @@ def GroupQueryAttention(
     if sliding_window_cache:
         raise NotImplementedError("GroupQueryAttention with sliding_window_cache=1")
     query = jnp.asarray(query)
-    q, k, v = _split_qkv(query, key, value, num_heads, kv_num_heads)  # [B, S, N|Nk, H]
     total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
-    steps = _gqa_steps(seqlens_k, query_seqlens, query.shape[0], query.shape[1])
+    steps = _gqa_rows(seqlens_k, query_seqlens, query.shape[0], query.shape[1])
     first = query_seqlens is None and query.shape[1] == total_len  # a first prompt
+    sink = _gqa_sink(head_sink, smooth_softmax, num_heads)
+    heads = num_heads + 2 * kv_num_heads if key is None else num_heads  # in query's last axis
+    scale = scale or 1.0 / math.sqrt(query.shape[-1] // heads)
+    window = local_window_size if causal else 0
+    plain = attention_bias is None and ctx.num_outputs <= 3 and not softcap and sink is None
+    if plain and key is None and past_key is not None and past_value is not None:
+        rotary = (cos_cache, sin_cache, position_ids, rotary_interleaved) if do_rotary else None
+        step = _gqa_step(query, past_key, past_value, steps, total_len, first, rotary, num_heads,
+                         kv_num_heads, scale, causal, window)  # fmt: skip
+        if step is not None:
+            return step[: max(ctx.num_outputs, 1)]
+    q, k, v = _split_qkv(query, key, value, num_heads, kv_num_heads)  # [B, S, N|Nk, H]
     if do_rotary:
         rot = _gqa_rotary_positions(steps.pos, position_ids, first)
         q = rotate_at(q, rot, cos_cache, sin_cache, rotary_interleaved)
@@ -94,9 +106,6 @@ def GroupQueryAttention(
     # buffer no longer than the step: no old row is valid, so none is read.
     fresh = first and (past_key is None or past_key.shape[2] <= total_len)
     cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len, fresh)
-    sink = _gqa_sink(head_sink, smooth_softmax, num_heads)
-    scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    window = local_window_size if causal else 0
     if attention_bias is None and ctx.num_outputs <= 3 and fresh:
         attend = partial(_gqa_attend_new, q, cache, steps)
     elif attention_bias is None and ctx.num_outputs <= 3:
@@ -108,6 +117,38 @@ def GroupQueryAttention(
     if ctx.num_outputs > 3:
         outs += ((scores if qk_output == 1 else probs).astype(query.dtype),)
     return outs[: max(ctx.num_outputs, 1)]
+
+
+def _gqa_step(
+    query, past_key, past_value, steps, total_len, first, rotary, n, nk, scale, causal, window
+):
+    """The step in one kernel call (:func:`kernels.attention_step`: the rotation, the attention
+    over the buffer's valid rows and the step's, the buffer's write in place) where it runs it:
+    packed QKV over a buffer that holds the step, which the path below writes and reads alike;
+    else None."""
+    if query.ndim != 3:
+        return None
+    b, s, width = query.shape
+    past_key, past_value = jnp.asarray(past_key), jnp.asarray(past_value)
+    if width % (n + 2 * nk) or past_key.ndim != 4 or past_key.shape[2] < max(total_len, s):
+        return None
+    if first and past_key.shape[2] <= total_len:  # a first prompt in its own buffer
+        return None
+    h = width // (n + 2 * nk)
+    turn = None
+    if rotary is not None:
+        cos, sin, position_ids, interleaved = rotary
+        positions = _gqa_rotary_positions(steps.pos, position_ids, first)
+        turn = (jnp.asarray(cos), jnp.asarray(sin), positions, bool(interleaved))
+    qkv = query.reshape(b, s, n + 2 * nk, h)
+    old = (past_key, past_value, steps.past)
+    done = kernels.attention_step(
+        qkv, steps.total, old, heads=n, scale=scale, causal=causal, window=window, rotary=turn
+    )
+    if done is None:
+        return None
+    out, present_k, present_v = done
+    return merge_heads(out).astype(query.dtype), present_k, present_v
 
 
 def _gqa_validate(k_scale, v_scale, k_quant_type, v_quant_type, q_norm_weight, k_norm_weight):
@@ -135,6 +176,14 @@ def _gqa_steps(seqlens_k, query_seqlens, b, s) -> _Steps:
         new = jnp.asarray(query_seqlens).astype(jnp.int32).reshape(b)
     past = total - new
     return _Steps(total, past, past[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :])
+
+
+def _gqa_rows(seqlens_k, query_seqlens, b, s) -> _Steps:
+    """:func:`_gqa_steps`, computed once a run for every layer reading the same seqlens_k."""
+    if query_seqlens is not None:
+        return _gqa_steps(seqlens_k, query_seqlens, b, s)
+    make = partial(_gqa_steps, seqlens_k, None, b, s)
+    return provenance.derived(seqlens_k, f"GroupQueryAttention rows {b} {s}", make)
 
 
 def _gqa_rotary_positions(pos, position_ids, first):
