@@ -393,17 +393,16 @@ def _scored(
         jnp.arange(views.history.shape[1])[None, :] >= rows.prompt[:, None], views.history, -1
     )
 
+    # each clamped to LOWEST in its branch: scores that neither changes are clamped already (a
+    # pass over [B, V] less a step)
     def presence(scores):
-        return scores - rows.presence[:, None] * _seen(generated, vocab)
+        return jnp.maximum(scores - rows.presence[:, None] * _seen(generated, vocab), LOWEST)
+
+    def frequency(scores):
+        return jnp.maximum(scores - rows.frequency[:, None] * _counts(generated, vocab), LOWEST)
 
     scores = jax.lax.cond(jnp.any(rows.presence != 0.0), presence, same, scores)
-    scores = jax.lax.cond(
-        jnp.any(rows.frequency != 0),
-        lambda s: s - rows.frequency[:, None] * _counts(generated, vocab),
-        same,
-        scores,
-    )
-    scores = jnp.maximum(scores, LOWEST)
+    scores = jax.lax.cond(jnp.any(rows.frequency != 0), frequency, same, scores)
     scores = constraints.restrict(scores, table, rows.constraint)  # after every processor
     sampling = jnp.any(rows.sample)
 
