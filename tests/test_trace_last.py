@@ -66,6 +66,45 @@ def test_one_position_per_row_equals_that_row_of_the_whole_output(tmp_path, tail
     np.testing.assert_array_equal(np.asarray(one["other"]), np.asarray(whole["other"]))
 
 
+def _nbits_graph(tmp_path):
+    """x [B, S, K] -> MatMulNBits (4-bit weights, blocks of 32, int8 activations) -> logits: an
+    int4 LM head, as onnxruntime-genai's model builder exports it."""
+    k, n, block = 64, 40, 32
+    rng = np.random.default_rng(3)
+    packed = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
+    scales = (rng.random(n * (k // block)) * 0.1 + 0.01).astype(np.float32)
+    node = helper.make_node(
+        "MatMulNBits", ["x", "W", "S"], ["logits"], domain="com.microsoft",
+        K=k, N=n, bits=4, block_size=block, accuracy_level=4,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", n])],
+        [numpy_helper.from_array(packed, "W"), numpy_helper.from_array(scales, "S")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    path = tmp_path / "q.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=opsets), path)
+    return tj.load(path), k
+
+
+def test_an_int4_head_runs_on_the_last_positions_only(tmp_path):
+    """MatMulNBits (prepacked for the kernels or as stored) is an LM head: the prompt's logits
+    come from its last positions only, equal to those rows of the whole output."""
+    model, k = _nbits_graph(tmp_path)
+    found = model.head("logits")
+    assert found is not None and found[0] == "x"
+    assert [n.op_type for n in found[1]] in (["MatMulNBits"], ["PackedMatMulNBits"])
+    x = np.random.default_rng(4).standard_normal((2, 7, k)).astype(np.float32)
+    last = np.array([6, 3], np.int32)
+    whole = jax.jit(lambda p, i: model.trace({}, p, i))(model.params, {"x": x})
+    one = jax.jit(lambda p, i, l: model.trace_last({}, p, i, l))(model.params, {"x": x}, last)
+    expected = np.asarray(whole["logits"])[np.arange(2), last]
+    np.testing.assert_array_equal(np.asarray(one["logits"])[:, 0], expected)
+
+
 def _token_graph(tmp_path):
     """inputs_embeds [B, S, H] -> MatMul -> Relu -> MatMul -> logits and "present" (a cache's
     rows); pixels [B, P, H] -> MatMul -> "pooled" (another input's product); Gemm of the

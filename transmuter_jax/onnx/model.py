@@ -627,7 +627,7 @@ def _at(values: jax.Array, last: jax.Array) -> jax.Array:
     return values[jnp.arange(values.shape[0])[:, None], last]
 
 
-_PRODUCTS = ("MatMul", "PackedMatMul", "MatMulNBits")
+_PRODUCTS = ("MatMul", "PackedMatMul", "MatMulNBits", "PackedMatMulNBits")
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Identity")
 
 
