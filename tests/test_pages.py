@@ -91,3 +91,60 @@ def test_a_models_packed_weights_lie_in_one_advised_mapping(tmp_path, monkeypatc
         assert mapping["path"].endswith(".pack") and "hg" in mapping["flags"]
         y = np.asarray(model({"x": x})["y"])
         np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-4)
+
+
+def _resident(path) -> int:
+    """How many of the file's pages are in the page cache (mincore over a map of it)."""
+    import ctypes
+
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    count = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * count)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = np.frombuffer(mapping, np.uint8, count=1).ctypes.data
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(size), vec) == 0
+    resident = sum(v & 1 for v in vec)
+    mapping.close()
+    return resident
+
+
+def _filesystem(path) -> str:
+    """The type of the filesystem holding ``path`` (the longest mount point above it)."""
+    best, kind = "", ""
+    with open("/proc/mounts") as file:
+        for line in file:
+            fields = line.split()
+            point = fields[1]
+            inside = str(path).startswith(point.rstrip("/") + "/") or str(path) == point
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+@needs_huge_pages
+def test_a_file_just_written_leaves_the_page_cache(tmp_path):
+    """A file just written sits in the page cache in the write path's pages; uncache writes it
+    out and drops them, so that its first advised map reads it into 2 MiB pages."""
+    if _filesystem(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("a memory filesystem keeps its pages: there is nothing to drop")
+    path = tmp_path / "weights"
+    with open(path, "wb") as file:
+        file.write(np.random.default_rng(0).bytes(8 << 20))
+        file.flush()
+        assert _resident(path) > 0
+        assert pages.uncache(file.fileno())
+    assert _resident(path) == 0
+    assert path.read_bytes()[:4] == np.random.default_rng(0).bytes(8 << 20)[:4]  # written out
+
+
+def test_uncache_does_nothing_when_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(pages.ENV, "0")
+    path = tmp_path / "weights"
+    with open(path, "wb") as file:
+        file.write(b"\1" * (1 << 20))
+        file.flush()
+        assert not pages.uncache(file.fileno())
+        assert _resident(path) > 0

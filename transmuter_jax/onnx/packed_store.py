@@ -128,12 +128,16 @@ def _read(path: Path, items: Sequence[Item]) -> dict[str, np.ndarray] | None:
     header, entries, offsets, size = _layout(items)
     try:
         with open(path, "rb") as file:
-            if file.read(len(header)) != header or os.fstat(file.fileno()).st_size != size:
+            if os.fstat(file.fileno()).st_size != size:
                 return None
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
         return None
-    pages.advise(mapping)  # before the first access: read into 2 MiB pages
+    # before the first access (the header's read too): the file read into 2 MiB pages
+    pages.advise(mapping)
+    if mapping[: len(header)] != header:
+        mapping.close()
+        return None
     arrays = {}
     for (name, dtype, shape), offset in zip(entries, offsets, strict=True):
         count = math.prod(shape)
@@ -160,6 +164,8 @@ def _write(path: Path, items: Sequence[Item]) -> bool:
                 file.seek(offset)
                 file.write(array.data)
             file.truncate(size)
+            file.flush()
+            pages.uncache(file.fileno())  # its first map reads it into 2 MiB pages
         os.replace(temporary, path)
     except OSError:
         if os.path.exists(temporary):
