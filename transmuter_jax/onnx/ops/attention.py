@@ -86,12 +86,15 @@ def GroupQueryAttention(
     total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
     steps = _gqa_rows(seqlens_k, query_seqlens, query.shape[0], query.shape[1])
     first = query_seqlens is None and query.shape[1] == total_len  # a first prompt
+    # A first prompt (total_sequence_length is the step's length: every row's past is 0) in a
+    # buffer no longer than the step: no old row is valid, so none is read.
+    fresh = first and (past_key is None or past_key.shape[2] <= total_len)
     sink = _gqa_sink(head_sink, smooth_softmax, num_heads)
     heads = num_heads + 2 * kv_num_heads if key is None else num_heads  # in query's last axis
     scale = scale or 1.0 / math.sqrt(query.shape[-1] // heads)
     window = local_window_size if causal else 0
     plain = attention_bias is None and ctx.num_outputs <= 3 and not softcap and sink is None
-    if plain and key is None and past_key is not None and past_value is not None:
+    if plain and key is None and past_key is not None and past_value is not None and not fresh:
         rotary = (cos_cache, sin_cache, position_ids, rotary_interleaved) if do_rotary else None
         step = _gqa_step(query, past_key, past_value, steps, total_len, first, rotary, num_heads,
                          kv_num_heads, scale, causal, window)  # fmt: skip
@@ -102,9 +105,6 @@ def GroupQueryAttention(
         rot = _gqa_rotary_positions(steps.pos, position_ids, first)
         q = rotate_at(q, rot, cos_cache, sin_cache, rotary_interleaved)
         k = rotate_at(k, rot, cos_cache, sin_cache, rotary_interleaved)
-    # A first prompt (total_sequence_length is the step's length: every row's past is 0) in a
-    # buffer no longer than the step: no old row is valid, so none is read.
-    fresh = first and (past_key is None or past_key.shape[2] <= total_len)
     cache = _gqa_write(past_key, past_value, k, v, steps.past, total_len, fresh)
     if attention_bias is None and ctx.num_outputs <= 3 and fresh:
         attend = partial(_gqa_attend_new, q, cache, steps)
@@ -124,15 +124,13 @@ def _gqa_step(
 ):
     """The step in one kernel call (:func:`kernels.attention_step`: the rotation, the attention
     over the buffer's valid rows and the step's, the buffer's write in place) where it runs it:
-    packed QKV over a buffer that holds the step, which the path below writes and reads alike;
-    else None."""
+    packed QKV over a buffer that holds the step (not a first prompt in its own buffer), which
+    the path below writes and reads alike; else None."""
     if query.ndim != 3:
         return None
     b, s, width = query.shape
     past_key, past_value = jnp.asarray(past_key), jnp.asarray(past_value)
     if width % (n + 2 * nk) or past_key.ndim != 4 or past_key.shape[2] < max(total_len, s):
-        return None
-    if first and past_key.shape[2] <= total_len:  # a first prompt in its own buffer
         return None
     h = width // (n + 2 * nk)
     turn = None
