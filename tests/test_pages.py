@@ -148,3 +148,63 @@ def test_uncache_does_nothing_when_turned_off(tmp_path, monkeypatch):
         file.flush()
         assert not pages.uncache(file.fileno())
         assert _resident(path) > 0
+
+
+def _split(path, size: int) -> None:
+    """Leaves the last three quarters of the file at ``path`` in the page cache in 4 KiB pages
+    (dropped, then read back a page at a time without read-ahead): as reclaim leaves a file
+    whose 2 MiB pages were split."""
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, size // 4, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for at in range(size // 4, size, mmap.PAGESIZE):
+            os.pread(fd, mmap.PAGESIZE, at)
+    finally:
+        os.close(fd)
+
+
+@needs_huge_pages
+def test_a_file_whose_pages_were_split_is_read_again_whole(tmp_path):
+    if _filesystem(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("a memory filesystem keeps its pages: there is nothing to drop")
+    path, size = tmp_path / "weights", 32 << 20
+    data = np.random.default_rng(1).bytes(size)
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        pages.uncache(file.fileno())
+    with open(path, "rb") as file:
+        first = pages.mapped(file.fileno())
+        whole = pages.whole_share(first)
+        first.close()
+    if not whole:
+        pytest.skip("this filesystem reads no file into 2 MiB pages")
+    _split(path, size)
+    with open(path, "rb") as file:
+        split = pages._advised(file.fileno())
+        assert 0 < pages.whole_share(split) < pages.WHOLE  # the case mapped() mends
+        split.close()
+        mapping = pages.mapped(file.fileno())
+    assert pages.whole_share(mapping) >= whole - 0.01
+    assert mapping[:] == data  # the same bytes, read again
+    mapping.close()
+
+
+def test_mapped_leaves_a_small_or_unadvised_file_as_it_is(tmp_path, monkeypatch):
+    path = tmp_path / "weights"
+    path.write_bytes(b"\2" * (1 << 20))
+    with open(path, "rb") as file:
+        mapping = pages.mapped(file.fileno())
+    assert mapping[:] == b"\2" * (1 << 20)
+    mapping.close()
+    monkeypatch.setenv(pages.ENV, "0")
+    big = tmp_path / "big"
+    big.write_bytes(b"\3" * (8 << 20))
+    with open(big, "rb") as file:
+        mapping = pages.mapped(file.fileno())
+    assert pages.whole_share(mapping) is None  # not asked: nothing measured, nothing dropped
+    assert _resident(big) > 0
+    mapping.close()

@@ -113,12 +113,14 @@ def run(
     # the first tokens are known: the caller sees them before the slots are made (~10 ms)
     _emit(on_token, options, first, finished, first_logprob, first_top)
     inserted = []
-    for i, prefix in zip(taking, prefixes, strict=True):
+    for k, i in enumerate(taking):
+        prefix, prefixes[k] = prefixes[k], None  # its rows are the slot's once inserted
         if finished[i]:
             slots.discard(prefix)
             continue
         state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
         inserted.append(i)
+    del prefix, prefixes
     made = 0
     for after, tokens in _chunks(engine, state, options.decode_steps, rows, kept):
         state = after

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import os
 import tempfile
 from collections.abc import Sequence
@@ -130,11 +129,9 @@ def _read(path: Path, items: Sequence[Item]) -> dict[str, np.ndarray] | None:
         with open(path, "rb") as file:
             if os.fstat(file.fileno()).st_size != size:
                 return None
-            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            mapping = pages.mapped(file.fileno())  # in 2 MiB pages where it can be
     except (OSError, ValueError):
         return None
-    # before the first access (the header's read too): the file read into 2 MiB pages
-    pages.advise(mapping)
     if mapping[: len(header)] != header:
         mapping.close()
         return None
