@@ -281,6 +281,67 @@ def test_matmul_live_rows_compute_the_live_rows_alone(rng, live, steps, k, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(1, 576, 1536), (8, 576, 70), (64, 130, 257), (5, 40, 31)]
+)
+def test_matmul_gate_up_has_the_values_of_three_calls(rng, m, k, n):
+    """kernels.matmul_gate_up: silu_mul of the two products, bit for bit the three calls'; each
+    row at 1, 8 and 64 rows that of its solo run."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    gate, up = (jnp.asarray(kernels.pack(rng.standard_normal((k, n)).astype(np.float32)))
+                for _ in range(2))  # fmt: skip
+    fused = jax.jit(kernels.matmul_gate_up, static_argnums=3)
+    three = jax.jit(
+        lambda x, g, u, n: kernels.silu_mul(kernels.matmul(x, g, n), kernels.matmul(x, u, n)),
+        static_argnums=3,
+    )
+    got = np.asarray(fused(x, gate, up, n))
+    np.testing.assert_array_equal(got, np.asarray(three(x, gate, up, n)))
+    assert "tj_gemm_gate_up_f32" in fused.lower(x, gate, up, n).as_text()
+    for r in {0, m // 2, m - 1}:
+        np.testing.assert_array_equal(got[r], np.asarray(fused(x[r : r + 1], gate, up, n))[0])
+    g = x @ kernels.unpack(gate, n)
+    want = np.asarray(g * jax.nn.sigmoid(g) * (x @ kernels.unpack(up, n)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("live", [[1, 1, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0]])
+def test_matmul_gate_up_live_rows_compute_the_live_rows_alone(rng, live):
+    """Within live_rows, the fused gate and up over the tokens compute the live batch rows with
+    the bits of the whole product, the others a copy of a computed row; a padded prompt's token
+    rows (token_rows) run the three calls."""
+    k, n = 96, 70
+    live = np.array(live, bool)
+    x = rng.standard_normal((len(live), 1, k)).astype(np.float32)
+    gate, up = (jnp.asarray(kernels.pack(rng.standard_normal((k, n)).astype(np.float32)))
+                for _ in range(2))  # fmt: skip
+
+    def fn(x, live):
+        with kernels.live_rows(live):
+            return kernels.matmul_gate_up(x, gate, up, n, tokens=True)
+
+    whole = np.asarray(jax.jit(kernels.matmul_gate_up, static_argnums=3)(x, gate, up, n))
+    got = np.asarray(jax.jit(fn)(x, live))
+    computed = np.flatnonzero(live) if live.any() else [0]
+    for b in range(len(live)):
+        np.testing.assert_array_equal(got[b], whole[b] if b in computed else whole[computed[0]])
+    assert "tj_gemm_gate_up_live_f32" in jax.jit(fn).lower(x, live).as_text()
+
+    def prompt(x):
+        with kernels.token_rows(np.array([2], np.int32), 4):
+            return kernels.matmul_gate_up(x, gate, up, n, tokens=True)
+
+    tokens = rng.standard_normal((1, 4, k)).astype(np.float32)
+    hlo = jax.jit(prompt).lower(tokens).as_text()
+    assert "tj_gemm_rows_f32" in hlo and "tj_gemm_gate_up" not in hlo
+    every = jax.jit(kernels.matmul_gate_up, static_argnums=3)(tokens, gate, up, n)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(prompt)(tokens))[0, :2], np.asarray(every)[0, :2]
+    )
+
+
+@needs_kernels
 @pytest.mark.parametrize("zero_points", [None, "packed"])
 @pytest.mark.parametrize(("k", "steps"), [(576, 1), (96, 2)])
 def test_matmul_nbits_live_rows_compute_the_live_rows_alone(rng, zero_points, k, steps):
@@ -1957,11 +2018,16 @@ def test_int4_weights_prepacked_at_load(rng, tmp_path, monkeypatch):
     assert _packed_ops(tj.load(path)) == set()
 
 
-def _gate_up_model(rng, k, n, *, also_read: bool = False) -> onnx.ModelProto:
-    """SwiGLU's gate: (g * Sigmoid(g)) * u of two int8 MatMulNBits products of ``a``
-    (``also_read``: u is a graph output too)."""
+def _gate_up_model(rng, k, n, *, also_read: bool = False, fp32: bool = False) -> onnx.ModelProto:
+    """SwiGLU's gate: (g * Sigmoid(g)) * u of two int8 MatMulNBits products of ``a`` (``fp32``:
+    two MatMul; ``also_read``: u is a graph output too)."""
     nodes, inits = [], []
     for name in ("g", "u"):
+        if fp32:
+            w = (rng.standard_normal((k, n)) * 0.2).astype(np.float32)
+            nodes.append(helper.make_node("MatMul", ["a", f"{name}_w"], [name]))
+            inits.append(numpy_helper.from_array(w, f"{name}_w"))
+            continue
         b, scales, _ = _nbits(rng, k, n, 32, None)
         nodes.append(helper.make_node(
             "MatMulNBits", ["a", f"{name}_b", f"{name}_s"], [name], domain="com.microsoft",
@@ -1990,16 +2056,21 @@ def _gate_up_model(rng, k, n, *, also_read: bool = False) -> onnx.ModelProto:
 
 
 @needs_kernels
+@pytest.mark.parametrize("fp32", [False, True])
 @pytest.mark.parametrize("also_read", [False, True])
-def test_gate_and_up_products_fuse_into_one_call(rng, tmp_path, monkeypatch, also_read):
-    """Two int4 products of one input gated by SiLU become one PackedGateUpNBits (not where a
-    product's output is read elsewhere too), with onnxruntime's values."""
+def test_gate_and_up_products_fuse_into_one_call(rng, tmp_path, monkeypatch, also_read, fp32):
+    """Two int4 (or packed float32) products of one input gated by SiLU become one
+    PackedGateUpNBits (PackedGateUp), not where a product's output is read elsewhere too, with
+    onnxruntime's values."""
     k, n = 96, 40
-    proto = _gate_up_model(rng, k, n, also_read=also_read)
+    monkeypatch.setattr(prepack, "PACK_MIN", 0)
+    proto = _gate_up_model(rng, k, n, also_read=also_read, fp32=fp32)
     path = str(tmp_path / "gate.onnx")
     onnx.save(proto, path)
     model = tj.load(path)
-    fused = {"PackedGateUpNBits"} if not also_read else {"PackedMatMulNBits", "SiluMul"}
+    product = "PackedMatMul" if fp32 else "PackedMatMulNBits"
+    alone = "PackedGateUp" if fp32 else "PackedGateUpNBits"
+    fused = {alone} if not also_read else {product, "SiluMul"}
     assert _packed_ops(model) == fused
     x = (rng.standard_normal((5, k)) * 2).astype(np.float32)
     want = _ort(proto, {"a": x})
@@ -2010,7 +2081,7 @@ def test_gate_and_up_products_fuse_into_one_call(rng, tmp_path, monkeypatch, als
         with monkeypatch.context() as patch:
             patch.setattr(fuse, "gate_up", lambda graph: 0)
             plain = tj.load(path)
-        assert _packed_ops(plain) == {"PackedMatMulNBits", "SiluMul"}
+        assert _packed_ops(plain) == {product, "SiluMul"}
         np.testing.assert_array_equal(np.asarray(got["y"]), np.asarray(plain({"a": x})["y"]))
 
 
@@ -2027,8 +2098,8 @@ def test_fixture_with_every_weight_packed(path, monkeypatch):
     monkeypatch.setattr(prepack, "PACK_MIN", 0)
     model = tj.load(path)
     assert "PackedMatMul" in _packed_ops(model)
-    if path.parent.name.startswith("llama"):  # SiLU-gated feed-forwards
-        assert "SiluMul" in _packed_ops(model)
+    if path.parent.name.startswith("llama"):  # SiLU-gated feed-forwards: one call each
+        assert "PackedGateUp" in _packed_ops(model)
     for batch, length, past in [(1, 5, 0), (2, 1, 4)]:
         feeds = example_inputs(model, batch=batch, length=length, past=past)
         if batch > 1 and any(

@@ -219,6 +219,49 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, *, tokens: bool = False) -> 
     return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
 
 
+def matmul_gate_up(
+    x: jax.Array, gate: jax.Array, up: jax.Array, n: int, *, tokens: bool = False
+) -> jax.Array:
+    """``silu_mul(x @ gate, x @ up)``, both weights ``[K, N]`` packed by :func:`pack`, in one
+    call where the kernels run it: both products on one run of the pool, then the gated
+    activation, with the values of :func:`matmul` twice and :func:`silu_mul`. ``tokens`` as for
+    :func:`matmul` (a step's padded prompt runs the three calls, skipping the padding)."""
+    x = jnp.asarray(x, jnp.float32)
+    if (
+        not enabled()
+        or build.vector_lanes() is None
+        or x.shape[-1] == 0
+        or math.prod(x.shape[:-1]) > MATMUL_MAX_ROWS
+        or x.shape[-1] != gate.shape[-2]
+        or gate.shape != up.shape
+        or (tokens and _counts_for(x) is not None)
+    ):
+        return silu_mul(matmul(x, gate, n, tokens=tokens), matmul(x, up, n, tokens=tokens))
+    live = _live_for(x) if tokens else None
+    if live is not None:
+        fn = _wrapped(_gate_up_live_kernel, _gate_up_live_reference, folds=False, n=n)
+        return fn(x, gate, up, live)  # vmap over x: every row (the blocks would move)
+    return _wrapped(_gate_up_kernel, _gate_up_reference, n=n)(x, gate, up)
+
+
+def _gate_up_reference(x: jax.Array, gate: jax.Array, up: jax.Array, n: int) -> jax.Array:
+    return _silu_mul_reference(_matmul_reference(x, gate, n), _matmul_reference(x, up, n))
+
+
+def _gate_up_kernel(x: jax.Array, gate: jax.Array, up: jax.Array, n: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+    return jax.ffi.ffi_call("tj_gemm_gate_up_f32", out)(x, gate, up)
+
+
+def _gate_up_live_kernel(x, gate, up, live, n: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+    return jax.ffi.ffi_call("tj_gemm_gate_up_live_f32", out)(x, gate, up, live)
+
+
+def _gate_up_live_reference(x, gate, up, live, n: int) -> jax.Array:
+    return _gate_up_reference(x, gate, up, n)  # every row: the others' are never read
+
+
 # ---------------------------------------------------------------- attention
 
 

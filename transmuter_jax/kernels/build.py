@@ -58,6 +58,8 @@ TARGETS = {
     "tj_gemm_f32": "TjGemmF32",
     "tj_gemm_rows_f32": "TjGemmRowsF32",
     "tj_gemm_live_f32": "TjGemmLiveF32",
+    "tj_gemm_gate_up_f32": "TjGemmGateUpF32",
+    "tj_gemm_gate_up_live_f32": "TjGemmGateUpLiveF32",
     "tj_matmul_nbits": "TjMatMulNBits",
     "tj_matmul_nbits_live": "TjMatMulNBitsLive",
     "tj_matmul_nbits_gate_up": "TjMatMulNBitsGateUp",

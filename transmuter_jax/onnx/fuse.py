@@ -7,7 +7,9 @@
 - ``SiluMul(PackedMatMulNBits(a, gate), PackedMatMulNBits(a, up))`` (after the one above and
   the int4 weights' prepacking) becomes ``PackedGateUpNBits(a, gate, up)``: both products and the
   gated activation in one kernel call, ``a`` quantized once
-  (:func:`transmuter_jax.kernels.matmul_nbits_gate_up`).
+  (:func:`transmuter_jax.kernels.matmul_nbits_gate_up`); ``SiluMul(PackedMatMul(a, gate),
+  PackedMatMul(a, up))`` (float32 weights packed in strips) becomes ``PackedGateUp(a, gate, up)``
+  likewise (:func:`transmuter_jax.kernels.matmul_gate_up`).
 - ``MatMul(Transpose(a), Transpose(b) [* c])`` (either operand, any permutation; ``c`` a constant
   scalar) becomes ``TransposedMatMul(a, b[, c], perm_a, perm_b)``: attention's scores over a
   cache's keys ``K^T`` (times the scale, as Whisper's exports write it) without the transposed
@@ -79,7 +81,9 @@ def gate_up(graph: GraphProto) -> int:
     """Fuses every ``SiluMul(PackedMatMulNBits(a, gate...), PackedMatMulNBits(a, up...))`` of
     ``graph`` and its nested graphs (in place; the two products alike but for their weights,
     without bias or g_idx, read by the SiluMul alone) into ``PackedGateUpNBits(a, gate's b,
-    scales, zero points, up's b, scales, zero points)``; returns how many were fused."""
+    scales, zero points, up's b, scales, zero points)``, and every ``SiluMul(PackedMatMul(a,
+    gate), PackedMatMul(a, up))`` (alike but for their weights) into ``PackedGateUp(a, gate,
+    up)``; returns how many were fused."""
     count = sum(gate_up(sub) for node in graph.node for sub in subgraphs(node))
     reads, producer = _reads(graph), _producers(graph)
     removed: set[int] = set()
@@ -93,11 +97,21 @@ def gate_up(graph: GraphProto) -> int:
             for p, n in zip(pair, node.input, strict=True)
         ):
             continue
-        if not all(_nbits_product(p) for p in pair) or len({p.input[0] for p in pair}) != 1:
+        if len({p.input[0] for p in pair}) != 1:
             continue
         if len({tuple(sorted(a.SerializeToString() for a in p.attribute)) for p in pair}) != 1:
             continue
         gate, up = pair
+        if all(_packed_product(p) for p in pair):
+            removed.update(id(p) for p in pair)
+            fused[id(node)] = helper.make_node(
+                "PackedGateUp", [gate.input[0], gate.input[1], up.input[1]], list(node.output),
+                name=node.name, domain=DOMAIN,
+            )  # fmt: skip
+            fused[id(node)].attribute.extend(gate.attribute)
+            continue
+        if not all(_nbits_product(p) for p in pair):
+            continue
         weights = [*gate.input[1:4], "", ""][:3] + [*up.input[1:4], "", ""][:3]
         removed.update(id(p) for p in pair)
         fused[id(node)] = helper.make_node(
@@ -107,6 +121,16 @@ def gate_up(graph: GraphProto) -> int:
         fused[id(node)].attribute.extend(gate.attribute)
     _replace(graph, fused, removed)
     return count + len(fused)
+
+
+def _packed_product(node: NodeProto) -> bool:
+    """Whether ``node`` is a PackedMatMul (float32 weights in strips)."""
+    return (
+        node.op_type == "PackedMatMul"
+        and node.domain == DOMAIN
+        and len(node.input) == 2
+        and all(node.input)
+    )
 
 
 def _nbits_product(node: NodeProto) -> bool:

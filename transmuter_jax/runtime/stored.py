@@ -46,6 +46,8 @@ CUSTOM_CALLS = (
     "tj_gemm_f32",
     "tj_gemm_rows_f32",
     "tj_gemm_live_f32",
+    "tj_gemm_gate_up_f32",
+    "tj_gemm_gate_up_live_f32",
     "tj_matmul_nbits",
     "tj_matmul_nbits_live",
     "tj_matmul_nbits_gate_up",

@@ -12,12 +12,6 @@
 
 namespace tj {
 
-static void silu_mul_chunk(void* ctx, int64_t chunk) {
-  const auto& job = *static_cast<const SiluMulJob*>(ctx);
-  const int64_t begin = chunk * kSiluChunk;
-  silu_mul_range(job, begin, std::min(begin + kSiluChunk, job.size));
-}
-
 static ffi::Error SiluMulImpl(ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
                               ffi::ResultBuffer<ffi::F32> out) {
   const int64_t size = static_cast<int64_t>(gate.element_count());

@@ -42,4 +42,11 @@ inline void silu_mul_range(const SiluMulJob& job, int64_t begin, int64_t end) {
   }
 }
 
+// A pool chunk (kSiluChunk elements) of a SiluMulJob (ctx).
+inline void silu_mul_chunk(void* ctx, int64_t chunk) {
+  const auto& job = *static_cast<const SiluMulJob*>(ctx);
+  const int64_t begin = chunk * kSiluChunk;
+  silu_mul_range(job, begin, std::min(begin + kSiluChunk, job.size));
+}
+
 }  // namespace tj

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "activation.h"
 #include "common.h"
 #include "live.h"
 #include "native.h"
@@ -284,6 +285,33 @@ static void add_groups(std::vector<Rows>& groups, int64_t first, int64_t end) {
   }
 }
 
+// How a product runs on the pool: its job, the task and count of its chunks, and the weights it
+// streams (few rows; none for the pair kernel's blocks, which prefetch their own).
+struct GemmPlan {
+  GemmJob job;
+  Task task;
+  int64_t chunks;
+  int64_t bytes, runs;  // pool.stream's: the weights' bytes, in `runs` equal runs (0: none)
+};
+
+// The plan of Y[r] = X[r] @ W for the rows r of `groups` (m of them in all), k and n > 0.
+static GemmPlan gemm_plan(const float* x, const float* packed, float* y, int64_t m, int64_t k,
+                          int64_t n, const std::vector<Rows>& groups) {
+  const int64_t strips = (n + kStrip - 1) / kStrip;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t count = static_cast<int64_t>(groups.size());
+  // Few rows: each chunk a run of consecutive strips, kRunsPerThread runs a thread.
+  const int64_t runs = std::min<int64_t>(strips, Pool::get().threads() * kRunsPerThread);
+  const int64_t run = (strips + runs - 1) / runs;
+  GemmJob job{x, packed, y, m, k, n, count, groups.data(), run};
+  if (m > kRows && !(kPanelsForMany && m >= kManyRows)) {
+    return {job, gemm_pair_chunk, (panels + 1) / 2 * count, 0, 0};
+  }
+  const int64_t chunks = (strips + run - 1) / run;
+  return {job, gemm_chunk, chunks * count,
+          strips * k * kStrip * static_cast<int64_t>(sizeof(float)), chunks};
+}
+
 // Y[r] = X[r] @ W for the rows r of `groups` (m of them in all); other rows of Y are left as they
 // are. W given as its strips.
 static void gemm_groups(const float* x, const float* packed, float* y, int64_t m, int64_t k,
@@ -293,21 +321,10 @@ static void gemm_groups(const float* x, const float* packed, float* y, int64_t m
     for (const auto& [r0, r1] : groups) std::fill(y + r0 * n, y + r1 * n, 0.0f);
     return;
   }
-  const int64_t strips = (n + kStrip - 1) / kStrip;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t count = static_cast<int64_t>(groups.size());
+  GemmPlan plan = gemm_plan(x, packed, y, m, k, n, groups);
   Pool& pool = Pool::get();
-  // Few rows: each chunk a run of consecutive strips, kRunsPerThread runs a thread.
-  const int64_t runs = std::min<int64_t>(strips, pool.threads() * kRunsPerThread);
-  const int64_t run = (strips + runs - 1) / runs;
-  GemmJob job{x, packed, y, m, k, n, count, groups.data(), run};
-  if (m > kRows && !(kPanelsForMany && m >= kManyRows)) {
-    pool.run((panels + 1) / 2 * count, gemm_pair_chunk, &job);
-  } else {
-    const int64_t chunks = (strips + run - 1) / run;
-    pool.stream(packed, strips * k * kStrip * static_cast<int64_t>(sizeof(float)), chunks);
-    pool.run(chunks * count, gemm_chunk, &job);
-  }
+  if (plan.runs > 0) pool.stream(packed, plan.bytes, plan.runs);
+  pool.run(plan.chunks, plan.task, &plan.job);
 }
 
 // Y[M, N] = X[M, K] @ W, W given as its strips.
@@ -315,6 +332,47 @@ void gemm(const float* x, const float* packed, float* y, int64_t m, int64_t k, i
   std::vector<Rows> groups;
   add_groups(groups, 0, m);
   gemm_groups(x, packed, y, m, k, n, groups);
+}
+
+// Two products of one X on one run of the pool: the first's chunks, then the second's.
+struct GemmPair {
+  GemmPlan a, b;
+};
+
+static void gemm_pair_plans(void* ctx, int64_t chunk) {
+  GemmPair& pair = *static_cast<GemmPair*>(ctx);
+  if (chunk < pair.a.chunks) {
+    pair.a.task(&pair.a.job, chunk);
+  } else {
+    pair.b.task(&pair.b.job, chunk - pair.a.chunks);
+  }
+}
+
+// Y[M, N] = silu_mul(X @ G, X @ U) (activation.h), G and U given as strips: both products on one
+// run of the pool, then the gated activation, each value as gemm() and silu_mul give it.
+static void gemm_gate_up(const float* x, const float* gate, const float* up, float* y, int64_t m,
+                  int64_t k, int64_t n) {
+  if (m == 0 || n == 0) return;
+  thread_local std::vector<float> products;
+  products.resize(static_cast<size_t>(2 * m * n));
+  float* g = products.data();
+  float* u = g + m * n;
+  std::vector<Rows> groups;
+  add_groups(groups, 0, m);
+  if (k == 0) {
+    std::fill(g, g + 2 * m * n, 0.0f);
+  } else {
+    GemmPair pair{gemm_plan(x, gate, g, m, k, n, groups), gemm_plan(x, up, u, m, k, n, groups)};
+    Pool& pool = Pool::get();
+    if (pair.a.runs > 0) pool.stream(gate, pair.a.bytes, pair.a.runs);
+    pool.run(pair.a.chunks + pair.b.chunks, gemm_pair_plans, &pair);
+  }
+  SiluMulJob job{g, u, y, m * n};
+  if (m * n < kSiluAlone) {
+    silu_mul_range(job, 0, m * n);
+  } else {
+    Pool::get().run((m * n + kSiluChunk - 1) / kSiluChunk, silu_mul_chunk, &job);
+  }
 }
 
 // Whether x [..., K], packed [S, K, kStrip] (leading size-1 dims allowed) and y [..., N] fit.
@@ -406,7 +464,59 @@ static ffi::Error GemmLiveImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> pa
   return ffi::Error::Success();
 }
 
+// x [..., K], gate and up [S, K, kStrip] -> y [..., N] = silu_mul(x @ gate, x @ up).
+static ffi::Error GemmGateUpImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gate,
+                                 ffi::Buffer<ffi::F32> up, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  for (auto w : {gate.dimensions(), up.dimensions()}) {
+    auto error = GemmImplShapes(xd, w, yd, "tj_gemm_gate_up_f32");
+    if (error.failure()) return error;
+  }
+  const int64_t m = product(xd, 0, xd.size() - 1);
+  gemm_gate_up(x.typed_data(), gate.typed_data(), up.typed_data(), y->typed_data(), m, xd.back(),
+               yd.back());
+  return ffi::Error::Success();
+}
+
+// The same over the live rows of a batch (live.h, as tj_gemm_live_f32).
+static ffi::Error GemmGateUpLiveImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gate,
+                                     ffi::Buffer<ffi::F32> up, ffi::Buffer<ffi::S32> live,
+                                     ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  for (auto w : {gate.dimensions(), up.dimensions()}) {
+    auto error = GemmImplShapes(xd, w, yd, "tj_gemm_gate_up_live_f32");
+    if (error.failure()) return error;
+  }
+  const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const float* g = gate.typed_data();
+  const float* u = up.typed_data();
+  auto rows = [&](const float* a, float* b, int64_t r) { gemm_gate_up(a, g, u, b, r, k, n); };
+  const int64_t batch = static_cast<int64_t>(live.element_count());
+  if (!live_product(x.typed_data(), y->typed_data(), m, k, n, live.typed_data(), batch, rows)) {
+    return ffi::Error::InvalidArgument("tj_gemm_gate_up_live_f32: the rows do not match the batch");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace tj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmGateUpF32, tj::GemmGateUpImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmGateUpLiveF32, tj::GemmGateUpLiveImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmLiveF32, tj::GemmLiveImpl,
                               xla::ffi::Ffi::Bind()

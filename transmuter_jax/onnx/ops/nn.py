@@ -104,6 +104,13 @@ def PackedMatMul(a, packed, *, n, tokens=0):
     return kernels.matmul(a, packed, n, tokens=bool(tokens))
 
 
+@op("PackedGateUp", domain=PACKED, fold=False)
+def PackedGateUp(a, gate, up, *, n, tokens=0):
+    """``SiluMul(PackedMatMul(a, gate), PackedMatMul(a, up))``, fused at load (see onnx.fuse):
+    both products and the gated activation in one kernel call, with the three ops' values."""
+    return kernels.matmul_gate_up(a, gate, up, n, tokens=bool(tokens))
+
+
 @op("PackedGemm", domain=PACKED, fold=False)
 def PackedGemm(a, packed, c=None, *, n, alpha=1.0, beta=1.0, transA=0, tokens=0):
     """Gemm with B' = w held packed in strips."""
