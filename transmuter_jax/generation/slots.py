@@ -34,7 +34,7 @@ from .cache import zeros as cache_zeros
 from .decode import end_of_row
 from .errors import GenerationError
 from .options import MAX_DRAFT, MAX_NGRAM, NGRAM_DEFAULT
-from .processors import LOWEST, ORDER, Rows, apply_builtin, static_masks
+from .processors import LOWEST, ORDER, Rows, apply_builtin, clamped, static_masks
 from .programs import jit_key, program
 from .select import argmax, cutoffs
 from .slot_inputs import axes as _axes
@@ -377,7 +377,7 @@ def _scored(
     if "repetition_penalty" not in names:  # has none, the per-slot penalty in transformers'
         names = sorted([*names, "repetition_penalty"], key=ORDER.index)
     same = lambda s: s  # noqa: E731 - a branch that changes nothing
-    for name in names:
+    for i, name in enumerate(names):
         if name == "repetition_penalty":  # per slot (1.0 changes nothing: skipped then)
 
             def repeat(scores):
@@ -388,7 +388,7 @@ def _scored(
             scores = jax.lax.cond(jnp.any(rows.repetition != 1.0), repeat, same, scores)
         else:
             scores = apply_builtin(name, scores, views, options, masks)
-        scores = jnp.maximum(scores, LOWEST)
+        scores = clamped(scores, name, before=i > 0)
     generated = jnp.where(
         jnp.arange(views.history.shape[1])[None, :] >= rows.prompt[:, None], views.history, -1
     )
