@@ -96,8 +96,38 @@ static inline void transpose8(const float* src, int64_t lds, float* dst, int64_t
 #endif
 }
 
-// Key head g of batch row b (chunk b * Nk + g): its valid keys into transposed panels, eight
-// keys of one source (the cache or the step) a block of eight dimensions at a time.
+#if defined(__AVX512F__)
+// dst[d * ldd + i] = src[i * lds + d] for i, d < 16: sixteen key rows into sixteen panel rows
+// (half the instructions of four transpose8 calls).
+static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {  // in each 128-bit lane L: rows i, i + 1 at 4L .. 4L + 3
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L: rows i .. i + 3 at dimension 4L + c
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {  // dimension 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_storeu_ps(dst + c * ldd, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(u0, u2, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(u1, u3, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
+#endif
+
+// Key head g of batch row b (chunk b * Nk + g): its valid keys into transposed panels, sixteen
+// (AVX-512) or eight keys of one source (the cache or the step) a block of as many dimensions
+// at a time.
 static void gather_keys(const AttentionJob& job, int64_t chunk) {
   const int64_t b = chunk / job.kv_heads, h = job.size;
   int64_t past, total;
@@ -114,8 +144,19 @@ static void gather_keys(const AttentionJob& job, int64_t chunk) {
     }
   }
   const bool blocks = h % 8 == 0 && width % 8 == 0;
+#if defined(__AVX512F__)
+  const bool wide = h % 16 == 0 && width % 16 == 0;
+#endif
   for (int64_t u = 0; u < total;) {
     float* at = kt + (u / width) * h * width + u % width;
+#if defined(__AVX512F__)
+    if (wide && u % 16 == 0 && u + 16 <= total && (u + 16 <= past || u >= past)) {
+      const float* rows = u < past ? ko + u * h : kb + (u - past) * h;
+      for (int64_t d = 0; d < h; d += 16) transpose16(rows + d, h, at + d * width, width);
+      u += 16;
+      continue;
+    }
+#endif
     if (blocks && u % 8 == 0 && u + 8 <= total && (u + 8 <= past || u >= past)) {
       const float* rows = u < past ? ko + u * h : kb + (u - past) * h;
       for (int64_t d = 0; d < h; d += 8) transpose8(rows + d, h, at + d * width, width);
