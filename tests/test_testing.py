@@ -63,15 +63,26 @@ def test_first_divergence_names_the_wrong_node(monkeypatch):
 
 
 def test_first_divergence_names_a_fused_node(monkeypatch):
-    # With the kernels, the gate is one SiluMul node: broken, it is the first divergence.
+    # With the kernels, the gate is one fused node (SiluMul, or PackedGateUp with its two
+    # products where the weights are packed): broken, it is the first divergence.
     if not kernels.enabled():
         pytest.skip("the gate is fused only with the CPU kernels")
-    key = (prepack.DOMAIN, "SiluMul")
-    broken = [dataclasses.replace(s, fn=lambda g, u: g * u) for s in registry._REGISTRY[key]]
+    fused = {op for domain, op in tj.load(LLAMA).op_types if domain == prepack.DOMAIN}
+    op = "PackedGateUp" if "PackedGateUp" in fused else "SiluMul"
+    key = (prepack.DOMAIN, op)
+
+    def ungated(*args, **attributes):  # the gate's product without its SiLU
+        if op == "SiluMul":
+            return args[0] * args[1]
+        a, gate, up = args
+        n = attributes["n"]
+        return kernels.matmul(a, gate, n) * kernels.matmul(a, up, n)
+
+    broken = [dataclasses.replace(s, fn=ungated) for s in registry._REGISTRY[key]]
     monkeypatch.setitem(registry._REGISTRY, key, broken)
     model = tj.load(LLAMA)
     label, name, diff = first_divergence(model, example_inputs(model, batch=1, length=3))
-    assert label.endswith("::SiluMul)") and diff > 1e-4
+    assert label.endswith(f"::{op})") and diff > 1e-4
 
 
 def test_example_inputs_of_a_vision_encoder_of_images_and_masks():
