@@ -8,7 +8,6 @@
 
 #include "activation.h"
 #include "common.h"
-#include "pool.h"
 
 namespace tj {
 
@@ -18,12 +17,7 @@ static ffi::Error SiluMulImpl(ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> 
   if (static_cast<int64_t>(up.element_count()) != size) {
     return ffi::Error::InvalidArgument("tj_silu_mul_f32: gate and up must have one shape");
   }
-  SiluMulJob job{gate.typed_data(), up.typed_data(), out->typed_data(), size};
-  if (size < kSiluAlone) {
-    silu_mul_range(job, 0, size);
-  } else {
-    Pool::get().run((size + kSiluChunk - 1) / kSiluChunk, silu_mul_chunk, &job);
-  }
+  silu_mul_all(SiluMulJob{gate.typed_data(), up.typed_data(), out->typed_data(), size});
   return ffi::Error::Success();
 }
 

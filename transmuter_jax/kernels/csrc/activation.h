@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "native.h"
+#include "pool.h"
 
 namespace tj {
 
@@ -47,6 +48,15 @@ inline void silu_mul_chunk(void* ctx, int64_t chunk) {
   const auto& job = *static_cast<const SiluMulJob*>(ctx);
   const int64_t begin = chunk * kSiluChunk;
   silu_mul_range(job, begin, std::min(begin + kSiluChunk, job.size));
+}
+
+// The whole job: on the calling thread below kSiluAlone elements, else in chunks on the pool.
+inline void silu_mul_all(SiluMulJob job) {
+  if (job.size < kSiluAlone) {
+    silu_mul_range(job, 0, job.size);
+  } else {
+    Pool::get().run((job.size + kSiluChunk - 1) / kSiluChunk, silu_mul_chunk, &job);
+  }
 }
 
 }  // namespace tj

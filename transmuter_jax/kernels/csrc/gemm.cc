@@ -334,24 +334,25 @@ void gemm(const float* x, const float* packed, float* y, int64_t m, int64_t k, i
   gemm_groups(x, packed, y, m, k, n, groups);
 }
 
-// Two products of one X on one run of the pool: the first's chunks, then the second's.
-struct GemmPair {
+// Two products of one X on one run of the pool: the first's chunks, then the second's (not
+// gemm_pair_chunk's two panels of one product).
+struct GemmBoth {
   GemmPlan a, b;
 };
 
-static void gemm_pair_plans(void* ctx, int64_t chunk) {
-  GemmPair& pair = *static_cast<GemmPair*>(ctx);
-  if (chunk < pair.a.chunks) {
-    pair.a.task(&pair.a.job, chunk);
+static void gemm_both_chunk(void* ctx, int64_t chunk) {
+  GemmBoth& both = *static_cast<GemmBoth*>(ctx);
+  if (chunk < both.a.chunks) {
+    both.a.task(&both.a.job, chunk);
   } else {
-    pair.b.task(&pair.b.job, chunk - pair.a.chunks);
+    both.b.task(&both.b.job, chunk - both.a.chunks);
   }
 }
 
 // Y[M, N] = silu_mul(X @ G, X @ U) (activation.h), G and U given as strips: both products on one
 // run of the pool, then the gated activation, each value as gemm() and silu_mul give it.
 static void gemm_gate_up(const float* x, const float* gate, const float* up, float* y, int64_t m,
-                  int64_t k, int64_t n) {
+                         int64_t k, int64_t n) {
   if (m == 0 || n == 0) return;
   thread_local std::vector<float> products;
   products.resize(static_cast<size_t>(2 * m * n));
@@ -362,17 +363,12 @@ static void gemm_gate_up(const float* x, const float* gate, const float* up, flo
   if (k == 0) {
     std::fill(g, g + 2 * m * n, 0.0f);
   } else {
-    GemmPair pair{gemm_plan(x, gate, g, m, k, n, groups), gemm_plan(x, up, u, m, k, n, groups)};
+    GemmBoth both{gemm_plan(x, gate, g, m, k, n, groups), gemm_plan(x, up, u, m, k, n, groups)};
     Pool& pool = Pool::get();
-    if (pair.a.runs > 0) pool.stream(gate, pair.a.bytes, pair.a.runs);
-    pool.run(pair.a.chunks + pair.b.chunks, gemm_pair_plans, &pair);
+    if (both.a.runs > 0) pool.stream(gate, both.a.bytes, both.a.runs);
+    pool.run(both.a.chunks + both.b.chunks, gemm_both_chunk, &both);
   }
-  SiluMulJob job{g, u, y, m * n};
-  if (m * n < kSiluAlone) {
-    silu_mul_range(job, 0, m * n);
-  } else {
-    Pool::get().run((m * n + kSiluChunk - 1) / kSiluChunk, silu_mul_chunk, &job);
-  }
+  silu_mul_all(SiluMulJob{g, u, y, m * n});
 }
 
 // Whether x [..., K], packed [S, K, kStrip] (leading size-1 dims allowed) and y [..., N] fit.
@@ -464,15 +460,21 @@ static ffi::Error GemmLiveImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> pa
   return ffi::Error::Success();
 }
 
+// Whether x, both weights and y fit (GemmImplShapes for each weight).
+static ffi::Error GateUpShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> gate,
+                               ffi::Span<const int64_t> up, ffi::Span<const int64_t> yd,
+                               const char* name) {
+  auto error = GemmImplShapes(xd, gate, yd, name);
+  return error.failure() ? error : GemmImplShapes(xd, up, yd, name);
+}
+
 // x [..., K], gate and up [S, K, kStrip] -> y [..., N] = silu_mul(x @ gate, x @ up).
 static ffi::Error GemmGateUpImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gate,
                                  ffi::Buffer<ffi::F32> up, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
-  for (auto w : {gate.dimensions(), up.dimensions()}) {
-    auto error = GemmImplShapes(xd, w, yd, "tj_gemm_gate_up_f32");
-    if (error.failure()) return error;
-  }
+  auto error = GateUpShapes(xd, gate.dimensions(), up.dimensions(), yd, "tj_gemm_gate_up_f32");
+  if (error.failure()) return error;
   const int64_t m = product(xd, 0, xd.size() - 1);
   gemm_gate_up(x.typed_data(), gate.typed_data(), up.typed_data(), y->typed_data(), m, xd.back(),
                yd.back());
@@ -485,10 +487,9 @@ static ffi::Error GemmGateUpLiveImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
                                      ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
-  for (auto w : {gate.dimensions(), up.dimensions()}) {
-    auto error = GemmImplShapes(xd, w, yd, "tj_gemm_gate_up_live_f32");
-    if (error.failure()) return error;
-  }
+  auto error =
+      GateUpShapes(xd, gate.dimensions(), up.dimensions(), yd, "tj_gemm_gate_up_live_f32");
+  if (error.failure()) return error;
   const int64_t k = xd.back(), n = yd.back(), m = product(xd, 0, xd.size() - 1);
   if (m == 0 || n == 0) return ffi::Error::Success();
   const float* g = gate.typed_data();
