@@ -638,3 +638,37 @@ def test_generate_runs_models_with_inputs_through_the_slots(workdir):
                                 {k: v[1:] for k, v in inputs.items()})  # fmt: skip
     both = generation.generate(eng, the_case["prompts"][:2], [0, 0], inputs)
     assert both[1] == alone[0] == the_case["tokens"][1][:NEW]
+
+
+@pytest.mark.parametrize("name", _tiered(["llama-genai-fp32", "gemma3-optimum", "marian-optimum"]))
+def test_prefixes_inserted_together_equal_inserts_one_at_a_time(name, workdir):
+    """slots.insert_many (generate()'s rows into new slots) gives the slots that inserts one at
+    a time give, a finished prefix's slot taking a later one of the list too (encoder inputs:
+    Marian; a padded grow cache: Gemma 3), and so the same tokens; a pair that cannot go in is
+    refused before any does, the slots as they were."""
+    import jax
+
+    eng = engine(name, workdir)
+    prompts, inputs = inputs_of(name)
+    prefixes = [eng.prefill(r) for r in requests(name).values()]
+    ended = eng.prefill(Request(prompts[0], inputs=inputs[0], max_new_tokens=1))
+    assert ended.first.done
+    pairs = [(ended, 2), (prefixes[0], 0), (prefixes[1], 3), (prefixes[2], 2)]
+    apart = eng.init_state()
+    for prefix, slot in pairs:
+        apart = eng.insert(prefix, apart, slot)
+    together = slots.insert_many(eng, pairs, eng.init_state())
+    for a, b in zip(jax.tree.leaves((apart.rows, apart.given)),
+                    jax.tree.leaves((together.rows, together.given)), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [(h.request, h.done) for h in apart.hosts if h] == [
+        (h.request, h.done) for h in together.hosts if h
+    ]
+    with pytest.raises(generation.GenerationError, match="slot 0 holds a running request"):
+        slots.insert_many(eng, [(ended, 1), (prefixes[1], 0)], together)
+    got_apart, got_together = {}, {}
+    _drain(eng, apart, got_apart)
+    _drain(eng, together, got_together)
+    assert got_together.keys() == {0, 2, 3}
+    for slot, prefix in ((0, prefixes[0]), (3, prefixes[1]), (2, prefixes[2])):
+        assert _summary(prefix, got_together[slot]) == _summary(prefix, got_apart[slot])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -434,10 +435,10 @@ class Options:
         """Whether each new token carries its log-probability (token_logprobs or top_logprobs)."""
         return bool(self.token_logprobs) or self.top_logprobs > 0
 
-    @property
+    @functools.cached_property
     def program_key(self) -> str:
         """What the compiled programs depend on: the options but the stop strings (checked on the
-        host), as a stable string."""
+        host), as a stable string (made once: each decode chunk looks its program up by it)."""
         return repr(dataclasses.replace(self, stop_strings=None))
 
     def as_dict(self) -> dict[str, Any]:

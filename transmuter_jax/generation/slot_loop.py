@@ -112,15 +112,17 @@ def run(
             _keep(kept[i], t, options)
     # the first tokens are known: the caller sees them before the slots are made (~10 ms)
     _emit(on_token, options, first, finished, first_logprob, first_top)
-    inserted = []
-    for k, i in enumerate(taking):
-        prefix, prefixes[k] = prefixes[k], None  # its rows are the slot's once inserted
+    pairs = []
+    for prefix, i in zip(prefixes, taking, strict=True):
         if finished[i]:
             slots.discard(prefix)
-            continue
-        state = slots.insert(engine, prefix, slots.init(engine) if state is None else state, i)
-        inserted.append(i)
-    del prefix, prefixes
+        else:
+            pairs.append((prefix, i))
+    del prefixes
+    inserted = [i for _, i in pairs]
+    if pairs:  # its rows are the slots' once inserted
+        state = slots.insert_many(engine, pairs, slots.init(engine))
+    del pairs
     made = 0
     for after, tokens in _chunks(engine, state, options.decode_steps, rows, kept):
         state = after

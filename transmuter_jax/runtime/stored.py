@@ -253,10 +253,15 @@ def storable(cls: type) -> type:
 def signature(args: Any) -> tuple:
     """A :class:`StoredJit` signature of ``args``: their tree, shapes and dtypes."""
     leaves, tree = jax.tree.flatten(args)
-    return (
-        tree,
-        tuple((np.shape(x), getattr(x, "dtype", None) or np.result_type(x)) for x in leaves),
-    )
+    return tree, tuple(_spec(x) for x in leaves)
+
+
+def _spec(x: Any) -> tuple:
+    """(shape, dtype) of an array, or of a Python scalar as numpy takes it."""
+    try:
+        return x.shape, x.dtype
+    except AttributeError:
+        return np.shape(x), np.result_type(x)
 
 
 class AutoStoredJit(StoredJit):
