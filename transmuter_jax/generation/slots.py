@@ -1234,9 +1234,7 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
     return insert_many(engine, [(prefix, slot)], state)
 
 
-def insert_many(
-    engine: Engine, pairs: Sequence[tuple[Prefix, int]], state: SlotState
-) -> SlotState:
+def insert_many(engine: Engine, pairs: Sequence[tuple[Prefix, int]], state: SlotState) -> SlotState:
     """``state`` with each ``(prefix, slot)`` of ``pairs`` inserted, in order, as :func:`insert`
     one at a time gives it; the state's arrays are donated. The rows go in with one program,
     but where a prefix changes the slots' other rows (encoder inputs of another width, a
