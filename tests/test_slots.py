@@ -641,13 +641,14 @@ def test_generate_runs_models_with_inputs_through_the_slots(workdir):
 
 
 @pytest.mark.parametrize("name", _tiered(["llama-genai-fp32", "gemma3-optimum", "marian-optimum"]))
-def test_prefixes_inserted_together_equal_inserts_one_at_a_time(name, workdir):
+def test_prefixes_inserted_together_equal_inserts_one_at_a_time(name, workdir, monkeypatch):
     """slots.insert_many (generate()'s rows into new slots) gives the slots that inserts one at
     a time give, a finished prefix's slot taking a later one of the list too (encoder inputs:
-    Marian; a padded grow cache: Gemma 3), and so the same tokens; a pair that cannot go in is
-    refused before any does, the slots as they were."""
+    Marian; a padded grow cache: Gemma 3), in programs of up to INSERT_ROWS (2 here), and so the
+    same tokens; a pair that cannot go in is refused before any does, the slots as they were."""
     import jax
 
+    monkeypatch.setattr(slots, "INSERT_ROWS", 2)
     eng = engine(name, workdir)
     prompts, inputs = inputs_of(name)
     prefixes = [eng.prefill(r) for r in requests(name).values()]

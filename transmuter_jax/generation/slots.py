@@ -1207,13 +1207,21 @@ def _tokens(out, request: Request, slots: Sequence[int], i: int, ran: Any) -> li
     return result
 
 
+INSERT_ROWS = 2
+"""The most prefixes one program of :func:`insert_many` puts: each puts ~90 arrays of the
+default model, and XLA:CPU holds a loaded program's ops at tens of KB apiece. At batch 8 of the
+default int4 model, programs of 4 or 8 raised the peak resident memory by ~30 MiB against
+programs of one; programs of two by none measurable, with half the dispatches."""
+
+
 @functools.cache
 def _insert_function(jit: str, stored: bool):
     """The program that puts requests' rows (a tuple of batch-1 rows) into the slots' rows
     (donated) at ``slots`` ([n] int32), stored on disk unless the slots are on a mesh (stored
     programs keep no shardings): it compiles in about a second, on the way to a new process's
-    first token. One program a number of rows: each put dispatched apart cost ~1.5 ms of the
-    host's time (12 ms before the first decode chunk at batch 8)."""
+    first token. One program a number of rows (at most :data:`INSERT_ROWS`): each put
+    dispatched apart cost ~1.5 ms of the host's time (12 ms before the first decode chunk at
+    batch 8)."""
 
     def insert(rows: Rows_, ones: tuple[Rows_, ...], slots):
         for i, one in enumerate(ones):
@@ -1238,16 +1246,19 @@ def insert_many(engine: Engine, pairs: Sequence[tuple[Prefix, int]], state: Slot
     """``state`` with each ``(prefix, slot)`` of ``pairs`` inserted, in order, as :func:`insert`
     one at a time gives it; the state's arrays are donated. The rows go in with one program,
     but where a prefix changes the slots' other rows (encoder inputs of another width, a
-    constraint's table joined, a larger window held): the rows before it go in first."""
+    constraint's table joined, a larger window held): the rows before it go in first. A program
+    puts at most :data:`INSERT_ROWS` of them."""
     put_in = _insert_function(jit_key(engine.jit_options), engine.placement is None)
     waiting: list[tuple[Rows_, int]] = []  # rows not yet put, and their slots
 
     def flushed(state: SlotState) -> SlotState:
-        if not waiting:
-            return state
-        ones, at = tuple(w[0] for w in waiting), np.array([w[1] for w in waiting], np.int32)
+        rows = state.rows
+        for i in range(0, len(waiting), INSERT_ROWS):
+            group = waiting[i : i + INSERT_ROWS]
+            ones, at = tuple(w[0] for w in group), np.array([w[1] for w in group], np.int32)
+            rows = put_in(rows, ones, at)
         waiting.clear()
-        return dataclasses.replace(state, rows=put_in(state.rows, ones, at))
+        return state if rows is state.rows else dataclasses.replace(state, rows=rows)
 
     _check_pairs(state, pairs)
     for prefix, slot in pairs:
