@@ -55,15 +55,20 @@ class Pool {
 
   void run(int64_t n, Task task, void* ctx) {
     if (n <= 0) return;
-    if (n == 1 || threads_ == 1 || !busy_.try_lock()) {
+    if (n == 1 || threads_ == 1 || n >= static_cast<int64_t>(kNoChunk) || !busy_.try_lock()) {
       for (int64_t i = 0; i < n; ++i) task(ctx, i);
       return;
     }
+    // A generation with nothing to claim first: a worker still in the last job's work(), past
+    // its last chunk, may read this job's count before its state; its claim must fail then,
+    // or it would run a chunk of this job twice and count it done early.
+    const uint64_t closed = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    state_.store((closed << 32) | kNoChunk, std::memory_order_seq_cst);
     task_.store(task, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
-    count_.store(n, std::memory_order_relaxed);
+    count_.store(n, std::memory_order_release);  // read with it: the closed state is seen
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    const uint64_t gen = closed + 1;
     state_.store(gen << 32, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(sleep_mutex_);
@@ -101,7 +106,7 @@ class Pool {
     uint64_t state = state_.load(std::memory_order_acquire);
     while ((state >> 32) == gen) {
       const int64_t chunk = static_cast<int64_t>(state & 0xffffffffu);
-      if (chunk >= count_.load(std::memory_order_relaxed)) return;
+      if (chunk >= count_.load(std::memory_order_acquire)) return;
       if (state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel,
                                        std::memory_order_acquire)) {
         task_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), chunk);
@@ -177,6 +182,7 @@ class Pool {
   std::atomic<int64_t> ahead_chunks_{1};
   Follow follows_[512];
   std::mutex busy_;
+  static constexpr uint64_t kNoChunk = 0xffffffffu;  // a state's chunk when none may be claimed
   std::atomic<uint64_t> state_{0};  // job generation << 32 | next chunk
   std::atomic<Task> task_{nullptr};
   std::atomic<void*> ctx_{nullptr};
