@@ -1244,10 +1244,10 @@ def insert(engine: Engine, prefix: Prefix, state: SlotState, slot: int) -> SlotS
 
 def insert_many(engine: Engine, pairs: Sequence[tuple[Prefix, int]], state: SlotState) -> SlotState:
     """``state`` with each ``(prefix, slot)`` of ``pairs`` inserted, in order, as :func:`insert`
-    one at a time gives it; the state's arrays are donated. The rows go in with one program,
-    but where a prefix changes the slots' other rows (encoder inputs of another width, a
-    constraint's table joined, a larger window held): the rows before it go in first. A program
-    puts at most :data:`INSERT_ROWS` of them."""
+    one at a time gives it; the state's arrays are donated. The rows go in together, at most
+    :data:`INSERT_ROWS` a program; where a prefix changes the slots' other rows (encoder inputs
+    of another width, a constraint's table joined, a larger window held), the rows before it go
+    in first."""
     put_in = _insert_function(jit_key(engine.jit_options), engine.placement is None)
     waiting: list[tuple[Rows_, int]] = []  # rows not yet put, and their slots
 
