@@ -673,3 +673,103 @@ def test_prefixes_inserted_together_equal_inserts_one_at_a_time(name, workdir, m
     assert got_together.keys() == {0, 2, 3}
     for slot, prefix in ((0, prefixes[0]), (3, prefixes[1]), (2, prefixes[2])):
         assert _summary(prefix, got_together[slot]) == _summary(prefix, got_apart[slot])
+
+
+def test_prefixes_inserted_unread_run_as_prefixes_inserted_read(workdir, monkeypatch):
+    """generate()'s start: the slots take prompts' rows before their first tokens are read
+    (prefill.select), a chunk runs, then the first tokens are read and settled: the same tokens
+    as prefixes read before they go in; a row that its first token ends by a stop string takes
+    none of the chunk's; generate() gives the same tokens and events either way."""
+    from generation_cases import FIXTURES
+
+    from transmuter_jax.generation import prefill
+    from transmuter_jax.generation.context import folder_texts
+
+    texts = folder_texts(FIXTURES / "llama-optimum")
+    model = context("llama-optimum", workdir).model
+    spec = generation.context(FIXTURES / "llama-optimum", model, max_new_tokens=8,
+                              tokenizer=_Texts(texts))  # fmt: skip
+    eng = generation.compile(spec, 4, capacity=128, top_logprobs=2)
+    prompts = case("llama-optimum", "batch")["prompts"]
+    first = eng.prefill(Request(prompts[0], max_new_tokens=8)).first.token
+    stop = texts[first]
+    assert stop.strip(), "the first token's text is the stop string: it must be one"
+    reqs = [
+        Request(prompts[0], max_new_tokens=8, stop_strings=(stop,)),  # ends at its first token
+        Request(prompts[1], max_new_tokens=8, logprobs=True, top_logprobs=2),
+        Request(prompts[2 % len(prompts)], max_new_tokens=6, do_sample=True, seed=3),
+    ]
+    read_first = prefill.prefill_many(eng, reqs)
+    assert read_first[0].first.finish_reason == "stop"
+    state = slots.insert_many(eng, [(p, i) for i, p in enumerate(read_first) if not p.first.done],
+                              eng.init_state())  # fmt: skip
+    want: dict = {}
+    _drain(eng, state, want)
+
+    pending = prefill.fed(eng, reqs)
+    selected = prefill.select(eng, pending)
+    assert all(p.unread and p.first is None for p in selected.prefixes)
+    pairs = [(p, i) for i, p in enumerate(selected.prefixes)]
+    state = slots.insert_many(eng, pairs, eng.init_state())
+    assert state.live_slots == [0, 1, 2]
+    state, chunk = slots.launch(eng, state, 4)
+    prefixes = prefill.read(eng, pending, selected)
+    with pytest.raises(generation.GenerationError, match="slot 3 holds no running request"):
+        slots.settle(state, [(3, prefixes[0].first)])
+    state = slots.settle(state, [(i, p.first) for i, p in enumerate(prefixes)])
+    assert state.live_slots == [1, 2]
+    state, tokens = slots.finish(state, chunk)
+    got: dict = {}
+    _record(tokens, got)
+    _drain(eng, state, got)
+    assert got.keys() == want.keys() == {1, 2}
+    for i in range(3):
+        assert _summary(prefixes[i], got.get(i, [])) == _summary(read_first[i], want.get(i, []))
+
+    # generate(): a row of one token, a row its first token ends, the others; either start
+    options = dict(max_new_tokens=6, stop_strings=[stop], tokenizer=_Texts(texts))
+    ctx = generation.compile(generation.context(FIXTURES / "llama-optimum", model, **options), 4)
+    batch = [prompts[0], prompts[1], [], prompts[2 % len(prompts)]]
+
+    def run():
+        events = []
+        out = generation.generate(ctx, batch, [0, 1, 2, 3], on_token=events.append)
+        return out, [{k: v.tolist() for k, v in e.items()} for e in events]
+
+    from transmuter_jax.generation import slot_loop
+
+    started = []
+    real = slot_loop._started
+    monkeypatch.setattr(slot_loop, "_started", lambda *a: started.append(1) or real(*a))
+    cold = run()  # its decode program not run yet: the first tokens are read first
+    early = run()
+    assert len(started) == 1, "the second call starts its slots before the first tokens"
+    monkeypatch.setattr(prefill, "together", lambda engine, requests: False)
+    assert run() == early == cold
+    assert early[0][0] == [first] and early[1][0]["finished"][0]  # the stop string's token
+
+
+@pytest.mark.parametrize(
+    "name", _tiered(["llama-genai-fp32", "gpt2-optimum", "gemma3-optimum", "marian-optimum"])
+)
+def test_generate_started_before_its_first_tokens_gives_transformers_tokens(
+    name, workdir, monkeypatch
+):
+    """A generate() call whose decode program has run starts the slots before it reads the first
+    tokens (a padded grow cache: Gemma 3; an encoder's windows: Marian): transformers' tokens,
+    the same as a call that reads them first."""
+    from transmuter_jax.generation import prefill, slot_loop
+
+    started = []
+    real = slot_loop._started
+    monkeypatch.setattr(slot_loop, "_started", lambda *a: started.append(1) or real(*a))
+    the_case = case(name, "batch")
+    inputs = encoder_inputs(name, the_case, [0, 1])[1] if name in ENCODER else None
+    eng = engine(name, workdir)
+    prompts = the_case["prompts"][:2]
+    first = generation.generate(eng, prompts, [0, 0], inputs)
+    second = generation.generate(eng, prompts, [0, 0], inputs)
+    assert started, "a call after the decode program ran starts its slots early"
+    monkeypatch.setattr(prefill, "together", lambda engine, requests: False)
+    assert generation.generate(eng, prompts, [0, 0], inputs) == second == first
+    assert second == [t[:NEW] for t in the_case["tokens"][:2]]

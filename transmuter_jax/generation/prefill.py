@@ -5,7 +5,9 @@
 next part of each, padded to a bucket of 64 tokens, at most :data:`~.cache.PREFILL_CAP`), so
 a server can run the slots' decode chunks between the chunks of a long prompt; :func:`end`
 selects each request's first token and gives its :class:`~.slots.Prefix`, ready for
-:func:`.slots.insert`. One request through them is :func:`.slots.prefill`.
+:func:`.slots.insert`; :func:`select` and :func:`read` are :func:`end` in two halves, so a slot
+can take a prefix before its first token is read. One request through them is
+:func:`.slots.prefill`.
 """
 
 from __future__ import annotations
@@ -241,8 +243,25 @@ def step(engine: Engine, pending: Pending, size: int) -> Pending:
     )
 
 
-def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
-    """Each request's prefix: its first token selected (as :func:`.slots.prefill` does)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Selected:
+    """The requests' first tokens, chosen on the device (:func:`select`) and not read yet.
+
+    Attributes:
+        prefixes: each request's :class:`~.slots.Prefix`, ``unread`` (``first`` None) where
+            the request asks for tokens.
+        outs: each request's selection (a device StepOut, batch n) and its row there.
+    """
+
+    prefixes: tuple[slots.Prefix, ...]
+    outs: tuple[tuple[slots.StepOut, int] | None, ...]
+
+
+def select(engine: Engine, pending: Pending) -> Selected:
+    """Dispatches the selection of each request's first token and cuts the rows apart, without
+    waiting for the device: :func:`read` gives the prefixes with their first tokens, and
+    :func:`.slots.insert_many` takes the unread ones (a slot that runs before its first token
+    is read)."""
     if not pending.done:
         raise GenerationError("the prompts are not all fed: call advance until done")
     n = len(pending.requests)
@@ -270,32 +289,53 @@ def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
             free = np.where(members, rows.constraint, -1).astype(np.int32)
             group = dataclasses.replace(rows, constraint=free)
         after, out = first(pending.logits, group, table)
-        out = jax.device_get(out)
         apart = _apart(after) if n > 1 else (after,)  # the selection's rows, one a request
         chosen.update({int(i): (apart, out) for i in np.flatnonzero(members)})
     # each request's rows of the cache and given inputs
     shared = (pending.cache, pending.given)
     shared_apart = _apart(shared) if n > 1 else (shared,)
-    prefixes = []
+    prefixes, outs = [], []
     for i, request in enumerate(pending.requests):
         apart, out = chosen[i]
-        one = apart[i]
         drafted = slots._drafted(engine, request.prompt, pending.resolved[i]["assisted"])
-        drafts = dataclasses.replace(one.drafts, cache=drafted)
         cache, given = shared_apart[i]
-        one = dataclasses.replace(one, cache=cache, drafts=drafts)
-        if pending.resolved[i]["max_new"] == 0:
-            prefixes.append(slots.Prefix(request, one, None, tables[i], given))
+        one = apart[i]
+        one = dataclasses.replace(
+            one, cache=cache, drafts=dataclasses.replace(one.drafts, cache=drafted)
+        )
+        asks = pending.resolved[i]["max_new"] > 0
+        length = int(lengths[i])
+        prefixes.append(slots.Prefix(request, one, None, tables[i], given, asks, length))
+        outs.append((out, i) if asks else None)
+    return Selected(tuple(prefixes), tuple(outs))
+
+
+def read(engine: Engine, pending: Pending, selected: Selected) -> list[slots.Prefix]:
+    """The prefixes of :func:`select` with their first tokens (waits for the device); a first
+    token that ends its request by a stop string marks the prefix's row done."""
+    read_: dict[int, Any] = {}  # each selection read once
+    prefixes = []
+    for i, (prefix, chosen) in enumerate(zip(selected.prefixes, selected.outs, strict=True)):
+        if chosen is None:
+            prefixes.append(prefix)
             continue
-        token = slots._tokens(out, request, [i], 0, None)[0]
+        out, row = chosen
+        if id(out) not in read_:
+            read_[id(out)] = jax.device_get(out)
+        token = slots._tokens(read_[id(out)], prefix.request, [row], 0, None)[0]
         token = dataclasses.replace(token, slot=0)
-        stops = pending.stops[i]
+        one, stops = prefix.rows, pending.stops[i]
         if stops is not None and not token.done and not token.eos:
-            if stops.hit([*request.prompt, token.token]):
+            if stops.hit([*prefix.request.prompt, token.token]):
                 token = dataclasses.replace(token, done=True, finish_reason="stop")
                 one = dataclasses.replace(one, done=jnp.ones(1, bool))
-        prefixes.append(slots.Prefix(request, one, token, tables[i], given))
+        prefixes.append(dataclasses.replace(prefix, rows=one, first=token, unread=False))
     return prefixes
+
+
+def end(engine: Engine, pending: Pending) -> list[slots.Prefix]:
+    """Each request's prefix: its first token selected (as :func:`.slots.prefill` does)."""
+    return read(engine, pending, select(engine, pending))
 
 
 def _by_width(engine: Engine, requests: Sequence[slots.Request]) -> list[list[int]]:
@@ -322,7 +362,19 @@ def prefill_many(engine: Engine, requests: Sequence[slots.Request]) -> list[slot
             done |= dict(zip(members, prefill_many(engine, [requests[i] for i in members]),
                              strict=True))  # fmt: skip
         return [done[i] for i in range(len(requests))]
+    return end(engine, fed(engine, requests))
+
+
+def together(engine: Engine, requests: Sequence[slots.Request]) -> bool:
+    """Whether :func:`prefill_many` runs ``requests`` as one :class:`Pending` (:func:`fed`):
+    one shared padding or one request, one encoder width."""
+    shared = len(requests) < 2 or engine.cache_mode.shared
+    return shared and len(_by_width(engine, requests)) == 1
+
+
+def fed(engine: Engine, requests: Sequence[slots.Request]) -> Pending:
+    """``requests`` begun and advanced until every prompt is fed (the steps dispatched)."""
     pending = begin(engine, requests)
     while not pending.done:
         pending = advance(engine, pending)
-    return end(engine, pending)
+    return pending

@@ -5,9 +5,10 @@ processors, no mesh, a cache whose rows can join at other lengths),
 :func:`.loop.generate` is :func:`run`: each prompt (with num_return_sequences n > 1, each of
 its n sequences, :func:`single`) is a :class:`~.slots.Request` with the specification's
 options, its seed and its number of new tokens, in a slot of its own; the
-prompts run together (:func:`.prefill.prefill_many`), and the slots' decode chunks
-(:func:`.speculative.generate`: plain steps where no slot speculates) give the tokens, which
-on_token reports in generate()'s events (one per step, -1 where a row takes none).
+prompts run together (:func:`.prefill.prefill_many`; where no constraint runs, the slots take
+their rows and the first chunk is dispatched before the first tokens are read), and the slots'
+decode chunks (:func:`.speculative.generate`: plain steps where no slot speculates) give the
+tokens, which on_token reports in generate()'s events (one per step, -1 where a row takes none).
 """
 
 from __future__ import annotations
@@ -103,28 +104,43 @@ def run(
         )
         for i in taking
     ]
-    prefixes = prefills.prefill_many(engine, requests) if requests else []
+    ahead: slots.Chunk | None = None
+    early = (
+        bool(requests)
+        and constraint is None
+        and prefills.together(engine, requests)
+        and _loaded(engine, requests, options.decode_steps)
+    )
+    if early:  # the slots take the rows and run before the first tokens are read
+        state, ahead, inserted, prefixes = _started(engine, requests, taking, options.decode_steps)
+    else:
+        prefixes = prefills.prefill_many(engine, requests) if requests else []
     for i, prefix in zip(taking, prefixes, strict=True):
         if prefix.first is not None:
             t = prefix.first
             first[i], first_logprob[i], first_top[i] = t.token, t.logprob, t.top
             finished[i] = t.done
             _keep(kept[i], t, options)
-    # the first tokens are known: the caller sees them before the slots are made (~10 ms)
     _emit(on_token, options, first, finished, first_logprob, first_top)
-    pairs = []
-    for prefix, i in zip(prefixes, taking, strict=True):
-        if finished[i]:
-            slots.discard(prefix)
-        else:
-            pairs.append((prefix, i))
+    if early:
+        if state is not None:
+            firsts = dict(zip(taking, (p.first for p in prefixes), strict=True))
+            state = slots.settle(state, [(i, firsts[i]) for i in inserted])
+    else:
+        pairs = []
+        for prefix, i in zip(prefixes, taking, strict=True):
+            if finished[i]:
+                slots.discard(prefix)
+            else:
+                pairs.append((prefix, i))
+        inserted = [i for _, i in pairs]
+        if pairs:  # its rows are the slots' once inserted
+            state = slots.insert_many(engine, pairs, slots.init(engine))
+        del pairs
     del prefixes
-    inserted = [i for _, i in pairs]
-    if pairs:  # its rows are the slots' once inserted
-        state = slots.insert_many(engine, pairs, slots.init(engine))
-    del pairs
     made = 0
-    for after, tokens in _chunks(engine, state, options.decode_steps, rows, kept):
+    chunks = _chunks(engine, state, options.decode_steps, rows, kept, ahead)
+    for after, tokens in chunks:
         state = after
         _events(on_token, options, tokens, finished)
         made += len(tokens)
@@ -140,8 +156,52 @@ def run(
     return kept, speculative.Stats(made, total(d.steps), total(d.drafted), total(d.accepted))
 
 
+def _plain(engine: Engine, state: slots.SlotState) -> bool:
+    """Whether the slots' next chunk is a plain one: no constraint table, no slot speculating."""
+    return state.live_table is None and not speculative.speculating(engine, state)[0]
+
+
+def _loaded(engine: Engine, requests: Sequence[slots.Request], steps: int) -> bool:
+    """Whether the decode chunk of ``requests``' slots has run in this process: else its program
+    is compiled or read first, which the first tokens do not wait for."""
+    window = engine.slot_capacity
+    if engine.slot_windows:  # as launch() picks it, the prompts' lengths the longest
+        window = slots.window_of(max(len(r.prompt) for r in requests) + steps, window)
+    return slots.ran(engine, window)
+
+
+def _started(
+    engine: Engine, requests: Sequence[slots.Request], taking: list[int], steps: int
+) -> tuple[slots.SlotState | None, slots.Chunk | None, list[int], list[slots.Prefix]]:
+    """The prompts of ``requests`` (those of rows ``taking``) run together, and before their
+    first tokens are read (the host's dispatches overlap the device's prompt): the slots made,
+    the rows that take more than one token put in them unread, the first plain chunk launched.
+    Returns the state (None: no row takes more), the chunk, the rows in slots, and the
+    prefixes with their first tokens (waiting for the device); :func:`.slots.settle` gives the
+    slots their first tokens."""
+    pending = prefills.fed(engine, requests)
+    more = [k for k, r in enumerate(pending.resolved) if r["max_new"] > 1]
+    selected = prefills.select(engine, pending)  # first: the device's next program
+    state = slots.init(engine) if more else None  # made while the device runs the prompts
+    ahead = None
+    if state is not None:
+        pairs = [(selected.prefixes[k], taking[k]) for k in more]
+        state = slots.insert_many(engine, pairs, state)
+        longest = max(p.length for p, _ in pairs)  # the host's: no wait for the rows
+        del pairs
+        if _plain(engine, state):
+            state, ahead = slots.launch(engine, state, steps, longest=longest)
+    prefixes = prefills.read(engine, pending, selected)
+    return state, ahead, [taking[k] for k in more], prefixes
+
+
 def _chunks(
-    engine: Engine, state: slots.SlotState | None, steps: int, rows, kept
+    engine: Engine,
+    state: slots.SlotState | None,
+    steps: int,
+    rows,
+    kept,
+    ahead: slots.Chunk | None = None,
 ) -> Iterator[tuple[slots.SlotState, list[slots.Token]]]:
     """The decode chunks of the slots until none is live: the state and the tokens of each chunk
     as it is read.
@@ -152,10 +212,9 @@ def _chunks(
     reading, the next call's dispatch: 1-2 ms a chunk on a CPU). It is not dispatched where
     each live row's ``max_new_tokens`` ends within the chunk being read. ``rows``: run()'s
     (prompt, max_new_tokens, seed); ``kept``: each row's tokens so far (a row's slot is its
-    index)."""
-    ahead: slots.Chunk | None = None  # dispatched, not read
+    index); ``ahead``: a chunk launched on ``state``'s rows, not read."""
     while state is not None and state.live_slots:
-        plain = state.live_table is None and not speculative.speculating(engine, state)[0]
+        plain = _plain(engine, state)
         if ahead is None and not plain:
             state, tokens = speculative.generate(engine, state, steps)
             yield state, tokens

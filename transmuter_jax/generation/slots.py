@@ -262,7 +262,12 @@ class Prefix:
     Attributes:
         request: the request.
         rows: the slot's device arrays, batch 1.
-        first: the first new token (None when the request asks for none).
+        first: the first new token (None when the request asks for none, or is unread).
+        table: the request's constraint table, or None.
+        given: the request's given inputs (batch 1).
+        unread: its first token is chosen on the device, not read (:func:`.prefill.select`):
+            a slot takes it and runs; :func:`settle` gives the slot its first token.
+        length: the valid rows of its cache, where the host knows them (None: read them).
     """
 
     request: Request
@@ -270,6 +275,8 @@ class Prefix:
     first: Token | None
     table: constraints.TokenTable | None = None
     given: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # batch 1
+    unread: bool = False
+    length: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1037,7 +1044,7 @@ def prefill(
     rows = _request_rows(engine, request, r, put(lengths), cache, table, drafted)
     if r["max_new"] == 0:
         logits.delete()
-        return Prefix(request, rows, None, table)
+        return Prefix(request, rows, None, table, length=int(lengths[0]))
     rows, out = _first(engine, engine.slot_top_logprobs)(logits, rows, table)
     logits.delete()
     out = jax.device_get(out)
@@ -1046,7 +1053,7 @@ def prefill(
         if stops.hit([*prompt, token.token]):
             token = dataclasses.replace(token, done=True, finish_reason="stop")
             rows = dataclasses.replace(rows, done=jnp.ones(1, bool))
-    return Prefix(request, rows, token, table)
+    return Prefix(request, rows, token, table, length=int(lengths[0]))
 
 
 def _drafted(engine: Engine, prompt: Sequence[int], assisted: bool) -> dict[str, jax.Array]:
@@ -1272,7 +1279,7 @@ def insert_many(engine: Engine, pairs: Sequence[tuple[Prefix, int]], state: Slot
         )
         window = stops.window if stops is not None else 0
         tokens = list(request.prompt)
-        done = prefix.first is None or prefix.first.done
+        done = not prefix.unread and (prefix.first is None or prefix.first.done)
         if prefix.first is not None and not prefix.first.eos:
             tokens.append(prefix.first.token)
         one, own_given = prefix.rows, prefix.given
@@ -1292,7 +1299,9 @@ def insert_many(engine: Engine, pairs: Sequence[tuple[Prefix, int]], state: Slot
             one = dataclasses.replace(one, constraint=jnp.where(c >= 0, c + offset, c))
         have, given = held(engine, state), _rows_of(engine, one.cache, state.capacity)
         if given != have:  # the slots hold the window its rows need; it gives no more rows
-            length = int(jax.device_get(one.lengths)[0])
+            length = prefix.length
+            if length is None:
+                length = int(jax.device_get(one.lengths)[0])
             target = max(have, window_of(max(length, 1), state.capacity))
             if target != have:
                 state = resized(engine, flushed(state), target)
@@ -1325,7 +1334,7 @@ def _check_pairs(state: SlotState, pairs: Sequence[tuple[Prefix, int]]) -> None:
             raise GenerationError(f"slot {slot} holds a running request: free it first")
         if prefix.rows.history.shape[1] != state.capacity:
             raise GenerationError("the prefix was made for slots of another capacity")
-        running[slot] = prefix.first is not None and not prefix.first.done
+        running[slot] = prefix.unread or (prefix.first is not None and not prefix.first.done)
 
 
 def _mask_of(engine: Engine, request: Request, eos: tuple[int, ...]):
@@ -1416,6 +1425,28 @@ def free(state: SlotState, slot: int) -> SlotState:
     return dataclasses.replace(state, rows=rows, hosts=hosts)
 
 
+def settle(state: SlotState, firsts: Sequence[tuple[int, Token]]) -> SlotState:
+    """``state`` with the first token of each ``(slot, token)`` of ``firsts`` given to its slot,
+    which took an unread prefix (:attr:`Prefix.unread`): the stop strings' window holds it, and
+    a slot that it ends is done (its tokens of a chunk launched before are dropped when read)."""
+    hosts, ended = list(state.hosts), []
+    for slot, token in firsts:
+        _slot(state, slot)
+        host = hosts[slot]
+        if host is None or host.done:
+            raise GenerationError(f"slot {slot} holds no running request to settle")
+        tail = host.tail
+        if host.stops is not None and not token.eos:
+            tail = (tail + (token.token,))[-host.stops.window :]
+        hosts[slot] = dataclasses.replace(host, tail=tail, done=token.done)
+        if token.done:
+            ended.append(slot)
+    rows = state.rows
+    if ended:  # the device's own for eos and max_new_tokens; a stop string's the host's
+        rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(ended)].set(True))
+    return dataclasses.replace(state, rows=rows, hosts=tuple(hosts))
+
+
 def generate(
     engine: Engine, state: SlotState, steps: int, program_steps: int | None = None
 ) -> tuple[SlotState, list[Token]]:
@@ -1466,13 +1497,23 @@ def launch(
             longest = int(np.max(np.asarray(state.rows.lengths)[list(live)]))
         window = window_of(longest + steps, state.capacity)
     state = resized(engine, state, window)
-    padded = (window,) if engine.compiled.padded else ()
-    engine.compiled.steps.shapes.add((1, window, True) + padded)  # the decode shape it runs
+    engine.compiled.steps.shapes.add(_decode_shape(engine, window))  # the decode shape it runs
     run = _chunk(engine, window, state.top_logprobs, size)
     params, embed = engine.model.params, _embed_params(engine)
     rows, out = run(params, embed, state.rows, state.given, np.int32(steps), state.live_table)
     bound = (longest if longest is not None else window) + steps
     return dataclasses.replace(state, rows=rows), Chunk(out, bound)
+
+
+def _decode_shape(engine: Engine, window: int) -> tuple:
+    """The shape :func:`launch` records in ``engine.compiled.steps.shapes`` for a window."""
+    return (1, window, True) + ((window,) if engine.compiled.padded else ())
+
+
+def ran(engine: Engine, window: int) -> bool:
+    """Whether ``engine`` has launched a decode chunk over ``window`` rows in this process (its
+    programs are loaded: a launch now neither compiles nor reads one)."""
+    return _decode_shape(engine, window) in engine.compiled.steps.shapes
 
 
 def finish(state: SlotState, chunk: Chunk | None) -> tuple[SlotState, list[Token]]:
