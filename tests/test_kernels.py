@@ -2085,6 +2085,65 @@ def test_gate_and_up_products_fuse_into_one_call(rng, tmp_path, monkeypatch, als
         np.testing.assert_array_equal(np.asarray(got["y"]), np.asarray(plain({"a": x})["y"]))
 
 
+def _skip_norm_model(rng, k, n, *, swapped: bool, also_read: bool) -> onnx.ModelProto:
+    """SkipSimplifiedLayerNormalization(MatMulNBits(a), skip, gamma) (``swapped``: the product
+    its skip input; ``also_read``: the product a graph output too), outputs y and the sum."""
+    b, scales, _ = _nbits(rng, k, n, 32, None)
+    gamma = (rng.standard_normal(n) * 0.5 + 1).astype(np.float32)
+    inputs = ["skip", "p"] if swapped else ["p", "skip"]
+    nodes = [
+        helper.make_node("MatMulNBits", ["a", "b", "s"], ["p"], domain="com.microsoft",
+                         K=k, N=n, bits=4, block_size=32, accuracy_level=4),
+        helper.make_node("SkipSimplifiedLayerNormalization", [*inputs, "gamma"],
+                         ["y", "", "", "sum"], domain="com.microsoft", epsilon=1e-5),
+    ]  # fmt: skip
+    outputs = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, ["m", n])
+        for name in ("y", "sum", *(["p"] if also_read else []))
+    ]
+    inits = [numpy_helper.from_array(a, name) for a, name in
+             ((b, "b"), (scales, "s"), (gamma, "gamma"))]  # fmt: skip
+    graph = helper.make_graph(nodes, "skip_norm", [
+        helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k]),
+        helper.make_tensor_value_info("skip", TensorProto.FLOAT, ["m", n]),
+    ], outputs, inits)  # fmt: skip
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    proto = helper.make_model(graph, opset_imports=opsets)
+    proto.ir_version = 10
+    return proto
+
+
+@needs_kernels
+@pytest.mark.parametrize(("swapped", "also_read"), [(False, False), (True, False), (False, True)])
+def test_an_int4_product_and_the_norm_after_it_fuse_into_one_call(
+    rng, tmp_path, monkeypatch, swapped, also_read
+):
+    """An int4 product that a SkipSimplifiedLayerNormalization reads alone (as its input or its
+    skip) becomes one PackedNBitsSkipNorm with the two ops' values bit for bit and onnxruntime's
+    within rounding; a product read elsewhere too stays apart."""
+    k, n = 96, 40
+    proto = _skip_norm_model(rng, k, n, swapped=swapped, also_read=also_read)
+    path = str(tmp_path / "skip_norm.onnx")
+    onnx.save(proto, path)
+    model = tj.load(path)
+    assert _packed_ops(model) == ({"PackedMatMulNBits"} if also_read else {"PackedNBitsSkipNorm"})
+    feeds = {
+        "a": (rng.standard_normal((5, k)) * 2).astype(np.float32),
+        "skip": rng.standard_normal((5, n)).astype(np.float32),
+    }
+    got = model(feeds)
+    want = _ort(proto, feeds)
+    for name in want:
+        np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=1e-5, atol=1e-5)
+    with monkeypatch.context() as patch:
+        patch.setattr(fuse, "skip_norm", lambda graph: 0)
+        plain = tj.load(path)
+    assert _packed_ops(plain) == {"PackedMatMulNBits"}
+    apart = plain(feeds)
+    for name in ("y", "sum"):
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(apart[name]))
+
+
 def _fixture_graphs():
     for folder in ("llama-genai-fp32", "llama-optimum", "gemma3-genai-fp32", "gpt2-optimum"):
         path = FIXTURES / folder / "model.onnx"
@@ -2371,3 +2430,67 @@ def test_prefetching_the_next_weights_changes_no_bits():
         assert done.returncode == 0, done.stderr[-2000:]
         runs[ahead] = done.stdout
     assert runs["0"] == runs["4096"] and len(runs["0"]) == 2 * 12 * 96 * 4
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", ["0", "1"])
+@pytest.mark.parametrize("zero_points", [None, "packed"])
+@pytest.mark.parametrize(("k", "n"), [(576, 576), (1536, 576), (96, 40)])
+def test_matmul_nbits_skip_norm_equals_its_two_calls(rng, monkeypatch, portable, zero_points, k, n):
+    """An int4 product and the residual norm after it in one call: bit for bit the norm call's
+    two outputs after the product's call, at 1, 8 and 64 rows, each row as its solo run, and
+    within live_rows the live rows alone."""
+    monkeypatch.setenv(kernels.PORTABLE_ENV, portable)
+    w = _packed_nbits(*_nbits(rng, k, n, 32, zero_points), n, k)
+    gamma = rng.standard_normal(n).astype(np.float32)
+    eps = 1e-5
+
+    def norm_ref(v, g):
+        return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + eps) * g
+
+    def skip_ref(a, b, g):
+        return norm_ref(a + b, g), a + b
+
+    def ref(x, skip, b, scales, zp, g):
+        return skip_ref(int8_product(x, b, scales, zp, k, n, 32), skip, g)
+
+    def two(x, skip):
+        product = kernels.matmul_nbits(x, *w, n=n, block_size=32, reference=None, int8=True,
+                                       packed=True)  # fmt: skip
+        return kernels.skip_rms_norm(product, skip, gamma, eps, skip_ref)
+
+    def one(x, skip):
+        return kernels.matmul_nbits_skip_norm(x, *w, skip, gamma, n=n, block_size=32,
+                                              epsilon=eps, reference=ref, int8=True,
+                                              packed=True)  # fmt: skip
+
+    x = (rng.standard_normal((64, k)) * 3).astype(np.float32)
+    skip = (rng.standard_normal((64, n)) * 2).astype(np.float32)
+    fused, apart = jax.jit(one), jax.jit(two)
+    assert "tj_matmul_nbits_skip_norm" in fused.lower(x, skip).as_text()
+    whole = [np.asarray(a) for a in fused(x, skip)]
+    for got, want in zip(whole, apart(x, skip), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))
+    for m in (1, 8):
+        for got, want in zip(fused(x[:m], skip[:m]), whole, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want[:m])
+    for r in (0, 5, 63):
+        for got, want in zip(fused(x[r : r + 1], skip[r : r + 1]), whole, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[0], want[r])
+    # the reference (gradients, vmap over the weights): XLA's float steps, within rounding
+    stored = _stored(w, w, n)[:3]
+    for got, want in zip(whole, jax.jit(ref)(x, skip, *stored, gamma), strict=True):
+        np.testing.assert_allclose(got, np.asarray(want), rtol=5e-4, atol=2e-3)
+    steps, skips = x[:12].reshape(6, 2, k), skip[:12].reshape(6, 2, n)
+    live = np.array([0, 1, 0, 0, 1, 1], bool)
+
+    def in_live(x, skip, live):
+        with kernels.live_rows(live):
+            return one(x, skip)
+
+    run = jax.jit(in_live)
+    assert "tj_matmul_nbits_skip_norm_live" in run.lower(steps, skips, live).as_text()
+    got = [np.asarray(a) for a in run(steps, skips, live)]
+    for r in np.flatnonzero(live):
+        for g, want in zip(got, whole, strict=True):
+            np.testing.assert_array_equal(g[r], want[2 * r : 2 * r + 2])

@@ -703,6 +703,62 @@ def matmul_nbits(
     return fn(jnp.asarray(x, jnp.float32), jnp.asarray(b), jnp.asarray(scales), zp, *more)
 
 
+def matmul_nbits_skip_norm(
+    x: jax.Array,
+    b: jax.Array,
+    scales: jax.Array,
+    zero_points: jax.Array | None,
+    skip: jax.Array,
+    gamma: jax.Array,
+    *,
+    n: int,
+    block_size: int,
+    epsilon: float,
+    reference: Callable[..., tuple[jax.Array, jax.Array]],
+    int8: bool = False,
+    packed: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`matmul_nbits` of ``x`` followed by :func:`skip_rms_norm` of the product and
+    ``skip [..., N]`` (gamma ``[N]``), in one call: ``(the norm, product + skip)``, the values of
+    the two calls. ``reference(x, skip, b, scales, zero_points, gamma)`` computes the same pair
+    in pure JAX (the weights as :func:`matmul_nbits` gives them to its reference). Call only
+    when :func:`nbits_supported` says so."""
+    zp = jnp.zeros((0,), jnp.uint8) if zero_points is None else jnp.asarray(zero_points)
+    live = _live_for(x) if jnp.ndim(x) == 3 else None
+
+    def kernel(x, skip, b, scales, zp, gamma, *live):
+        out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+        name = "tj_matmul_nbits_skip_norm_live" if live else "tj_matmul_nbits_skip_norm"
+        return tuple(
+            jax.ffi.ffi_call(name, (out, out))(
+                x,
+                b,
+                scales,
+                zp,
+                skip,
+                gamma,
+                *live,
+                block_size=np.int64(block_size),
+                int8=bool(int8),
+                portable=os.environ.get(PORTABLE_ENV, "") == "1",
+                packed=bool(packed),
+                epsilon=np.float32(epsilon),
+            )
+        )
+
+    def ref(x, skip, b, scales, zp, gamma, *live):  # every row: the others' are never read
+        zp = None if zp.size == 0 else zp
+        if packed:
+            b, scales, zp = nbits_unpack_all(b, scales, zp, n)
+        return reference(x, skip, b, scales, zp, gamma)
+
+    fn = _wrapped(kernel, ref, folds=live is None, activations=2)
+    more = () if live is None else (live,)
+    x, skip = jnp.asarray(x, jnp.float32), jnp.asarray(skip, jnp.float32)
+    gamma = jnp.asarray(gamma, jnp.float32)
+    return fn(x, skip, jnp.asarray(b), jnp.asarray(scales), zp, gamma, *more)
+
+
 def matmul_nbits_gate_up(
     x: jax.Array,
     gate: tuple,

@@ -64,6 +64,8 @@ TARGETS = {
     "tj_matmul_nbits_live": "TjMatMulNBitsLive",
     "tj_matmul_nbits_gate_up": "TjMatMulNBitsGateUp",
     "tj_matmul_nbits_gate_up_live": "TjMatMulNBitsGateUpLive",
+    "tj_matmul_nbits_skip_norm": "TjMatMulNBitsSkipNorm",
+    "tj_matmul_nbits_skip_norm_live": "TjMatMulNBitsSkipNormLive",
     "tj_rms_norm": "TjRmsNorm",
     "tj_skip_rms_norm": "TjSkipRmsNorm",
     "tj_attention_f32": "TjAttentionF32",

@@ -10,6 +10,10 @@
   (:func:`transmuter_jax.kernels.matmul_nbits_gate_up`); ``SiluMul(PackedMatMul(a, gate),
   PackedMatMul(a, up))`` (float32 weights packed in strips) becomes ``PackedGateUp(a, gate, up)``
   likewise (:func:`transmuter_jax.kernels.matmul_gate_up`).
+- ``SkipSimplifiedLayerNormalization(PackedMatMulNBits(a, w), skip, gamma)`` (an int4 product
+  that the next residual norm reads alone) becomes ``PackedNBitsSkipNorm(a, w, skip, gamma)``:
+  the product, the sum and its norm in one kernel call, where two were
+  (:func:`transmuter_jax.kernels.matmul_nbits_skip_norm`).
 - ``MatMul(Transpose(a), Transpose(b) [* c])`` (either operand, any permutation; ``c`` a constant
   scalar) becomes ``TransposedMatMul(a, b[, c], perm_a, perm_b)``: attention's scores over a
   cache's keys ``K^T`` (times the scale, as Whisper's exports write it) without the transposed
@@ -119,6 +123,45 @@ def gate_up(graph: GraphProto) -> int:
             domain=DOMAIN,
         )  # fmt: skip
         fused[id(node)].attribute.extend(gate.attribute)
+    _replace(graph, fused, removed)
+    return count + len(fused)
+
+
+def skip_norm(graph: GraphProto) -> int:
+    """Fuses every ``SkipSimplifiedLayerNormalization(PackedMatMulNBits(a, ...), skip, gamma)``
+    of ``graph`` and its nested graphs (in place; the product, without bias or g_idx, either of
+    the norm's first two inputs and read by it alone; no bias; the norm's mean and inv_std read
+    by none) into ``PackedNBitsSkipNorm(a, b, scales, zero points, skip, gamma)`` with the norm's
+    outputs; returns how many were fused."""
+    count = sum(skip_norm(sub) for node in graph.node for sub in subgraphs(node))
+    reads, producer = _reads(graph), _producers(graph)
+    removed: set[int] = set()
+    fused: dict[int, NodeProto] = {}
+    for node in graph.node:
+        if (
+            node.op_type != "SkipSimplifiedLayerNormalization"
+            or node.domain != "com.microsoft"
+            or len(node.input) != 3
+            or not all(node.input)
+            or any(o and reads[o] for o in node.output[1:3])
+        ):
+            continue
+        for i in (0, 1):
+            product = producer.get(node.input[i])
+            if product is None or id(product) in removed or reads[node.input[i]] != 1:
+                continue
+            if not _nbits_product(product):
+                continue
+            weights = [*product.input[1:4], ""][:3]
+            removed.add(id(product))
+            fused[id(node)] = helper.make_node(
+                "PackedNBitsSkipNorm",
+                [product.input[0], *weights, node.input[1 - i], node.input[2]],
+                list(node.output), name=node.name, domain=DOMAIN,
+            )  # fmt: skip
+            fused[id(node)].attribute.extend(product.attribute)
+            fused[id(node)].attribute.extend(a for a in node.attribute if a.name == "epsilon")
+            break
     _replace(graph, fused, removed)
     return count + len(fused)
 

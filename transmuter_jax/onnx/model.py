@@ -279,6 +279,7 @@ class Model:
             scalar = fuse.scalars(graph, constants)
             fuse.silu_mul(graph)
             fuse.gate_up(graph)
+            fuse.skip_norm(graph)
             fuse.transposed_products(graph, scalar)
             fuse.softmax_attention(graph, scalar, opsets.get("", 1))
 

@@ -52,6 +52,8 @@ CUSTOM_CALLS = (
     "tj_matmul_nbits_live",
     "tj_matmul_nbits_gate_up",
     "tj_matmul_nbits_gate_up_live",
+    "tj_matmul_nbits_skip_norm",
+    "tj_matmul_nbits_skip_norm_live",
     "tj_rms_norm",
     "tj_skip_rms_norm",
     "tj_attention_f32",

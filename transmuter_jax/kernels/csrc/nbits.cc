@@ -22,6 +22,7 @@
 #include "nbits_int8.h"
 #include "nbits_lanes.h"
 #include "nbits_vnni.h"
+#include "norm.h"
 #include "pool.h"
 
 namespace tj {
@@ -787,6 +788,61 @@ static ffi::Error NbitsLive(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   return NbitsImpl(x, b, scales, zp, &live, y, block_size, int8, portable, packed);
 }
 
+// SkipSimplifiedLayerNormalization of the product: total = x @ the weights + skip, y = its RMS
+// norm (norm.h's steps: the values of the product's call and the norm's call), row by row on
+// this thread once the product is done, over every row as the norm's call ran (a row the live
+// product skips holds what the product's buffer held). One call where two were.
+static ffi::Error SkipNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                               ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                               ffi::Buffer<ffi::F32> skip, ffi::Buffer<ffi::F32> gamma,
+                               const ffi::Buffer<ffi::S32>* live, ffi::ResultBuffer<ffi::F32> y,
+                               ffi::ResultBuffer<ffi::F32> total, int64_t block_size, bool int8,
+                               bool portable, bool packed, float epsilon) {
+  int64_t m, k, n;
+  auto error = rows_of(x, total, &m, &k, &n);
+  if (error.failure()) return error;
+  if (skip.element_count() != total->element_count() ||
+      y->element_count() != total->element_count() ||
+      static_cast<int64_t>(gamma.element_count()) != n) {
+    return ffi::Error::InvalidArgument(
+        "tj_matmul_nbits_skip_norm: skip and the outputs must be [..., N], gamma [N]");
+  }
+  NbitsWeights w;
+  error = weights_of(k, n, b, scales, zp, block_size, int8, portable, packed, &w);
+  if (error.failure()) return error;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  float* sum = total->typed_data();
+  error = over_rows(x.typed_data(), sum, m, k, n, live,
+                    [&](const float* a, float* c, int64_t r) { return nbits_product(w, a, c, r, n); });
+  if (error.failure()) return error;
+  const float* s = skip.typed_data();
+  for (int64_t r = 0; r < m; ++r) {  // in place: each sum reads its own product first
+    skip_norm_row(sum + r * n, s + r * n, gamma.typed_data(), n, epsilon, sum + r * n,
+                  y->typed_data() + r * n);
+  }
+  return ffi::Error::Success();
+}
+
+static ffi::Error SkipNormFull(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                               ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                               ffi::Buffer<ffi::F32> skip, ffi::Buffer<ffi::F32> gamma,
+                               ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> total,
+                               int64_t block_size, bool int8, bool portable, bool packed,
+                               float epsilon) {
+  return SkipNormImpl(x, b, scales, zp, skip, gamma, nullptr, y, total, block_size, int8,
+                      portable, packed, epsilon);
+}
+
+static ffi::Error SkipNormLive(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
+                               ffi::Buffer<ffi::F32> scales, ffi::AnyBuffer zp,
+                               ffi::Buffer<ffi::F32> skip, ffi::Buffer<ffi::F32> gamma,
+                               ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y,
+                               ffi::ResultBuffer<ffi::F32> total, int64_t block_size, bool int8,
+                               bool portable, bool packed, float epsilon) {
+  return SkipNormImpl(x, b, scales, zp, skip, gamma, &live, y, total, block_size, int8, portable,
+                      packed, epsilon);
+}
+
 }  // namespace tj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsLive, tj::NbitsLive,
@@ -836,3 +892,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsGateUpLive, tj::GateUpLive,
                               xla::ffi::Ffi::Bind() TJ_GATE_UP_ARGS
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>() TJ_GATE_UP_ATTRS);
+
+#define TJ_SKIP_NORM_ATTRS                 \
+  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  \
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>() \
+      .Attr<int64_t>("block_size")         \
+      .Attr<bool>("int8")                  \
+      .Attr<bool>("portable")              \
+      .Attr<bool>("packed")                \
+      .Attr<float>("epsilon")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsSkipNorm, tj::SkipNormFull,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>() TJ_SKIP_NORM_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsSkipNormLive, tj::SkipNormLive,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>() TJ_SKIP_NORM_ATTRS);

@@ -15,34 +15,9 @@
 #include <cstdint>
 
 #include "common.h"
+#include "norm.h"
 
 namespace tj {
-
-static float sum_of_squares(const float* x, int64_t k, int64_t mode) {
-  if (mode == 1) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < k; ++i) {
-      const float square = x[i] * x[i];  // rounded: no contraction (-std=c++17)
-      sum = sum + square;
-    }
-    return sum;
-  }
-  float s[8] = {};
-  for (int64_t i = 0; i < k; ++i) s[i % 8] = std::fma(x[i], x[i], s[i % 8]);
-  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-}
-
-// o = the norm of `row` (K values) by `mode`'s steps (above), times gamma g.
-static void norm_row(const float* row, const float* g, int64_t k, float epsilon, int64_t mode,
-                     float* o) {
-  const float rms = std::sqrt(sum_of_squares(row, k, mode) / static_cast<float>(k) + epsilon);
-  if (mode == 1) {
-    for (int64_t i = 0; i < k; ++i) o[i] = (row[i] / rms) * g[i];
-  } else {
-    const float inv = 1.0f / rms;
-    for (int64_t i = 0; i < k; ++i) o[i] = (row[i] * inv) * g[i];
-  }
-}
 
 static ffi::Error RmsNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gamma,
                               ffi::ResultBuffer<ffi::F32> y, float epsilon, int64_t mode) {
@@ -77,9 +52,8 @@ static ffi::Error SkipRmsNormImpl(ffi::Buffer<ffi::F32> input, ffi::Buffer<ffi::
   const float* b = skip.typed_data();
   float* sum = total->typed_data();
   for (int64_t r = 0; r < rows; ++r) {
-    float* s = sum + r * k;
-    for (int64_t i = 0; i < k; ++i) s[i] = a[r * k + i] + b[r * k + i];
-    norm_row(s, gamma.typed_data(), k, epsilon, 1, y->typed_data() + r * k);
+    skip_norm_row(a + r * k, b + r * k, gamma.typed_data(), k, epsilon, sum + r * k,
+                  y->typed_data() + r * k);
   }
   return ffi::Error::Success();
 }

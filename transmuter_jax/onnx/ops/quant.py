@@ -249,6 +249,57 @@ def PackedGateUpNBits(
     return kernels.silu_mul(g, u).astype(g.dtype)
 
 
+@op("PackedNBitsSkipNorm", domain=PACKED, fold=False)
+def PackedNBitsSkipNorm(
+    a,
+    b,
+    scales,
+    zero_points=None,
+    skip=None,
+    gamma=None,
+    *,
+    K,
+    N,
+    block_size,
+    bits=4,
+    accuracy_level=0,
+    weight_prepacked=0,
+    epsilon=1e-12,
+    ctx,
+):
+    """``SkipSimplifiedLayerNormalization(PackedMatMulNBits(a, b...), skip, gamma)``, fused at
+    load (see onnx.fuse): on the kernels one call computes the product, its sum with ``skip``
+    and the sum's RMS norm, with the two ops' values; outputs (y, mean, inv_std, sum) as the
+    norm's."""
+    from .attention import SkipSimplifiedLayerNormalization
+
+    args = (K, N, block_size, bits, accuracy_level, True)
+    x = jnp.asarray(a)
+    weights = (b, scales, zero_points)
+    same = (
+        np.ndim(x) >= 1
+        and x.shape[-1] == K
+        and jnp.shape(skip) == (*jnp.shape(x)[:-1], N)
+        and jnp.shape(gamma) == (N,)
+        and all(jnp.result_type(v) == jnp.float32 for v in (x, skip, gamma))
+    )
+    if not (same and _nbits_kernel(x, weights, None, *args)):
+        product = _matmul_nbits(a, *weights, None, None, *args)
+        return SkipSimplifiedLayerNormalization(product, skip, gamma, epsilon=epsilon, ctx=ctx)
+    int8 = _int8(accuracy_level, bits, None, zero_points)
+
+    def reference(x, skip, b, scales, zero_points, gamma):
+        v = _matmul_nbits(x, b, scales, zero_points, None, None, *args[:-1], False) + skip
+        return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * gamma, v
+
+    y, total = kernels.matmul_nbits_skip_norm(
+        x, b, scales, zero_points, skip, gamma, n=N, block_size=block_size, epsilon=epsilon,
+        reference=reference, int8=int8, packed=True,
+    )  # fmt: skip
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(total), axis=-1, keepdims=True) + epsilon)
+    return (y, jnp.zeros_like(inv), inv, total)[: max(ctx.num_outputs, 1)]
+
+
 def _int8(accuracy_level, bits, g_idx, zero_points) -> bool:
     """Whether onnxruntime quantizes MatMulNBits' input to int8: with 4 bits and integer zero
     points (or none)."""
