@@ -2085,15 +2085,25 @@ def test_gate_and_up_products_fuse_into_one_call(rng, tmp_path, monkeypatch, als
         np.testing.assert_array_equal(np.asarray(got["y"]), np.asarray(plain({"a": x})["y"]))
 
 
-def _skip_norm_model(rng, k, n, *, swapped: bool, also_read: bool) -> onnx.ModelProto:
-    """SkipSimplifiedLayerNormalization(MatMulNBits(a), skip, gamma) (``swapped``: the product
-    its skip input; ``also_read``: the product a graph output too), outputs y and the sum."""
-    b, scales, _ = _nbits(rng, k, n, 32, None)
+def _skip_norm_model(
+    rng, k, n, *, swapped: bool, also_read: bool, fp32: bool = False
+) -> onnx.ModelProto:
+    """SkipSimplifiedLayerNormalization(MatMulNBits(a), skip, gamma) (``fp32``: of a MatMul;
+    ``swapped``: the product its skip input; ``also_read``: the product a graph output too),
+    outputs y and the sum."""
     gamma = (rng.standard_normal(n) * 0.5 + 1).astype(np.float32)
     inputs = ["skip", "p"] if swapped else ["p", "skip"]
+    if fp32:
+        w = (rng.standard_normal((k, n)) * 0.2).astype(np.float32)
+        product = helper.make_node("MatMul", ["a", "w"], ["p"])
+        weights = [(w, "w")]
+    else:
+        b, scales, _ = _nbits(rng, k, n, 32, None)
+        product = helper.make_node("MatMulNBits", ["a", "b", "s"], ["p"], domain="com.microsoft",
+                                   K=k, N=n, bits=4, block_size=32, accuracy_level=4)  # fmt: skip
+        weights = [(b, "b"), (scales, "s")]
     nodes = [
-        helper.make_node("MatMulNBits", ["a", "b", "s"], ["p"], domain="com.microsoft",
-                         K=k, N=n, bits=4, block_size=32, accuracy_level=4),
+        product,
         helper.make_node("SkipSimplifiedLayerNormalization", [*inputs, "gamma"],
                          ["y", "", "", "sum"], domain="com.microsoft", epsilon=1e-5),
     ]  # fmt: skip
@@ -2101,8 +2111,7 @@ def _skip_norm_model(rng, k, n, *, swapped: bool, also_read: bool) -> onnx.Model
         helper.make_tensor_value_info(name, TensorProto.FLOAT, ["m", n])
         for name in ("y", "sum", *(["p"] if also_read else []))
     ]
-    inits = [numpy_helper.from_array(a, name) for a, name in
-             ((b, "b"), (scales, "s"), (gamma, "gamma"))]  # fmt: skip
+    inits = [numpy_helper.from_array(a, name) for a, name in [*weights, (gamma, "gamma")]]
     graph = helper.make_graph(nodes, "skip_norm", [
         helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k]),
         helper.make_tensor_value_info("skip", TensorProto.FLOAT, ["m", n]),
@@ -2114,19 +2123,24 @@ def _skip_norm_model(rng, k, n, *, swapped: bool, also_read: bool) -> onnx.Model
 
 
 @needs_kernels
+@pytest.mark.parametrize("fp32", [False, True])
 @pytest.mark.parametrize(("swapped", "also_read"), [(False, False), (True, False), (False, True)])
-def test_an_int4_product_and_the_norm_after_it_fuse_into_one_call(
-    rng, tmp_path, monkeypatch, swapped, also_read
+def test_a_product_and_the_norm_after_it_fuse_into_one_call(
+    rng, tmp_path, monkeypatch, swapped, also_read, fp32
 ):
-    """An int4 product that a SkipSimplifiedLayerNormalization reads alone (as its input or its
-    skip) becomes one PackedNBitsSkipNorm with the two ops' values bit for bit and onnxruntime's
-    within rounding; a product read elsewhere too stays apart."""
+    """An int4 (or packed float32) product that a SkipSimplifiedLayerNormalization reads alone
+    (as its input or its skip) becomes one PackedNBitsSkipNorm (PackedSkipNorm) with the two
+    ops' values bit for bit and onnxruntime's within rounding; a product read elsewhere too
+    stays apart."""
     k, n = 96, 40
-    proto = _skip_norm_model(rng, k, n, swapped=swapped, also_read=also_read)
+    monkeypatch.setattr(prepack, "PACK_MIN", 0)
+    proto = _skip_norm_model(rng, k, n, swapped=swapped, also_read=also_read, fp32=fp32)
     path = str(tmp_path / "skip_norm.onnx")
     onnx.save(proto, path)
     model = tj.load(path)
-    assert _packed_ops(model) == ({"PackedMatMulNBits"} if also_read else {"PackedNBitsSkipNorm"})
+    product = "PackedMatMul" if fp32 else "PackedMatMulNBits"
+    alone = "PackedSkipNorm" if fp32 else "PackedNBitsSkipNorm"
+    assert _packed_ops(model) == ({product} if also_read else {alone})
     feeds = {
         "a": (rng.standard_normal((5, k)) * 2).astype(np.float32),
         "skip": rng.standard_normal((5, n)).astype(np.float32),
@@ -2138,7 +2152,7 @@ def test_an_int4_product_and_the_norm_after_it_fuse_into_one_call(
     with monkeypatch.context() as patch:
         patch.setattr(fuse, "skip_norm", lambda graph: 0)
         plain = tj.load(path)
-    assert _packed_ops(plain) == {"PackedMatMulNBits"}
+    assert _packed_ops(plain) == {product}
     apart = plain(feeds)
     for name in ("y", "sum"):
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(apart[name]))
@@ -2494,3 +2508,62 @@ def test_matmul_nbits_skip_norm_equals_its_two_calls(rng, monkeypatch, portable,
     for r in np.flatnonzero(live):
         for g, want in zip(got, whole, strict=True):
             np.testing.assert_array_equal(g[r], want[2 * r : 2 * r + 2])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("k", "n"), [(576, 576), (1536, 576), (40, 70)])
+def test_matmul_skip_norm_equals_its_two_calls(rng, k, n):
+    """A float32 product (weights in strips) and the residual norm after it in one call: bit for
+    bit the norm call's two outputs after the product's call, at 1, 8 and 64 rows, each row as
+    its solo run, and within live_rows the live rows alone; more rows than MATMUL_MAX_ROWS or a
+    prompt's padded rows are left to the two calls (None)."""
+    w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
+    packed = jnp.asarray(kernels.pack(w))
+    gamma = rng.standard_normal(n).astype(np.float32)
+    eps = 1e-5
+
+    def skip_ref(a, b, g):
+        v = a + b
+        return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + eps) * g, v
+
+    def ref(x, skip, w, g):
+        return skip_ref(x @ w, skip, g)
+
+    def two(x, skip):
+        return kernels.skip_rms_norm(kernels.matmul(x, packed, n), skip, gamma, eps, skip_ref)
+
+    def one(x, skip, tokens=False):
+        return kernels.matmul_skip_norm(x, packed, skip, gamma, n, eps, ref, tokens=tokens)
+
+    x = rng.standard_normal((64, k)).astype(np.float32)
+    skip = rng.standard_normal((64, n)).astype(np.float32)
+    fused = jax.jit(one)
+    assert "tj_gemm_skip_norm_f32" in fused.lower(x, skip).as_text()
+    whole = [np.asarray(a) for a in fused(x, skip)]
+    for got, want in zip(whole, jax.jit(two)(x, skip), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))
+    for m in (1, 8):
+        for got, want in zip(fused(x[:m], skip[:m]), whole, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want[:m])
+    for r in (0, 5, 63):
+        for got, want in zip(fused(x[r : r + 1], skip[r : r + 1]), whole, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[0], want[r])
+    for got, want in zip(whole, jax.jit(ref)(x, skip, w, gamma), strict=True):
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-4)
+    steps, skips = x[:12].reshape(6, 2, k), skip[:12].reshape(6, 2, n)
+    live = np.array([0, 1, 0, 0, 1, 1], bool)
+
+    def in_live(x, skip, live):
+        with kernels.live_rows(live):
+            return one(x, skip, tokens=True)
+
+    run = jax.jit(in_live)
+    assert "tj_gemm_skip_norm_live_f32" in run.lower(steps, skips, live).as_text()
+    got = [np.asarray(a) for a in run(steps, skips, live)]
+    for r in np.flatnonzero(live):
+        for g, want in zip(got, whole, strict=True):
+            np.testing.assert_array_equal(g[r], want[2 * r : 2 * r + 2])
+    big = np.zeros((kernels.MATMUL_MAX_ROWS + 1, k), np.float32)
+    assert one(big, np.zeros((len(big), n), np.float32)) is None
+    with kernels.token_rows(np.array([1], np.int32), 4):
+        assert one(x[None, :4], skip[None, :4], tokens=True) is None

@@ -219,6 +219,53 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, *, tokens: bool = False) -> 
     return _wrapped(_matmul_kernel, _matmul_reference, n=n)(x, packed)
 
 
+def matmul_skip_norm(
+    x: jax.Array,
+    packed: jax.Array,
+    skip: jax.Array,
+    gamma: jax.Array,
+    n: int,
+    epsilon: float,
+    reference: Callable[..., tuple[jax.Array, jax.Array]],
+    *,
+    tokens: bool = False,
+) -> tuple[jax.Array, jax.Array] | None:
+    """:func:`matmul` of ``x`` followed by :func:`skip_rms_norm` of the product and ``skip
+    [..., N]`` (gamma ``[N]``), in one call: ``(the norm, product + skip)``, the values of the
+    two calls; None where :func:`matmul` would not run one kernel call (more rows than
+    :data:`MATMUL_MAX_ROWS`, a prompt's padded rows: the caller runs the two).
+    ``reference(x, skip, w, gamma)`` computes the same pair in pure JAX (``w`` [K, N])."""
+    x = jnp.asarray(x, jnp.float32)
+    if (
+        not enabled()
+        or x.shape[-1] == 0
+        or math.prod(x.shape[:-1]) > MATMUL_MAX_ROWS
+        or x.shape[-1] != packed.shape[-2]
+        or jnp.shape(skip) != (*x.shape[:-1], n)
+        or jnp.shape(gamma) != (n,)
+        or (tokens and _counts_for(x) is not None)
+    ):
+        return None
+    live = _live_for(x) if tokens else None
+
+    def kernel(x, skip, packed, gamma, *live):
+        out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+        name = "tj_gemm_skip_norm_live_f32" if live else "tj_gemm_skip_norm_f32"
+        return tuple(
+            jax.ffi.ffi_call(name, (out, out))(
+                x, packed, skip, gamma, *live, epsilon=np.float32(epsilon)
+            )
+        )
+
+    def ref(x, skip, packed, gamma, *live):  # every row: the others' are never read
+        return reference(x, skip, unpack(packed, n), gamma)
+
+    fn = _wrapped(kernel, ref, folds=live is None, activations=2)
+    more = () if live is None else (live,)
+    skip, gamma = jnp.asarray(skip, jnp.float32), jnp.asarray(gamma, jnp.float32)
+    return fn(x, skip, packed, gamma, *more)
+
+
 def matmul_gate_up(
     x: jax.Array, gate: jax.Array, up: jax.Array, n: int, *, tokens: bool = False
 ) -> jax.Array:

@@ -60,6 +60,8 @@ TARGETS = {
     "tj_gemm_live_f32": "TjGemmLiveF32",
     "tj_gemm_gate_up_f32": "TjGemmGateUpF32",
     "tj_gemm_gate_up_live_f32": "TjGemmGateUpLiveF32",
+    "tj_gemm_skip_norm_f32": "TjGemmSkipNormF32",
+    "tj_gemm_skip_norm_live_f32": "TjGemmSkipNormLiveF32",
     "tj_matmul_nbits": "TjMatMulNBits",
     "tj_matmul_nbits_live": "TjMatMulNBitsLive",
     "tj_matmul_nbits_gate_up": "TjMatMulNBitsGateUp",

@@ -13,7 +13,8 @@
 - ``SkipSimplifiedLayerNormalization(PackedMatMulNBits(a, w), skip, gamma)`` (an int4 product
   that the next residual norm reads alone) becomes ``PackedNBitsSkipNorm(a, w, skip, gamma)``:
   the product, the sum and its norm in one kernel call, where two were
-  (:func:`transmuter_jax.kernels.matmul_nbits_skip_norm`).
+  (:func:`transmuter_jax.kernels.matmul_nbits_skip_norm`); a ``PackedMatMul`` (float32 weights
+  in strips) likewise becomes ``PackedSkipNorm`` (:func:`transmuter_jax.kernels.matmul_skip_norm`).
 - ``MatMul(Transpose(a), Transpose(b) [* c])`` (either operand, any permutation; ``c`` a constant
   scalar) becomes ``TransposedMatMul(a, b[, c], perm_a, perm_b)``: attention's scores over a
   cache's keys ``K^T`` (times the scale, as Whisper's exports write it) without the transposed
@@ -132,7 +133,8 @@ def skip_norm(graph: GraphProto) -> int:
     of ``graph`` and its nested graphs (in place; the product, without bias or g_idx, either of
     the norm's first two inputs and read by it alone; no bias; the norm's mean and inv_std read
     by none) into ``PackedNBitsSkipNorm(a, b, scales, zero points, skip, gamma)`` with the norm's
-    outputs; returns how many were fused."""
+    outputs, and every such norm of a ``PackedMatMul(a, w)`` (float32 weights in strips) into
+    ``PackedSkipNorm(a, w, skip, gamma)``; returns how many were fused."""
     count = sum(skip_norm(sub) for node in graph.node for sub in subgraphs(node))
     reads, producer = _reads(graph), _producers(graph)
     removed: set[int] = set()
@@ -150,13 +152,15 @@ def skip_norm(graph: GraphProto) -> int:
             product = producer.get(node.input[i])
             if product is None or id(product) in removed or reads[node.input[i]] != 1:
                 continue
-            if not _nbits_product(product):
+            if _nbits_product(product):
+                kind, weights = "PackedNBitsSkipNorm", [*product.input[1:4], ""][:3]
+            elif _packed_product(product):
+                kind, weights = "PackedSkipNorm", [product.input[1]]
+            else:
                 continue
-            weights = [*product.input[1:4], ""][:3]
             removed.add(id(product))
             fused[id(node)] = helper.make_node(
-                "PackedNBitsSkipNorm",
-                [product.input[0], *weights, node.input[1 - i], node.input[2]],
+                kind, [product.input[0], *weights, node.input[1 - i], node.input[2]],
                 list(node.output), name=node.name, domain=DOMAIN,
             )  # fmt: skip
             fused[id(node)].attribute.extend(product.attribute)

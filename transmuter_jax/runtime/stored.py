@@ -48,6 +48,8 @@ CUSTOM_CALLS = (
     "tj_gemm_live_f32",
     "tj_gemm_gate_up_f32",
     "tj_gemm_gate_up_live_f32",
+    "tj_gemm_skip_norm_f32",
+    "tj_gemm_skip_norm_live_f32",
     "tj_matmul_nbits",
     "tj_matmul_nbits_live",
     "tj_matmul_nbits_gate_up",

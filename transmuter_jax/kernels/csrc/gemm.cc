@@ -21,6 +21,7 @@
 #include "common.h"
 #include "live.h"
 #include "native.h"
+#include "norm.h"
 #include "pool.h"
 
 namespace tj {
@@ -461,6 +462,60 @@ static ffi::Error GemmLiveImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> pa
 }
 
 // Whether x, both weights and y fit (GemmImplShapes for each weight).
+// SkipSimplifiedLayerNormalization of the product (nbits.cc's tj_matmul_nbits_skip_norm for a
+// float32 weight in strips): total = x @ w + skip, y = its RMS norm by norm.h's steps, the
+// product over every row or the live rows (`live` null: every row), then row by row on this
+// thread: the values of the product's call and the norm's call.
+static ffi::Error GemmSkipNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                                   ffi::Buffer<ffi::F32> skip, ffi::Buffer<ffi::F32> gamma,
+                                   const ffi::Buffer<ffi::S32>* live,
+                                   ffi::ResultBuffer<ffi::F32> y,
+                                   ffi::ResultBuffer<ffi::F32> total, float epsilon) {
+  auto xd = x.dimensions();
+  auto td = total->dimensions();
+  auto error = GemmImplShapes(xd, packed.dimensions(), td, "tj_gemm_skip_norm_f32");
+  if (error.failure()) return error;
+  const int64_t k = xd.back(), n = td.back(), m = product(xd, 0, xd.size() - 1);
+  if (skip.element_count() != total->element_count() ||
+      y->element_count() != total->element_count() ||
+      static_cast<int64_t>(gamma.element_count()) != n) {
+    return ffi::Error::InvalidArgument(
+        "tj_gemm_skip_norm_f32: skip and the outputs must be [..., N], gamma [N]");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  float* sum = total->typed_data();
+  const float* w = packed.typed_data();
+  if (live == nullptr) {
+    gemm(x.typed_data(), w, sum, m, k, n);
+  } else {
+    auto rows = [&](const float* a, float* b, int64_t r) { gemm(a, w, b, r, k, n); };
+    const int64_t batch = static_cast<int64_t>(live->element_count());
+    if (!live_product(x.typed_data(), sum, m, k, n, live->typed_data(), batch, rows)) {
+      return ffi::Error::InvalidArgument("tj_gemm_skip_norm_live_f32: the rows do not match");
+    }
+  }
+  const float* s = skip.typed_data();
+  for (int64_t r = 0; r < m; ++r) {  // in place: each sum reads its own product first
+    skip_norm_row(sum + r * n, s + r * n, gamma.typed_data(), n, epsilon, sum + r * n,
+                  y->typed_data() + r * n);
+  }
+  return ffi::Error::Success();
+}
+
+static ffi::Error GemmSkipNormFull(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                                   ffi::Buffer<ffi::F32> skip, ffi::Buffer<ffi::F32> gamma,
+                                   ffi::ResultBuffer<ffi::F32> y,
+                                   ffi::ResultBuffer<ffi::F32> total, float epsilon) {
+  return GemmSkipNormImpl(x, packed, skip, gamma, nullptr, y, total, epsilon);
+}
+
+static ffi::Error GemmSkipNormLive(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                                   ffi::Buffer<ffi::F32> skip, ffi::Buffer<ffi::F32> gamma,
+                                   ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y,
+                                   ffi::ResultBuffer<ffi::F32> total, float epsilon) {
+  return GemmSkipNormImpl(x, packed, skip, gamma, &live, y, total, epsilon);
+}
+
 static ffi::Error GateUpShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> gate,
                                ffi::Span<const int64_t> up, ffi::Span<const int64_t> yd,
                                const char* name) {
@@ -571,3 +626,24 @@ extern "C" void tj_pack_f32(const float* w, int64_t row, int64_t col, int64_t k,
   tj::PackJob job{w, row, col, k, n, out};
   tj::Pool::get().run((n + tj::kStrip - 1) / tj::kStrip, tj::pack_chunk, &job);
 }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmSkipNormF32, tj::GemmSkipNormFull,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("epsilon"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGemmSkipNormLiveF32, tj::GemmSkipNormLive,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("epsilon"));

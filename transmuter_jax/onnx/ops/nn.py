@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -109,6 +110,30 @@ def PackedGateUp(a, gate, up, *, n, tokens=0):
     """``SiluMul(PackedMatMul(a, gate), PackedMatMul(a, up))``, fused at load (see onnx.fuse):
     both products and the gated activation in one kernel call, with the three ops' values."""
     return kernels.matmul_gate_up(a, gate, up, n, tokens=bool(tokens))
+
+
+@op("PackedSkipNorm", domain=PACKED, fold=False)
+def PackedSkipNorm(a, packed, skip, gamma, *, n, tokens=0, epsilon=1e-12, ctx):
+    """``SkipSimplifiedLayerNormalization(PackedMatMul(a, w), skip, gamma)``, fused at load (see
+    onnx.fuse): on the kernels one call computes the product, its sum with ``skip`` and the
+    sum's RMS norm, with the two ops' values; outputs (y, mean, inv_std, sum) as the norm's."""
+    from .attention import SkipSimplifiedLayerNormalization
+
+    def reference(x, skip, w, g):
+        v = jnp.matmul(x, w) + skip
+        return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * g, v
+
+    floats = all(jnp.result_type(v) == jnp.float32 for v in (a, skip, gamma))
+    out = None
+    if floats:
+        out = kernels.matmul_skip_norm(a, packed, skip, gamma, n, epsilon, reference,
+                                       tokens=bool(tokens))  # fmt: skip
+    if out is None:
+        product = kernels.matmul(a, packed, n, tokens=bool(tokens))
+        return SkipSimplifiedLayerNormalization(product, skip, gamma, epsilon=epsilon, ctx=ctx)
+    y, total = out
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(total), axis=-1, keepdims=True) + epsilon)
+    return (y, jnp.zeros_like(inv), inv, total)[: max(ctx.num_outputs, 1)]
 
 
 @op("PackedGemm", domain=PACKED, fold=False)
