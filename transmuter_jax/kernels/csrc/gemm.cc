@@ -494,11 +494,8 @@ static ffi::Error GemmSkipNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32
       return ffi::Error::InvalidArgument("tj_gemm_skip_norm_live_f32: the rows do not match");
     }
   }
-  const float* s = skip.typed_data();
-  for (int64_t r = 0; r < m; ++r) {  // in place: each sum reads its own product first
-    skip_norm_row(sum + r * n, s + r * n, gamma.typed_data(), n, epsilon, sum + r * n,
-                  y->typed_data() + r * n);
-  }
+  // in place: each sum reads its own product first
+  skip_norm_rows(sum, skip.typed_data(), gamma.typed_data(), m, n, epsilon, sum, y->typed_data());
   return ffi::Error::Success();
 }
 

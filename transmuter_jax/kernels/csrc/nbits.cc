@@ -815,11 +815,8 @@ static ffi::Error SkipNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
   error = over_rows(x.typed_data(), sum, m, k, n, live,
                     [&](const float* a, float* c, int64_t r) { return nbits_product(w, a, c, r, n); });
   if (error.failure()) return error;
-  const float* s = skip.typed_data();
-  for (int64_t r = 0; r < m; ++r) {  // in place: each sum reads its own product first
-    skip_norm_row(sum + r * n, s + r * n, gamma.typed_data(), n, epsilon, sum + r * n,
-                  y->typed_data() + r * n);
-  }
+  // in place: each sum reads its own product first
+  skip_norm_rows(sum, skip.typed_data(), gamma.typed_data(), m, n, epsilon, sum, y->typed_data());
   return ffi::Error::Success();
 }
 

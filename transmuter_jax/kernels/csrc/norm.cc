@@ -51,10 +51,7 @@ static ffi::Error SkipRmsNormImpl(ffi::Buffer<ffi::F32> input, ffi::Buffer<ffi::
   const float* a = input.typed_data();
   const float* b = skip.typed_data();
   float* sum = total->typed_data();
-  for (int64_t r = 0; r < rows; ++r) {
-    skip_norm_row(a + r * k, b + r * k, gamma.typed_data(), k, epsilon, sum + r * k,
-                  y->typed_data() + r * k);
-  }
+  skip_norm_rows(a, b, gamma.typed_data(), rows, k, epsilon, sum, y->typed_data());
   return ffi::Error::Success();
 }
 

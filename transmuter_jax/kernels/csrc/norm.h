@@ -40,4 +40,12 @@ inline void skip_norm_row(const float* a, const float* b, const float* g, int64_
   norm_row(s, g, k, epsilon, 1, o);
 }
 
+// skip_norm_row over `rows` rows of k values each (s may be a: the sums in place).
+inline void skip_norm_rows(const float* a, const float* b, const float* g, int64_t rows,
+                           int64_t k, float epsilon, float* s, float* o) {
+  for (int64_t r = 0; r < rows; ++r) {
+    skip_norm_row(a + r * k, b + r * k, g, k, epsilon, s + r * k, o + r * k);
+  }
+}
+
 }  // namespace tj

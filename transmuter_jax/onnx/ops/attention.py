@@ -756,19 +756,16 @@ def SkipSimplifiedLayerNormalization(input, skip, gamma, bias=None, *, epsilon=1
 
         def ref(a, b, g):
             v = a + b
-            return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * g, v
+            return rms_scaled(v, g, epsilon), v
 
         y, total = kernels.skip_rms_norm(input, skip, gamma, epsilon, ref)
-        inv = jax.lax.rsqrt(jnp.mean(jnp.square(total), axis=-1, keepdims=True) + epsilon)
-        return _norm_outputs(y, jnp.zeros_like(inv), inv, total, ctx.num_outputs)
+        return skip_rms_outputs(y, total, epsilon, ctx.num_outputs)
     total = _skip_sum(input, skip, bias)
     x = total.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
     if total.dtype == jnp.float32 and jnp.shape(gamma) == (x.shape[-1],):
         # onnxruntime's float steps (an int8 product after it turns one ulp into a step)
-        ref = lambda v, g: (
-            v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * g
-        )  # noqa: E731
+        ref = lambda v, g: rms_scaled(v, g, epsilon)  # noqa: E731
         y = kernels.rms_norm(x, gamma, epsilon, kernels.RMS_SKIP, ref)
     else:
         y = x * inv * gamma
@@ -818,6 +815,18 @@ def EmbedLayerNormalization(
 
 def _norm_outputs(y, mean, inv, total, count):
     return (y, mean, inv, total)[: max(count, 1)]
+
+
+def rms_scaled(v, gamma, epsilon):
+    """``v / rms(v) * gamma`` over the last axis in jax.numpy (the RMS norms' reference)."""
+    return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * gamma
+
+
+def skip_rms_outputs(y, total, epsilon, count):
+    """SkipSimplifiedLayerNormalization's first ``count`` outputs (y, mean, inv_std, sum) from
+    its norm ``y`` and its sum ``total``."""
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(total), axis=-1, keepdims=True) + epsilon)
+    return _norm_outputs(y, jnp.zeros_like(inv), inv, total, count)
 
 
 # ---------------------------------------------------------------- activations and products

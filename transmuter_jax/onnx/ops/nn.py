@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -117,11 +116,11 @@ def PackedSkipNorm(a, packed, skip, gamma, *, n, tokens=0, epsilon=1e-12, ctx):
     """``SkipSimplifiedLayerNormalization(PackedMatMul(a, w), skip, gamma)``, fused at load (see
     onnx.fuse): on the kernels one call computes the product, its sum with ``skip`` and the
     sum's RMS norm, with the two ops' values; outputs (y, mean, inv_std, sum) as the norm's."""
-    from .attention import SkipSimplifiedLayerNormalization
+    from .attention import SkipSimplifiedLayerNormalization, rms_scaled, skip_rms_outputs
 
     def reference(x, skip, w, g):
         v = jnp.matmul(x, w) + skip
-        return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * g, v
+        return rms_scaled(v, g, epsilon), v
 
     floats = all(jnp.result_type(v) == jnp.float32 for v in (a, skip, gamma))
     out = None
@@ -132,8 +131,7 @@ def PackedSkipNorm(a, packed, skip, gamma, *, n, tokens=0, epsilon=1e-12, ctx):
         product = kernels.matmul(a, packed, n, tokens=bool(tokens))
         return SkipSimplifiedLayerNormalization(product, skip, gamma, epsilon=epsilon, ctx=ctx)
     y, total = out
-    inv = jax.lax.rsqrt(jnp.mean(jnp.square(total), axis=-1, keepdims=True) + epsilon)
-    return (y, jnp.zeros_like(inv), inv, total)[: max(ctx.num_outputs, 1)]
+    return skip_rms_outputs(y, total, epsilon, ctx.num_outputs)
 
 
 @op("PackedGemm", domain=PACKED, fold=False)

@@ -271,7 +271,7 @@ def PackedNBitsSkipNorm(
     load (see onnx.fuse): on the kernels one call computes the product, its sum with ``skip``
     and the sum's RMS norm, with the two ops' values; outputs (y, mean, inv_std, sum) as the
     norm's."""
-    from .attention import SkipSimplifiedLayerNormalization
+    from .attention import SkipSimplifiedLayerNormalization, rms_scaled, skip_rms_outputs
 
     args = (K, N, block_size, bits, accuracy_level, True)
     x = jnp.asarray(a)
@@ -290,14 +290,13 @@ def PackedNBitsSkipNorm(
 
     def reference(x, skip, b, scales, zero_points, gamma):
         v = _matmul_nbits(x, b, scales, zero_points, None, None, *args[:-1], False) + skip
-        return v * jax.lax.rsqrt(jnp.mean(jnp.square(v), -1, keepdims=True) + epsilon) * gamma, v
+        return rms_scaled(v, gamma, epsilon), v
 
     y, total = kernels.matmul_nbits_skip_norm(
         x, b, scales, zero_points, skip, gamma, n=N, block_size=block_size, epsilon=epsilon,
         reference=reference, int8=int8, packed=True,
     )  # fmt: skip
-    inv = jax.lax.rsqrt(jnp.mean(jnp.square(total), axis=-1, keepdims=True) + epsilon)
-    return (y, jnp.zeros_like(inv), inv, total)[: max(ctx.num_outputs, 1)]
+    return skip_rms_outputs(y, total, epsilon, ctx.num_outputs)
 
 
 def _int8(accuracy_level, bits, g_idx, zero_points) -> bool:
