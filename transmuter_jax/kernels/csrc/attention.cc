@@ -208,7 +208,7 @@ static void scores_pass(const float* q, int64_t ldq, const float* kt, int64_t h,
 
 // The scores of [lo, hi) of one row into their softmax (zeros elsewhere in [j0, j1)): the
 // largest score, e_j = exp(s_j - top) a vector at a time, their sum (lane by lane, then the
-// lanes in order), e_j / sum (each divided, as onnxruntime's attention rounds them).
+// lanes in order), e_j / sum (each quotient rounded as onnxruntime's attention divides: gdivide).
 static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t hi) {
   std::fill(row + j0, row + lo, 0.0f);
   std::fill(row + hi, row + j1, 0.0f);
@@ -247,8 +247,8 @@ static void softmax_row(float* row, int64_t j0, int64_t j1, int64_t lo, int64_t 
   gstore(lanes, sums);
   float sum = 0.0f;
   for (int t = 0; t < kGemmLanes; ++t) sum += lanes[t];
-  const gv total = gsplat(sum);
-  for (j = lo; j + kGemmLanes <= hi; j += kGemmLanes) gstore(row + j, gload(row + j) / total);
+  const SumDivisor total = sum_divisor(sum);
+  for (j = lo; j + kGemmLanes <= hi; j += kGemmLanes) gstore(row + j, gdivide(gload(row + j), total));
   for (; j < hi; ++j) row[j] = row[j] / sum;
 }
 

@@ -2,7 +2,8 @@
 // steps; exp by native.h's gexp, within 2 ulp). A row takes the same steps whatever the rows
 // beside it: its maximum, then e a vector at a time (the last values in one vector padded with
 // -inf, whose e is 0) summed lane by lane and the lanes in a fixed order, then e divided by the
-// sum. A row of -inf or NaN gives NaN, as the ops do. Rows are split over the pool.
+// sum (native.h's gdivide: each quotient a division's). A row of -inf or NaN gives NaN, as the
+// ops do. Rows are split over the pool.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -52,11 +53,11 @@ static void softmax_row(const float* x, float* y, int64_t k) {
   }
   const gv e_tail = gexp(gload(tail) - shift);
   if (whole < k) sum += e_tail;
-  const gv total = gsplat(glanes_sum(sum));
-  for (int64_t i = 0; i < whole; i += kGemmLanes) gstore(y + i, gload(y + i) / total);
+  const SumDivisor total = sum_divisor(glanes_sum(sum));
+  for (int64_t i = 0; i < whole; i += kGemmLanes) gstore(y + i, gdivide(gload(y + i), total));
   if (whole < k) {
     float out[kGemmLanes];
-    gstore(out, e_tail / total);
+    gstore(out, gdivide(e_tail, total));
     std::copy(out, out + (k - whole), y + whole);
   }
 }
