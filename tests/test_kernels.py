@@ -1653,6 +1653,59 @@ def test_packed_graph_matches_onnxruntime(rng, tmp_path, monkeypatch):
         np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-4)
 
 
+def _wide_model(rng, frames: int | str) -> onnx.ModelProto:
+    """An encoder's shape: x [batch, frames, 16] times w; x reshaped to [batch, frames, -1]
+    from its own Shape (Gather, Concat: rows known only by propagating data) times v; a short input
+    y [batch, 8, 16] times u."""
+    k = 16
+    weights = {n: rng.standard_normal((k, 24)).astype(np.float32) for n in ("w", "v", "u")}
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", frames, k])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, k])
+    index = numpy_helper.from_array(np.array([0, 1], np.int64), "leading")
+    rest = numpy_helper.from_array(np.array([-1], np.int64), "rest")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"]),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "leading"], ["batch"]),
+        helper.make_node("Concat", ["batch", "rest"], ["sizes"], axis=0),
+        helper.make_node("Reshape", ["x", "sizes"], ["again"]),
+        helper.make_node("MatMul", ["again", "v"], ["xv"]),
+        helper.make_node("MatMul", ["y", "u"], ["yu"]),
+    ]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("xw", "xv", "yu")]
+    inits = [numpy_helper.from_array(a, n) for n, a in weights.items()] + [index, rest]
+    graph = helper.make_graph(nodes, "wide", [x, y], outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_kernels
+@pytest.mark.parametrize("frames", [kernels.MATMUL_MAX_ROWS + 88, 40, "frames"])
+def test_weights_of_products_always_too_tall_for_the_kernel_stay_as_stored(
+    rng, tmp_path, frames
+):
+    """A product whose rows the graph's static input sizes put over MATMUL_MAX_ROWS always runs
+    as XLA's dot: its weight stays as stored (the dot would unpack it on every call), also where
+    only data propagation finds the rows; shorter products, and any where the input sizes are
+    not static, are packed. The outputs are onnxruntime's either way."""
+    proto = _wide_model(rng, frames)
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, path)
+    model = tj.load(path)
+    tall = frames == kernels.MATMUL_MAX_ROWS + 88
+    for name in ("w", "v"):
+        assert model.params[name].shape == ((16, 24) if tall else (1, 16, kernels.STRIP))
+    assert model.params["u"].shape == (1, 16, kernels.STRIP)
+    rows = frames if isinstance(frames, int) else 600
+    feeds = {
+        "x": rng.standard_normal((2, rows, 16)).astype(np.float32),
+        "y": rng.standard_normal((2, 8, 16)).astype(np.float32),
+    }
+    got = model(feeds)
+    want = _ort(proto, feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), value, rtol=1e-5, atol=1e-5)
+
+
 def _branches_model(rng) -> onnx.ModelProto:
     """A merged decoder's shape: both branches of an If read the outer weights, each with its
     own Transpose of the tied embedding under the same name; one weight is also added."""

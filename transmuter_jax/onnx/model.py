@@ -33,6 +33,7 @@ from . import (
     ops,  # noqa: F401  (registers the op implementations)
     packed_store,
     prepack,
+    product_rows,
 )
 from .dtypes import device_dtype, fits_device, np_dtype, to_device_dtype
 from .errors import (
@@ -251,7 +252,11 @@ class Model:
         packed: list[packed_store.Item] = []
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original
         # (not for weights kept on the host to be split over a mesh: packed strips do not split).
-        packings = prepack.plan(graph) if kernels.enabled() and not host else {}
+        packings = {}
+        if kernels.enabled() and not host:
+            least = product_rows.least(proto)
+            wide = frozenset(n for n, r in least.items() if r > kernels.MATMUL_MAX_ROWS)
+            packings = prepack.plan(graph, wide=wide)
         nbits = prepack.plan_nbits(graph) if kernels.enabled() and not host else {}
         packings = {**packings, **nbits}
         for tensor in graph.initializer:

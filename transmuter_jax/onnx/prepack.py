@@ -5,6 +5,8 @@ it is a matrix product or an embedding lookup: MatMul or Gemm reading it (or its
 right operand, and Gather along axis 0 of it (or of its Transpose). Those nodes become the
 internal ops PackedMatMul, PackedGemm and PackedGather of the domain :data:`DOMAIN`, reading the
 packed array under the initializer's name, and the Transpose nodes go: the weight is held once.
+A weight whose every product has, as far as the graph's input sizes fix it, more rows than the
+kernel takes is left as stored (``plan``'s ``wide``).
 
 The 4-bit weights of MatMulNBits nodes that quantize their input to int8 (accuracy_level 4,
 blocks of 32, integer zero points or none) are rearranged into the layout the int4 kernel reads
@@ -220,8 +222,15 @@ def _uses(name: str, consumers, fixed: set[str]) -> list[_Use] | None:
     return uses
 
 
-def plan(graph: GraphProto, minimum: int | None = None) -> dict[str, Packing]:
-    """The initializers of ``graph`` worth packing, by name (from their metadata only)."""
+def plan(
+    graph: GraphProto, minimum: int | None = None, wide: frozenset[str] = frozenset()
+) -> dict[str, Packing]:
+    """The initializers of ``graph`` worth packing, by name (from their metadata only).
+
+    ``wide``: values known to have more rows than the kernel takes (:mod:`.product_rows`); a weight
+    whose every use is a product of such a value is left as stored: XLA's dot reads it, which
+    would otherwise unpack it on every call.
+    """
     minimum = PACK_MIN if minimum is None else minimum
     consumers = _nested_consumers(graph)  # products in If branches too (merged decoders)
     fixed = _fixed(graph)
@@ -238,6 +247,8 @@ def plan(graph: GraphProto, minimum: int | None = None) -> dict[str, Packing]:
         uses = _uses(tensor.name, consumers, fixed)
         orientations = {_w_transposed(u) for u in uses or ()} - {None}
         if len(orientations) != 1:  # no product, or products of both orientations
+            continue
+        if all(_w_transposed(u) is not None and u.node.input[0] in wide for u in uses):
             continue
         transposed = orientations.pop()
         k, n = (dims[1], dims[0]) if transposed else dims
