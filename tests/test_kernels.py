@@ -1680,9 +1680,7 @@ def _wide_model(rng, frames: int | str) -> onnx.ModelProto:
 
 @needs_kernels
 @pytest.mark.parametrize("frames", [kernels.MATMUL_MAX_ROWS + 88, 40, "frames"])
-def test_weights_of_products_always_too_tall_for_the_kernel_stay_as_stored(
-    rng, tmp_path, frames
-):
+def test_weights_of_products_always_too_tall_for_the_kernel_stay_as_stored(rng, tmp_path, frames):
     """A product whose rows the graph's static input sizes put over MATMUL_MAX_ROWS always runs
     as XLA's dot: its weight stays as stored (the dot would unpack it on every call), also where
     only data propagation finds the rows; shorter products, and any where the input sizes are
