@@ -428,6 +428,38 @@ def test_attention_kernel_equals_the_reference_and_each_row_alone(
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    ("b", "s", "n", "nk", "h", "cached", "causal"),
+    [
+        (2, 150, 6, 6, 64, 0, False),  # an encoder's: key blocks, rows past the groups
+        (3, 17, 8, 2, 64, 0, True),
+        (2, 20, 4, 2, 32, 50, True),  # a later chunk over a cache
+        (3, 1, 9, 3, 64, 64, True),  # decoding
+        (1, 37, 6, 3, 48, 0, False),  # eight-key blocks and single keys
+    ],
+)
+def test_attention_kernel_reads_keys_and_values_tokens_first(rng, b, s, n, nk, h, cached, causal):
+    """k and v given as [B, S, Nk, H] (a projection's heads as written): bit for bit the
+    outputs of the same keys and values given head first, within tolerance of the reference."""
+    if h % kernels.build.vector_lanes():
+        pytest.skip("head size not a multiple of this CPU's vector")
+    q, k, v, total, old_k, old_v, past = _attention_case(rng, b, s, n, nk, h, cached)
+    old = (old_k, old_v, past) if cached else None
+    static = {"scale": 0.125, "causal": causal}
+    heads = jax.jit(lambda q, k, v, t: kernels.attention(q, k, v, t, old=old, **static))
+    tokens = jax.jit(
+        lambda q, k, v, t: kernels.attention(q, k, v, t, old=old, tokens_first=True, **static)
+    )
+    want = np.asarray(heads(q, k, v, total))
+    got = np.asarray(tokens(q, np.swapaxes(k, 1, 2).copy(), np.swapaxes(v, 1, 2).copy(), total))
+    np.testing.assert_array_equal(got, want)
+    reference = kernels._attention_reference(
+        q, k, v, total, old_k, old_v, past, window=0, **static
+    )
+    np.testing.assert_allclose(got, np.asarray(reference), rtol=2e-5, atol=2e-5)
+
+
+@needs_kernels
 def test_attention_kernel_is_refused_where_it_does_not_apply(rng):
     """Other dtypes, a head size off the CPU's vector, shapes that do not match: None (the
     op's own path)."""

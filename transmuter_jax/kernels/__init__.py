@@ -312,8 +312,12 @@ def _gate_up_live_reference(x, gate, up, live, n: int) -> jax.Array:
 # ---------------------------------------------------------------- attention
 
 
-def _attention_reference(q, k, v, total, old_k, old_v, past, *, scale, causal, window):
+def _attention_reference(
+    q, k, v, total, old_k, old_v, past, *, scale, causal, window, tokens_first=False
+):
     """:func:`attention` in jax.numpy."""
+    if tokens_first:  # k, v [B, S, Nk, H] -> [B, Nk, S, H]
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     b, s, n, h = q.shape
     nk, cached = k.shape[1], old_k.shape[2]
     past = jnp.clip(past, 0, cached) if cached else jnp.zeros_like(past)
@@ -341,7 +345,9 @@ def _attention_reference(q, k, v, total, old_k, old_v, past, *, scale, causal, w
     return out.reshape(b, s, n, h)
 
 
-def _attention_kernel(q, k, v, total, old_k, old_v, past, *, scale, causal, window):
+def _attention_kernel(
+    q, k, v, total, old_k, old_v, past, *, scale, causal, window, tokens_first=False
+):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("tj_attention_f32", out)(
         q,
@@ -354,6 +360,7 @@ def _attention_kernel(q, k, v, total, old_k, old_v, past, *, scale, causal, wind
         scale=np.float32(scale),
         window=np.int64(window),
         causal=bool(causal),
+        tokens_first=bool(tokens_first),
     )
 
 
@@ -367,6 +374,7 @@ def attention(
     causal: bool,
     window: int = 0,
     old: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    tokens_first: bool = False,
 ) -> jax.Array | None:
     """Attention of a step over a cache's valid rows and its own, in float32, or None where the
     kernel does not run it (the caller's own path then computes it).
@@ -376,25 +384,29 @@ def attention(
     the step and its valid rows (none: a first prompt). Key u is old row u for u < past, else the
     step's row u - past, at position u; query i is at past + i and sees the keys u < total with
     u <= past + i (``causal``; with ``window`` > 0, past + i - u < window too), else every key
-    u < total. A query without a key gives zeros.
+    u < total. A query without a key gives zeros. ``tokens_first``: k and v are given as
+    [B, S, Nk, H] (a projection's output split into heads: read where it lies, no transposed
+    copy).
     """
     lanes = build.vector_lanes()
     if not enabled() or lanes is None or q.ndim != 4 or k.ndim != 4:
         return None
     b, s, n, h = q.shape
+    nk = k.shape[2 if tokens_first else 1]
     if old is None:
-        empty = jnp.zeros((b, k.shape[1], 0, h), jnp.float32)
+        empty = jnp.zeros((b, nk, 0, h), jnp.float32)
         old = (empty, empty, jnp.zeros((b,), jnp.int32))
     old_k, old_v, past = old
     arrays = (q, k, v, old_k, old_v)
     if any(jnp.dtype(a.dtype) != jnp.float32 or a.ndim != 4 for a in arrays) or h % lanes:
         return None
-    nk = k.shape[1]
-    if k.shape != (b, nk, s, h) or v.shape != k.shape or n % nk:
+    want = (b, s, nk, h) if tokens_first else (b, nk, s, h)
+    if k.shape != want or v.shape != k.shape or n % nk:
         return None
     if old_k.shape[:2] != (b, nk) or old_k.shape[3] != h or old_v.shape != old_k.shape:
         return None
     static = {"scale": float(scale), "causal": bool(causal), "window": int(window)}
+    static["tokens_first"] = bool(tokens_first)
     fn = _wrapped(_attention_kernel, _attention_reference, folds=False, **static)
     ints = [jnp.asarray(a, jnp.int32).reshape(b) for a in (total, past)]
     return fn(q, k, v, ints[0], old_k, old_v, ints[1])

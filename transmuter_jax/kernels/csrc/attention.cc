@@ -1,5 +1,6 @@
 // Float32 attention of a step over the valid rows of a cache and its own rows (onnxruntime's
-// GroupQueryAttention): q [B, S, N, H]; k and v [B, Nk, S, H] the step's keys and values; old k
+// GroupQueryAttention): q [B, S, N, H]; k and v [B, Nk, S, H] the step's keys and values (or
+// [B, S, Nk, H], tokens first: read where a projection wrote them, no transposed copy); old k
 // and v [B, Nk, L, H] the cache before the step (L may be 0), past [B] its valid rows; total [B]
 // the valid keys after the step -> out [B, S, N, H]. Query head n reads key head n / (N / Nk).
 //
@@ -62,7 +63,19 @@ struct AttentionJob {
   bool causal;
   float* kt;  // [B, Nk, ldk / width, H, width] each key head's keys in transposed panels
   int64_t ldk;
+  bool tokens_first;  // k and v [B, S, Nk, H], not [B, Nk, S, H]
 };
+
+// Where the step's rows of key head g of batch row b start in k and v, and the floats from one
+// of them to the next.
+static inline int64_t step_head(const AttentionJob& job, int64_t b, int64_t g) {
+  return job.tokens_first ? (b * job.steps * job.kv_heads + g) * job.size
+                          : (b * job.kv_heads + g) * job.steps * job.size;
+}
+
+static inline int64_t step_stride(const AttentionJob& job) {
+  return job.tokens_first ? job.kv_heads * job.size : job.size;
+}
 
 // The valid cache rows of batch row b and its valid keys.
 static inline void row_keys(const AttentionJob& job, int64_t b, int64_t* past, int64_t* total) {
@@ -135,7 +148,8 @@ static void gather_keys(const AttentionJob& job, int64_t chunk) {
   const int64_t width = kPanelKeys;
   const int64_t end = std::min(job.ldk, (total + width - 1) / width * width);
   float* kt = job.kt + chunk * h * job.ldk;
-  const float* kb = job.k + chunk * job.steps * h;  // the step's rows
+  const float* kb = job.k + step_head(job, b, chunk % job.kv_heads);  // the step's rows
+  const int64_t ldb = step_stride(job);
   const float* ko = job.old_k + chunk * job.cached * h;
   if (end > total) {  // the last panel's keys past the valid ones: zeros
     float* panel = kt + (total / width) * h * width;
@@ -151,19 +165,21 @@ static void gather_keys(const AttentionJob& job, int64_t chunk) {
     float* at = kt + (u / width) * h * width + u % width;
 #if defined(__AVX512F__)
     if (wide && u % 16 == 0 && u + 16 <= total && (u + 16 <= past || u >= past)) {
-      const float* rows = u < past ? ko + u * h : kb + (u - past) * h;
-      for (int64_t d = 0; d < h; d += 16) transpose16(rows + d, h, at + d * width, width);
+      const float* rows = u < past ? ko + u * h : kb + (u - past) * ldb;
+      const int64_t lds = u < past ? h : ldb;
+      for (int64_t d = 0; d < h; d += 16) transpose16(rows + d, lds, at + d * width, width);
       u += 16;
       continue;
     }
 #endif
     if (blocks && u % 8 == 0 && u + 8 <= total && (u + 8 <= past || u >= past)) {
-      const float* rows = u < past ? ko + u * h : kb + (u - past) * h;
-      for (int64_t d = 0; d < h; d += 8) transpose8(rows + d, h, at + d * width, width);
+      const float* rows = u < past ? ko + u * h : kb + (u - past) * ldb;
+      const int64_t lds = u < past ? h : ldb;
+      for (int64_t d = 0; d < h; d += 8) transpose8(rows + d, lds, at + d * width, width);
       u += 8;
       continue;
     }
-    const float* row = u < past ? ko + u * h : kb + (u - past) * h;
+    const float* row = u < past ? ko + u * h : kb + (u - past) * ldb;
     for (int64_t d = 0; d < h; ++d) at[d * width] = row[d];
     ++u;
   }
@@ -277,13 +293,13 @@ static void values_pass(const float* p, int64_t lds, const float* v, int64_t ldv
 }
 
 template <int R>
-static void values(const float* p, int64_t lds, const float* v, int64_t h, int64_t j0,
-                   int64_t j1, float* out, int64_t ldo, bool first) {
+static void values(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t h,
+                   int64_t j0, int64_t j1, float* out, int64_t ldo, bool first) {
   int64_t c0 = 0;
   for (; c0 + 4 * kGemmLanes <= h; c0 += 4 * kGemmLanes) {
-    values_pass<R, 4>(p, lds, v, h, j0, j1, c0, out, ldo, first);
+    values_pass<R, 4>(p, lds, v, ldv, j0, j1, c0, out, ldo, first);
   }
-  for (; c0 < h; c0 += kGemmLanes) values_pass<R, 1>(p, lds, v, h, j0, j1, c0, out, ldo, first);
+  for (; c0 < h; c0 += kGemmLanes) values_pass<R, 1>(p, lds, v, ldv, j0, j1, c0, out, ldo, first);
 }
 
 // The scores of `rows` (1 to R) query rows against the keys [j0, j1) (whole panels).
@@ -298,12 +314,12 @@ static void scores_rows(int rows, const float* q, int64_t ldq, const float* kt, 
 
 // The weighted sums of `rows` (1 to R) rows over the keys [j0, j1) (see values_pass).
 template <int R>
-static void values_rows(int rows, const float* p, int64_t lds, const float* v, int64_t h,
-                        int64_t j0, int64_t j1, float* out, int64_t ldo, bool first) {
+static void values_rows(int rows, const float* p, int64_t lds, const float* v, int64_t ldv,
+                        int64_t h, int64_t j0, int64_t j1, float* out, int64_t ldo, bool first) {
   if constexpr (R > 1) {
-    if (rows < R) return values_rows<R - 1>(rows, p, lds, v, h, j0, j1, out, ldo, first);
+    if (rows < R) return values_rows<R - 1>(rows, p, lds, v, ldv, h, j0, j1, out, ldo, first);
   }
-  values<R>(p, lds, v, h, j0, j1, out, ldo, first);
+  values<R>(p, lds, v, ldv, h, j0, j1, out, ldo, first);
 }
 
 // A group of kQ query rows of a chunk: its rows, their keys [lo, hi), the keys any of them sees
@@ -318,6 +334,7 @@ struct KeyHead {
   const float* kt;
   const float* old_values;
   const float* new_values;
+  int64_t new_ldv;  // floats from one of the step's values to the next
   int64_t past, total;
 };
 
@@ -372,12 +389,13 @@ static void attend(const AttentionJob& job, const KeyHead& kh, const float* q, f
       for (int r = 0; r < rg.rows; r += kValueRows) {
         const int rows = std::min(kValueRows, rg.rows - r);
         if (split > lo) {
-          values_rows<kValueRows>(rows, sc + r * ldk, ldk, kh.old_values + lo * h, h, lo, split,
+          values_rows<kValueRows>(rows, sc + r * ldk, ldk, kh.old_values + lo * h, h, h, lo, split,
                                   o + r * ld, ld, starts);
         }
         if (hi > split) {
-          values_rows<kValueRows>(rows, sc + r * ldk, ldk, kh.new_values + (split - kh.past) * h,
-                                  h, split, hi, o + r * ld, ld, starts && split == lo);
+          values_rows<kValueRows>(rows, sc + r * ldk, ldk,
+                                  kh.new_values + (split - kh.past) * kh.new_ldv, kh.new_ldv, h,
+                                  split, hi, o + r * ld, ld, starts && split == lo);
         }
       }
     }
@@ -392,7 +410,7 @@ static void attention_chunk(void* ctx, int64_t chunk) {
   const int64_t head = b * job.kv_heads + g;
   if (job.blocks == 1) gather_keys(job, head);  // its own key head's panels
   KeyHead kh{job.kt + head * h * job.ldk, job.old_v + head * job.cached * h,
-             job.v + head * s * h, 0, 0};
+             job.v + step_head(job, b, g), step_stride(job), 0, 0};
   row_keys(job, b, &kh.past, &kh.total);
   if (s == 1) {  // decoding: the group's heads are the rows (one position), each panel read once
     for (int64_t n0 = g * group; n0 < (g + 1) * group; n0 += kQueryBlock) {
@@ -414,10 +432,12 @@ static void attention_chunk(void* ctx, int64_t chunk) {
 static void run_attention(const float* q, const float* k, const float* v, const float* old_k,
                           const float* old_v, const int32_t* past, const int32_t* total,
                           float* out, int64_t b, int64_t s, int64_t n, int64_t nk, int64_t h,
-                          int64_t cached, float scale, int64_t window, bool causal) {
+                          int64_t cached, float scale, int64_t window, bool causal,
+                          bool tokens_first) {
   const int64_t blocks = (s + kQueryBlock - 1) / kQueryBlock;
-  AttentionJob job{q,     k,      v,      old_k, old_v, past,   total, out, b, s, n, nk, h,
-                   cached, blocks, scale, window, causal, nullptr, 0};
+  AttentionJob job{q,     k,      v,      old_k, old_v,  past,    total, out,
+                   b,     s,      n,      nk,    h,      cached,  blocks, scale,
+                   window, causal, nullptr, 0,   tokens_first};
   int64_t most = 0;  // the most keys of a batch row
   for (int64_t i = 0; i < b; ++i) {
     int64_t rows, keys;
@@ -441,17 +461,18 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> total,
                                 ffi::Buffer<ffi::F32> old_k, ffi::Buffer<ffi::F32> old_v,
                                 ffi::Buffer<ffi::S32> past, ffi::ResultBuffer<ffi::F32> out,
-                                float scale, int64_t window, bool causal) {
+                                float scale, int64_t window, bool causal, bool tokens_first) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
   auto ok = old_k.dimensions(), ov = old_v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 || ok.size() != 4 ||
       ov.size() != 4) {
     return ffi::Error::InvalidArgument("tj_attention_f32: q, k, v, the cache and out: rank 4");
   }
-  const int64_t b = qd[0], s = qd[1], n = qd[2], h = qd[3], nk = kd[1], cached = ok[2];
+  const int64_t b = qd[0], s = qd[1], n = qd[2], h = qd[3], cached = ok[2];
+  const int64_t nk = kd[tokens_first ? 2 : 1], ks = kd[tokens_first ? 1 : 2];
   bool same = true;
   for (size_t i = 0; i < 4; ++i) same = same && kd[i] == vd[i] && qd[i] == od[i] && ok[i] == ov[i];
-  if (!same || kd[0] != b || kd[2] != s || kd[3] != h || nk < 1 || n % nk != 0 ||
+  if (!same || kd[0] != b || ks != s || kd[3] != h || nk < 1 || n % nk != 0 ||
       ok[0] != b || ok[1] != nk || ok[3] != h || h % kGemmLanes != 0 ||
       static_cast<int64_t>(total.element_count()) != b ||
       static_cast<int64_t>(past.element_count()) != b) {
@@ -460,7 +481,7 @@ static ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
   if (b == 0 || s == 0 || n == 0 || h == 0) return ffi::Error::Success();
   run_attention(q.typed_data(), k.typed_data(), v.typed_data(), old_k.typed_data(),
                 old_v.typed_data(), cached > 0 ? past.typed_data() : nullptr, total.typed_data(),
-                out->typed_data(), b, s, n, nk, h, cached, scale, window, causal);
+                out->typed_data(), b, s, n, nk, h, cached, scale, window, causal, tokens_first);
   return ffi::Error::Success();
 }
 
@@ -557,7 +578,7 @@ static ffi::Error GqaStepImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> c
   // The attention reads the old rows where they were before the write (aliased: the same).
   run_attention(q, k, v, old_k.typed_data(), old_v.typed_data(), past.typed_data(),
                 total.typed_data(), out->typed_data(), b, s, n, nk, h, cached, scale, window,
-                causal);
+                causal, false);
   for (int64_t i = 0; i < b; ++i) {
     const int64_t w = std::clamp<int64_t>(past.typed_data()[i], 0, cached - s);
     for (int64_t j = 0; j < nk; ++j) {
@@ -583,7 +604,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjAttentionF32, tj::AttentionImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window")
-                                  .Attr<bool>("causal"));
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("tokens_first"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjGqaStepF32, tj::GqaStepImpl,
                               xla::ffi::Ffi::Bind()

@@ -215,7 +215,8 @@ def SoftmaxAttention(
     S = TransposedMatMul(a, b, within, perm_a, perm_b) (a MatMul without perms or ``within``;
     an empty perm: as it is), fused at load (see onnx.fuse). Float32 self-attention (S's
     operands [B, N, S, H] and [B, N, H, S], v [B, N, S, H]) runs kernels.attention without a
-    mask (a divided scale as its reciprocal's product); others the ops themselves."""
+    mask (a divided scale as its reciprocal's product) on q, k and v tokens first, where XLA
+    cancels the graph's split into heads (no transposed copies); others the ops themselves."""
     m = xp(a, b, v, within, scale)
     v = m.transpose(v, list(perm_b_v)) if perm_b_v else v
     c = _scalar(scale)
@@ -234,13 +235,14 @@ def SoftmaxAttention(
             total = jnp.full((shapes[0][0],), shapes[0][2], jnp.int32)
             if c is not None and divide:
                 c = 1.0 / c
-            out = kernels.attention(
+            out = kernels.attention(  # q, k and v tokens first: the heads' split as written
                 jnp.transpose(q, (0, 2, 1, 3)),
-                jnp.swapaxes(k, 2, 3),
-                v,
+                jnp.transpose(k, (0, 3, 1, 2)),
+                jnp.transpose(v, (0, 2, 1, 3)),
                 total,
                 scale=1.0 if c is None else c,
                 causal=False,
+                tokens_first=True,
             )
             if out is not None:
                 return jnp.transpose(out, (0, 2, 1, 3))
