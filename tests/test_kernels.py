@@ -453,9 +453,7 @@ def test_attention_kernel_reads_keys_and_values_tokens_first(rng, b, s, n, nk, h
     want = np.asarray(heads(q, k, v, total))
     got = np.asarray(tokens(q, np.swapaxes(k, 1, 2).copy(), np.swapaxes(v, 1, 2).copy(), total))
     np.testing.assert_array_equal(got, want)
-    reference = kernels._attention_reference(
-        q, k, v, total, old_k, old_v, past, window=0, **static
-    )
+    reference = kernels._attention_reference(q, k, v, total, old_k, old_v, past, window=0, **static)
     np.testing.assert_allclose(got, np.asarray(reference), rtol=2e-5, atol=2e-5)
 
 
