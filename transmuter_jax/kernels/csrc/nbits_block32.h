@@ -617,7 +617,8 @@ inline void b32_row4(const B32Rows& xs, int64_t r, const B32Weights<Source> w[4]
 // main (above) for R rows from r0 and 4 columns of packed weights (column c's bytes at
 // bytes + c * row_bytes; scales in a tile, block b of column c at sw[b * kB32Tile + c]), none
 // of them among the last N % 4 columns: y[r * ldy + c] = main. Each column's weights are
-// unpacked, and its scales spread over the lanes, once for the R rows.
+// unpacked, and its scales spread over the lanes, once for the R rows; each row's values once
+// for the 4 columns.
 template <int R>
 inline void b32_tile4(const B32Rows& xs, int64_t r0, const uint8_t* bytes, int64_t row_bytes,
                       const float* sw, float* y, int64_t ldy) {
@@ -631,18 +632,23 @@ inline void b32_tile4(const B32Rows& xs, int64_t r0, const uint8_t* bytes, int64
   for (int64_t g = 0; g < groups; ++g) {
     __m128 swg[4];
     b32_scales4<true>(sws, g, swg);
+    __m512i lo[4], hi[4];
+    __m512 swc[4];
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(bytes + c * row_bytes + g * 64);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const __m512 swc = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(swg[c]));
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (r0 + r) * groups + g;
-        const int8_t* q = xs.qp.data() + at * 128;
-        const __m512i parts = b32_parts512<kB32Packed>(lo, hi, _mm512_loadu_si512(q),
-                                                       _mm512_loadu_si512(q + 64));
-        const __m512 scale = _mm512_mul_ps(swc, _mm512_loadu_ps(xs.sx16.data() + at * 16));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), scale, acc[r][c]);
+      lo[c] = _mm512_and_si512(v, low);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      swc[c] = _mm512_permutexvar_ps(pattern, _mm512_castps128_ps512(swg[c]));
+    }
+    for (int r = 0; r < R; ++r) {  // a row's values loaded once for the 4 columns
+      const int64_t at = (r0 + r) * groups + g;
+      const int8_t* q = xs.qp.data() + at * 128;
+      const __m512i qa = _mm512_loadu_si512(q), qb = _mm512_loadu_si512(q + 64);
+      const __m512 sx = _mm512_loadu_ps(xs.sx16.data() + at * 16);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i parts = b32_parts512<kB32Packed>(lo[c], hi[c], qa, qb);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(parts), _mm512_mul_ps(swc[c], sx),
+                                    acc[r][c]);
       }
     }
   }
