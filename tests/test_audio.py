@@ -12,6 +12,7 @@ import pytest
 import soundfile
 
 from transmuter_jax.audio import AudioError, FeatureExtractor, load
+from transmuter_jax.audio import features as features_module
 
 FIXTURE = Path(__file__).parent / "fixtures" / "whisper-speech-optimum"
 TOLERANCE = 1e-4
@@ -135,3 +136,31 @@ def test_without_soundfile_the_error_says_how_to_install_it(monkeypatch):
     module = importlib.import_module("transmuter_jax.audio.load")
     with pytest.raises(ImportError, match=r"pip install 'transmuter_jax\[audio\]'"):
         module.load(b"RIFF", 16000)
+
+
+def _every_frame(extractor: FeatureExtractor, samples: np.ndarray) -> np.ndarray:
+    """log_mel's steps over every frame, the silent ones too."""
+    half = extractor.n_fft // 2
+    padded = np.pad(np.asarray(samples, np.float64), half, mode="reflect")
+    count = 1 + (len(padded) - extractor.n_fft) // extractor.hop
+    starts = np.arange(count)[:, None] * extractor.hop
+    n = np.arange(extractor.n_fft)
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * n / extractor.n_fft)
+    power = np.abs(np.fft.rfft(padded[starts + n] * window, axis=-1)) ** 2
+    mel = features_module._product(power[:-1], extractor.filters)
+    log = np.log10(np.maximum(mel, 1e-10))
+    log = np.maximum(log, log.max() - 8.0)
+    return ((log + 4.0) / 4.0).T.astype(np.float32)
+
+
+@pytest.mark.parametrize("length", [1, 400, 12_345, 176_000, 479_999, 480_000])
+@pytest.mark.parametrize("config", [{}, {"do_normalize": True}, {"padding_value": 0.25}])
+def test_silent_frames_skipped_give_every_frame_s_bits(length, config):
+    """The frames past a clip's last nonzero sample are not transformed: the features are bit
+    for bit those of every frame transformed (a clip with silence inside it too)."""
+    rng = np.random.default_rng(length)
+    clip = (rng.standard_normal(length) * 0.1).astype(np.float32)
+    clip[length // 3 : length // 2] = 0.0
+    extractor = FeatureExtractor.from_config(config)
+    fitted = extractor.fit(clip)
+    np.testing.assert_array_equal(extractor.log_mel(fitted), _every_frame(extractor, fitted))

@@ -129,15 +129,31 @@ class FeatureExtractor:
         return out
 
     def log_mel(self, samples: np.ndarray) -> np.ndarray:
-        """[bins, frames] float32 the features of one fitted input (see :meth:`fit`)."""
+        """[bins, frames] float32 the features of one fitted input (see :meth:`fit`).
+
+        The frames past the input's last nonzero sample (a short clip's zero padding: most of a
+        30 s window) are all zeros: their power is zero, and they are not transformed."""
         half = self.n_fft // 2
         padded = np.pad(np.asarray(samples, np.float64), half, mode="reflect")  # centred frames
         count = 1 + (len(padded) - self.n_fft) // self.hop
-        starts = np.arange(count)[:, None] * self.hop
+        nonzero = np.flatnonzero(padded)
+        # frames from `live` on lie past the last nonzero sample; rounded up to SILENT_ROUND so
+        # that the transformed frames fall in the same groups of rows as in a whole transform
+        live = 0 if len(nonzero) == 0 else int(nonzero[-1]) // self.hop + 1
+        live = min(count, -(-live // SILENT_ROUND) * SILENT_ROUND)
+        starts = np.arange(live)[:, None] * self.hop
         window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(self.n_fft) / self.n_fft)  # periodic
-        frames = padded[starts + np.arange(self.n_fft)] * window  # [T, n_fft]
-        power = np.abs(np.fft.rfft(frames, axis=-1)) ** 2  # [T, F]
-        mel = _product(power[:-1], self.filters)  # [T - 1, bins]: the last frame is dropped
+        frames = padded[starts + np.arange(self.n_fft)] * window  # [live, n_fft]
+        power = np.abs(np.fft.rfft(frames, axis=-1)) ** 2  # [live, F]
+        filters = self.filters
+        # [T - 1, bins]: the last frame is dropped; the silent frames' rows are zeros, the others
+        # computed in the blocks of rows a whole product takes
+        mel = np.zeros((count - 1, filters.shape[1]), np.result_type(power, filters))
+        block = _block_rows(power.shape[1], filters.shape[1])
+        rows = min(count - 1, -(-live // block) * block)
+        if rows > live:
+            power = np.concatenate([power, np.zeros((rows - live, power.shape[1]))])
+        mel[:rows] = _product(power[:rows], filters)
         log = np.log10(np.maximum(mel, 1e-10))
         log = np.maximum(log, log.max() - 8.0)
         return ((log + 4.0) / 4.0).T.astype(np.float32)
@@ -147,12 +163,21 @@ class FeatureExtractor:
         return np.stack([self.log_mel(self.fit(s)) for s in batch])
 
 
+SILENT_ROUND = 64
+"""The transformed frames of :meth:`FeatureExtractor.log_mel` are a multiple of this many."""
+
+
+def _block_rows(k: int, n: int) -> int:
+    """The rows of one block of :func:`_product` for a [., k] @ [k, n] product."""
+    return max(1, (1 << 18) // max(1, k * n) - 1)
+
+
 def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b in blocks of rows small enough that numpy's BLAS runs each on the calling thread
     (OpenBLAS wakes its threads above 2^18 multiply-adds, and they then spin for about 0.1 s
     beside XLA's and the kernels' threads on the same cores: 10% of a Whisper call at batch 1).
     Each output is the same dot product as in one call."""
-    rows = max(1, (1 << 18) // max(1, a.shape[1] * b.shape[1]) - 1)
+    rows = _block_rows(a.shape[1], b.shape[1])
     out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
     for start in range(0, a.shape[0], rows):
         np.matmul(a[start : start + rows], b, out=out[start : start + rows])
