@@ -659,17 +659,40 @@ inline void b32_tile4(const B32Rows& xs, int64_t r0, const uint8_t* bytes, int64
                               _mm512_extractf32x8_ps(acc[r][c], 1));
     }
   }
-  for (int64_t b = groups * 4; b < blocks; ++b) {  // each column's block unpacked once
-    __m256i wv[4];
-    for (int c = 0; c < 4; ++c) wv[c] = B32Weights<kB32Packed>{bytes + c * row_bytes}.block(b);
+  if (groups * 4 < blocks) {
+    // The last blocks (fewer than a group): two columns to a 512-bit vector (lanes 0-7 the
+    // first's, 8-15 the second's), each lane the 256-bit path's steps: its block's dot product,
+    // converted, times the rows' scale times the column's, added to the column's accumulator.
+    const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i second = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    __m512 pair[R][2];
     for (int r = 0; r < R; ++r) {
-      const __m256i qv = b32_load(xs.q.data() + ((r0 + r) * blocks + b) * kB32);
-      const float sxb = xs.scale[(r0 + r) * blocks + b];
-      for (int c = 0; c < 4; ++c) {
-        const __m256i d = b32_dot(_mm256_setzero_si256(), wv[c], qv);
-        a[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                                  _mm256_set1_ps(sxb * sw[b * kB32Tile + c]), a[r][c]);
+      pair[r][0] = _mm512_insertf32x8(_mm512_castps256_ps512(a[r][0]), a[r][1], 1);
+      pair[r][1] = _mm512_insertf32x8(_mm512_castps256_ps512(a[r][2]), a[r][3], 1);
+    }
+    for (int64_t b = groups * 4; b < blocks; ++b) {  // each column's block unpacked once
+      __m256i wv[4];
+      for (int c = 0; c < 4; ++c) wv[c] = B32Weights<kB32Packed>{bytes + c * row_bytes}.block(b);
+      const __m512i w01 = _mm512_inserti64x4(_mm512_castsi256_si512(wv[0]), wv[1], 1);
+      const __m512i w23 = _mm512_inserti64x4(_mm512_castsi256_si512(wv[2]), wv[3], 1);
+      const __m128 sw4 = _mm_loadu_ps(sw + b * kB32Tile);  // block b of the 4 columns
+      for (int r = 0; r < R; ++r) {
+        const __m256i qv = b32_load(xs.q.data() + ((r0 + r) * blocks + b) * kB32);
+        const __m512i q2 = _mm512_inserti64x4(_mm512_castsi256_si512(qv), qv, 1);
+        const __m128 s4 = _mm_mul_ps(_mm_set1_ps(xs.scale[(r0 + r) * blocks + b]), sw4);
+        const __m512 s = _mm512_castps128_ps512(s4);
+        const __m512i zero = _mm512_setzero_si512();
+        pair[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w01, q2)),
+                                     _mm512_permutexvar_ps(first, s), pair[r][0]);
+        pair[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w23, q2)),
+                                     _mm512_permutexvar_ps(second, s), pair[r][1]);
       }
+    }
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_castps512_ps256(pair[r][0]);
+      a[r][1] = _mm512_extractf32x8_ps(pair[r][0], 1);
+      a[r][2] = _mm512_castps512_ps256(pair[r][1]);
+      a[r][3] = _mm512_extractf32x8_ps(pair[r][1], 1);
     }
   }
   for (int r = 0; r < R; ++r) b32_fold4(a[r], y + r * ldy);
