@@ -110,11 +110,11 @@ static inline void transpose8(const float* src, int64_t lds, float* dst, int64_t
 }
 
 #if defined(__AVX512F__)
-// dst[d * ldd + i] = src[i * lds + d] for i, d < 16: sixteen key rows into sixteen panel rows
-// (half the instructions of four transpose8 calls).
-static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+// dst[d' * ldd + i] = rows[i][d + d'] for i, d' < 16: sixteen key rows (each from anywhere)
+// into sixteen panel rows (half the instructions of four transpose8 calls).
+static inline void transpose16(const float* const rows[16], int64_t d, float* dst, int64_t ldd) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + d);
   for (int i = 0; i < 16; i += 2) {  // in each 128-bit lane L: rows i, i + 1 at 4L .. 4L + 3
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -138,9 +138,9 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
 }
 #endif
 
-// Key head g of batch row b (chunk b * Nk + g): its valid keys into transposed panels, sixteen
-// (AVX-512) or eight keys of one source (the cache or the step) a block of as many dimensions
-// at a time.
+// Key head g of batch row b (chunk b * Nk + g): its valid keys into transposed panels, zeros
+// past them: on AVX-512 sixteen keys (from either source, or zeros) a block of as many
+// dimensions at a time; else eight keys of one source (the cache or the step), or one.
 static void gather_keys(const AttentionJob& job, int64_t chunk) {
   const int64_t b = chunk / job.kv_heads, h = job.size;
   int64_t past, total;
@@ -151,6 +151,24 @@ static void gather_keys(const AttentionJob& job, int64_t chunk) {
   const float* kb = job.k + step_head(job, b, chunk % job.kv_heads);  // the step's rows
   const int64_t ldb = step_stride(job);
   const float* ko = job.old_k + chunk * job.cached * h;
+#if defined(__AVX512F__)
+  if (h % 16 == 0 && width % 16 == 0) {
+    // every 16 keys in one transpose, each row from the cache, the step or zeros past the keys
+    // (a block across the two sources or past the last key took 8-key and single-key copies)
+    thread_local std::vector<float> zeros;
+    if (static_cast<int64_t>(zeros.size()) < h) zeros.assign(static_cast<size_t>(h), 0.0f);
+    for (int64_t u = 0; u < end; u += 16) {
+      const float* rows[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t v = u + i;
+        rows[i] = v < past ? ko + v * h : v < total ? kb + (v - past) * ldb : zeros.data();
+      }
+      float* at = kt + (u / width) * h * width + u % width;
+      for (int64_t d = 0; d < h; d += 16) transpose16(rows, d, at + d * width, width);
+    }
+    return;
+  }
+#endif
   if (end > total) {  // the last panel's keys past the valid ones: zeros
     float* panel = kt + (total / width) * h * width;
     for (int64_t d = 0; d < h; ++d) {
@@ -158,20 +176,8 @@ static void gather_keys(const AttentionJob& job, int64_t chunk) {
     }
   }
   const bool blocks = h % 8 == 0 && width % 8 == 0;
-#if defined(__AVX512F__)
-  const bool wide = h % 16 == 0 && width % 16 == 0;
-#endif
   for (int64_t u = 0; u < total;) {
     float* at = kt + (u / width) * h * width + u % width;
-#if defined(__AVX512F__)
-    if (wide && u % 16 == 0 && u + 16 <= total && (u + 16 <= past || u >= past)) {
-      const float* rows = u < past ? ko + u * h : kb + (u - past) * ldb;
-      const int64_t lds = u < past ? h : ldb;
-      for (int64_t d = 0; d < h; d += 16) transpose16(rows + d, lds, at + d * width, width);
-      u += 16;
-      continue;
-    }
-#endif
     if (blocks && u % 8 == 0 && u + 8 <= total && (u + 8 <= past || u >= past)) {
       const float* rows = u < past ? ko + u * h : kb + (u - past) * ldb;
       const int64_t lds = u < past ? h : ldb;
