@@ -1259,6 +1259,16 @@ def _mlas_vnni_cpu() -> bool:
     return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= set(flags)
 
 
+def _ms_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """``graph`` as a model of opset 21 with com.microsoft's ops, IR version 10 (what
+    onnxruntime's MatMulNBits and SkipSimplifiedLayerNormalization sessions load)."""
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 10
+    return model
+
+
 def _nbits_session(k, n, b, scales, zp):
     inputs = ["a", "b", "scales"] + (["zp"] if zp is not None else [])
     node = helper.make_node(
@@ -1282,11 +1292,7 @@ def _nbits_session(k, n, b, scales, zp):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
         inits,
     )
-    proto = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    )
-    proto.ir_version = 10
-    return proto
+    return _ms_model(graph)
 
 
 def _avx2_fma_cpu() -> bool:
@@ -2130,10 +2136,7 @@ def _gate_up_model(rng, k, n, *, also_read: bool = False, fp32: bool = False) ->
         nodes, "gate", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k])],
         outputs, inits,
     )  # fmt: skip
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    proto = helper.make_model(graph, opset_imports=opsets)
-    proto.ir_version = 10
-    return proto
+    return _ms_model(graph)
 
 
 @needs_kernels
@@ -2197,10 +2200,7 @@ def _skip_norm_model(
         helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k]),
         helper.make_tensor_value_info("skip", TensorProto.FLOAT, ["m", n]),
     ], outputs, inits)  # fmt: skip
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    proto = helper.make_model(graph, opset_imports=opsets)
-    proto.ir_version = 10
-    return proto
+    return _ms_model(graph)
 
 
 @needs_kernels
@@ -2422,11 +2422,7 @@ def _tied_nbits_model(k, n, b, scales, zp, *, other_reader=False):
         outputs,
         inits,
     )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    )
-    model.ir_version = 10
-    return model
+    return _ms_model(graph)
 
 
 @needs_kernels

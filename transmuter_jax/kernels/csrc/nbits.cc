@@ -842,78 +842,47 @@ static ffi::Error SkipNormLive(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> b,
 
 }  // namespace tj
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsLive, tj::NbitsLive,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("int8")
-                                  .Attr<bool>("portable")
-                                  .Attr<bool>("packed"));
+// x, then the weights: packed values, scales, zero points (or none).
+#define TJ_NBITS_ARGS                        \
+  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    \
+      .Arg<xla::ffi::Buffer<xla::ffi::U8>>() \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>() \
+      .Arg<xla::ffi::AnyBuffer>()
+// The up product's weights after the gate's (TJ_NBITS_ARGS).
+#define TJ_UP_ARGS                           \
+  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()     \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>() \
+      .Arg<xla::ffi::AnyBuffer>()
+#define TJ_NBITS_ATTRS             \
+  .Attr<int64_t>("block_size")     \
+      .Attr<bool>("int8")          \
+      .Attr<bool>("portable")      \
+      .Attr<bool>("packed")
+#define TJ_LIVE_ARG .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+#define TJ_F32_RET .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+// skip and gamma; y and the sum out.
+#define TJ_SKIP_NORM_ARGS \
+  .Arg<xla::ffi::Buffer<xla::ffi::F32>>().Arg<xla::ffi::Buffer<xla::ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBits, tj::NbitsFull,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("int8")
-                                  .Attr<bool>("portable")
-                                  .Attr<bool>("packed"));
+                              xla::ffi::Ffi::Bind() TJ_NBITS_ARGS TJ_F32_RET TJ_NBITS_ATTRS);
 
-#define TJ_GATE_UP_ARGS                                  \
-  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()                \
-      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()             \
-      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()            \
-      .Arg<xla::ffi::AnyBuffer>()                        \
-      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()             \
-      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()            \
-      .Arg<xla::ffi::AnyBuffer>()
-#define TJ_GATE_UP_ATTRS                   \
-  .Attr<int64_t>("block_size")             \
-      .Attr<bool>("int8")                  \
-      .Attr<bool>("portable")              \
-      .Attr<bool>("packed")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsLive, tj::NbitsLive,
+                              xla::ffi::Ffi::Bind() TJ_NBITS_ARGS TJ_LIVE_ARG TJ_F32_RET
+                                  TJ_NBITS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsGateUp, tj::GateUpFull,
-                              xla::ffi::Ffi::Bind() TJ_GATE_UP_ARGS
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>() TJ_GATE_UP_ATTRS);
+                              xla::ffi::Ffi::Bind() TJ_NBITS_ARGS TJ_UP_ARGS TJ_F32_RET
+                                  TJ_NBITS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsGateUpLive, tj::GateUpLive,
-                              xla::ffi::Ffi::Bind() TJ_GATE_UP_ARGS
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>() TJ_GATE_UP_ATTRS);
-
-#define TJ_SKIP_NORM_ATTRS                 \
-  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  \
-      .Ret<xla::ffi::Buffer<xla::ffi::F32>>() \
-      .Attr<int64_t>("block_size")         \
-      .Attr<bool>("int8")                  \
-      .Attr<bool>("portable")              \
-      .Attr<bool>("packed")                \
-      .Attr<float>("epsilon")
+                              xla::ffi::Ffi::Bind() TJ_NBITS_ARGS TJ_UP_ARGS TJ_LIVE_ARG
+                                  TJ_F32_RET TJ_NBITS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsSkipNorm, tj::SkipNormFull,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>() TJ_SKIP_NORM_ATTRS);
+                              xla::ffi::Ffi::Bind() TJ_NBITS_ARGS TJ_SKIP_NORM_ARGS TJ_F32_RET
+                                  TJ_F32_RET TJ_NBITS_ATTRS.Attr<float>("epsilon"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TjMatMulNBitsSkipNormLive, tj::SkipNormLive,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>() TJ_SKIP_NORM_ATTRS);
+                              xla::ffi::Ffi::Bind() TJ_NBITS_ARGS TJ_SKIP_NORM_ARGS TJ_LIVE_ARG
+                                  TJ_F32_RET TJ_F32_RET TJ_NBITS_ATTRS.Attr<float>("epsilon"));
