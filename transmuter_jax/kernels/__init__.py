@@ -405,8 +405,12 @@ def attention(
         return None
     if old_k.shape[:2] != (b, nk) or old_k.shape[3] != h or old_v.shape != old_k.shape:
         return None
-    static = {"scale": float(scale), "causal": bool(causal), "window": int(window)}
-    static["tokens_first"] = bool(tokens_first)
+    static = {
+        "scale": float(scale),
+        "causal": bool(causal),
+        "window": int(window),
+        "tokens_first": bool(tokens_first),
+    }
     fn = _wrapped(_attention_kernel, _attention_reference, folds=False, **static)
     ints = [jnp.asarray(a, jnp.int32).reshape(b) for a in (total, past)]
     return fn(q, k, v, ints[0], old_k, old_v, ints[1])

@@ -252,12 +252,12 @@ class Model:
         packed: list[packed_store.Item] = []
         # On CPU with the kernels, matrix-product weights are packed once, in place of the original
         # (not for weights kept on the host to be split over a mesh: packed strips do not split).
-        packings = {}
+        packings, nbits = {}, {}
         if kernels.enabled() and not host:
             least = product_rows.least(proto)
             wide = frozenset(n for n, r in least.items() if r > kernels.MATMUL_MAX_ROWS)
             packings = prepack.plan(graph, wide=wide)
-        nbits = prepack.plan_nbits(graph) if kernels.enabled() and not host else {}
+            nbits = prepack.plan_nbits(graph)
         packings = {**packings, **nbits}
         for tensor in graph.initializer:
             array = in_place.pop(tensor.name, None)
